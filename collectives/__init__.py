@@ -1,0 +1,1 @@
+"""Collective algorithms, written against the interfaces in ``transport.base`` only."""

@@ -1,0 +1,61 @@
+"""All-reduce over a step channel.
+
+Small messages (<= small_bytes): one step. Every rank stages its whole input in its slot,
+then reduces all N slots itself (in rank order, so results are identical everywhere).
+One synchronisation, no second pass: the lowest latency.
+
+Large messages: reduce-scatter then all-gather, pipelined chunk by chunk (a chunk is one
+slot). Step 1 of a chunk: every rank stages the chunk; rank r reduces slice r of it from
+all N slots straight into its next slot. Step 2: every rank copies every slice out of its
+owner's slot. In shared memory each rank reads every peer's slot directly, so both phases
+take one step each instead of a ring's N-1: the data volume per rank is the ring's
+(each byte is reduced once, by its owner), with 2 synchronisations per chunk instead of
+2(N-1). Double-buffered slots let a rank stage chunk i+1 while peers still read chunk i.
+"""
+
+from __future__ import annotations
+
+from .context import Context, partition
+from .reduce_ops import reduce_into, stage
+
+ALIGN_BYTES = 64
+
+
+def all_reduce(ctx: Context, out, inp, spec) -> None:
+    """Reduce the flat contiguous tensor ``inp`` across ranks into ``out`` (may alias)."""
+    n = inp.numel()
+    es = inp.element_size()
+    cap = ctx.channel.slot_bytes // es
+    if n * es <= ctx.small_bytes or ctx.size == 1:
+        _one_step(ctx, out, inp, spec, cap)
+    else:
+        _two_step(ctx, out, inp, spec, cap)
+    ctx.finish()
+
+
+def _one_step(ctx, out, inp, spec, cap) -> None:
+    dtype = inp.dtype
+    for o in range(0, inp.numel(), cap):
+        m = min(cap, inp.numel() - o)
+        stage(ctx.my_slot().view(dtype)[:m], inp[o:o + m], spec)
+        ctx.step()
+        views = [ctx.peer_slot(k).view(dtype)[:m] for k in range(ctx.size)]
+        reduce_into(out[o:o + m], views, spec, ctx.size, ctx.scratch)
+
+
+def _two_step(ctx, out, inp, spec, cap) -> None:
+    dtype = inp.dtype
+    align = max(1, ALIGN_BYTES // inp.element_size())
+    r = ctx.rank
+    for o in range(0, inp.numel(), cap):
+        m = min(cap, inp.numel() - o)
+        slices = partition(m, ctx.size, align)
+        stage(ctx.my_slot().view(dtype)[:m], inp[o:o + m], spec)
+        ctx.step()
+        s, length = slices[r]
+        views = [ctx.peer_slot(k).view(dtype)[s:s + length] for k in range(ctx.size)]
+        reduce_into(ctx.my_slot().view(dtype)[s:s + length], views, spec, ctx.size, ctx.scratch)
+        ctx.step()
+        for k, (s, length) in enumerate(slices):
+            if length:
+                out[o + s:o + s + length].copy_(ctx.peer_slot(k).view(dtype)[s:s + length])

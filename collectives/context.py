@@ -1,0 +1,80 @@
+"""What an algorithm needs for one collective call: the channel, a deadline, scratch space.
+
+``Context.step()`` performs one channel step; the first step of a call also posts the call
+descriptor and checks that every rank called the same thing (see descriptor.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .descriptor import Call, check_all_match
+from .reduce_ops import Scratch
+
+
+class Context:
+    """Per-call state handed to the algorithm functions.
+
+    Parameters
+    ----------
+    channel : transport.base.StepChannel
+    call : Call
+        This rank's view of the call, checked against every peer's on the first step.
+    seq : int
+        The call's sequence number in its group (1, 2, ...).
+    deadline : float
+        ``time.monotonic()`` value after which waits raise PeerTimeout.
+    scratch : Scratch
+    small_bytes : int
+        Messages up to this size take single-step algorithms.
+    """
+
+    __slots__ = ("channel", "call", "seq", "deadline", "scratch", "small_bytes", "_checked",
+                 "rank", "size")
+
+    def __init__(self, channel, call: Call, seq: int, deadline: float, scratch: Scratch,
+                 small_bytes: int):
+        self.channel = channel
+        self.call = call
+        self.seq = seq
+        self.deadline = deadline
+        self.scratch = scratch
+        self.small_bytes = small_bytes
+        self.rank = channel.rank
+        self.size = channel.size
+        self._checked = False
+
+    def step(self) -> None:
+        if self._checked:
+            self.channel.step(self.deadline)
+            return
+        self.channel.step(self.deadline, self.call.words(self.seq))
+        self._checked = True
+        check_all_match(self.channel, self.call, self.seq)
+
+    def finish(self) -> None:
+        """Guarantee the call made at least one (checked) step."""
+        if not self._checked:
+            self.step()
+
+    def my_slot(self):
+        return self.channel.my_slot()
+
+    def peer_slot(self, rank: int):
+        return self.channel.peer_slot(rank)
+
+
+def steps_for(nbytes: int, per_step: int) -> int:
+    """Number of steps to move ``nbytes`` at ``per_step`` bytes a step (at least one)."""
+    return max(1, math.ceil(nbytes / per_step)) if per_step > 0 else 1
+
+
+def partition(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous (start, length) pieces, starts aligned."""
+    base = -(-n // parts)
+    base = -(-base // align) * align if align > 1 else base
+    out = []
+    for i in range(parts):
+        start = min(n, i * base)
+        out.append((start, min(n, start + base) - start))
+    return out

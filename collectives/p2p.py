@@ -1,0 +1,249 @@
+"""Point-to-point messaging with tags over per-pair byte mailboxes (MPI-style matching).
+
+Wire format in a mailbox (every frame a multiple of 32 bytes so headers never wrap):
+
+    [MAGIC, tag, nbytes, 0]  (4 int64 words)   payload (nbytes)   padding to 32
+
+Sending streams a message into the destination's inbound mailbox as space frees up, in
+pieces of at most a quarter of the mailbox so that the receiver copies out one piece while
+the sender writes the next. Receiving matches each arriving header against posted receives
+in the order they were posted (a receive names a source, or None for any source, and a
+tag). A message nobody has asked for yet is drained into a private buffer (the "unexpected
+queue") so that a sender is never stuck behind a receiver that posts late; a later receive
+takes the oldest matching unexpected message. Messages from one source are matched in the
+order sent (MPI's non-overtaking rule). This module moves no threads: ``P2P.progress`` does
+whatever is possible now and returns, and a driver calls it (neuron_dist/p2p_engine.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+MAGIC = 0x5032504E  # "NP2P"
+HEADER_BYTES = 32
+FRAME_ALIGN = 32
+
+
+class P2PError(RuntimeError):
+    """A send or receive that cannot complete as asked (size mismatch, corrupt frame)."""
+
+
+class Request:
+    """One posted send or receive; ``done``/``error`` are set by ``P2P.progress``."""
+
+    __slots__ = ("peer", "tag", "data", "moved", "done", "error", "source", "deadline",
+                 "is_send", "header_sent", "callback")
+
+    def __init__(self, peer, tag: int, data, is_send: bool, deadline: float):
+        self.peer = peer  # group rank, or None for a receive from any source
+        self.tag = tag
+        self.data = data  # flat uint8 tensor
+        self.is_send = is_send
+        self.deadline = deadline
+        self.moved = 0
+        self.done = False
+        self.error = None
+        self.source = -1
+        self.header_sent = False
+        self.callback = None
+
+    def describe(self) -> str:
+        if self.is_send:
+            return f"send to rank {self.peer} (tag {self.tag}, {self.data.numel()} bytes)"
+        who = "any rank" if self.peer is None else f"rank {self.peer}"
+        return f"recv from {who} (tag {self.tag}, {self.data.numel()} bytes)"
+
+    def _finish(self, error=None) -> None:
+        self.error = error
+        self.done = True
+        if self.callback is not None:
+            self.callback(self)
+
+
+class _Incoming:
+    __slots__ = ("tag", "nbytes", "got", "dst", "req")
+
+    def __init__(self, tag, nbytes, dst, req):
+        self.tag = tag
+        self.nbytes = nbytes
+        self.got = 0
+        self.dst = dst  # where bytes go; None drops them
+        self.req = req  # the matched receive, or None for an unexpected message
+
+
+class P2P:
+    """Matching engine of one rank in one group.
+
+    Parameters
+    ----------
+    rank, size : int
+    outbox : callable
+        ``outbox(dst)`` -> Mailbox from this rank to ``dst``.
+    inbox : callable
+        ``inbox(src)`` -> Mailbox from ``src`` to this rank.
+    """
+
+    def __init__(self, rank: int, size: int, outbox, inbox):
+        self.rank = rank
+        self.size = size
+        self._out = {k: outbox(k) for k in range(size) if k != rank}
+        self._in = {k: inbox(k) for k in range(size) if k != rank}
+        self._sends = {k: deque() for k in self._out}
+        self._recvs: list[Request] = []
+        self._incoming: dict[int, _Incoming | None] = {k: None for k in self._in}
+        self._unexpected: deque = deque()  # (src, tag, buffer), in arrival order
+        self._piece = {k: max(FRAME_ALIGN, m.capacity // 4) for k, m in self._out.items()}
+
+    # ------------------------------------------------------------------ posting
+    def post_send(self, req: Request) -> None:
+        self._sends[req.peer].append(req)
+
+    def post_recv(self, req: Request) -> None:
+        for i, (src, tag, buf) in enumerate(self._unexpected):
+            if tag == req.tag and req.peer in (None, src):
+                del self._unexpected[i]
+                self._deliver(req, src, buf)
+                return
+        self._recvs.append(req)
+
+    def pending(self) -> bool:
+        return bool(self._recvs) or any(self._sends.values()) or any(
+            inc is not None and inc.req is not None for inc in self._incoming.values())
+
+    def pending_requests(self) -> list[Request]:
+        reqs = [r for q in self._sends.values() for r in q] + list(self._recvs)
+        reqs += [inc.req for inc in self._incoming.values() if inc is not None and inc.req]
+        return reqs
+
+    def fail(self, req: Request, error: BaseException) -> None:
+        """Withdraw a pending request (e.g. on timeout) and complete it with ``error``."""
+        if req.is_send:
+            q = self._sends.get(req.peer)
+            if q and req in q:
+                if req.header_sent and q[0] is req:
+                    # Part of it is on the wire: the receiver's stream is now unusable, so
+                    # this only happens when the group is being torn down anyway.
+                    pass
+                q.remove(req)
+        elif req in self._recvs:
+            self._recvs.remove(req)
+        else:
+            for inc in self._incoming.values():
+                if inc is not None and inc.req is req:
+                    inc.req = None
+                    inc.dst = None
+        req._finish(error)
+
+    # ----------------------------------------------------------------- progress
+    def progress(self) -> bool:
+        """Move whatever can move now; returns True if anything did."""
+        moved = False
+        for q in self._sends.values():
+            while q:
+                req = q[0]
+                before = (req.moved, req.header_sent)
+                finished = self._push(req)
+                moved |= finished or (req.moved, req.header_sent) != before
+                if not finished:
+                    break
+                q.popleft()
+        for src in self._in:
+            moved |= self._pull(src)
+        return moved
+
+    def _push(self, req: Request) -> bool:
+        """Advance one send; True when it has fully left."""
+        box = self._out[req.peer]
+        n = req.data.numel()
+        if not req.header_sent:
+            if box.free() < HEADER_BYTES:
+                return False
+            box.write_words((MAGIC, req.tag, n, 0))
+            req.header_sent = True
+        while req.moved < n:
+            m = min(box.free(), n - req.moved, self._piece[req.peer])
+            if m <= 0:
+                return False
+            box.write(req.data[req.moved:], m)
+            req.moved += m
+        pad = (-n) % FRAME_ALIGN
+        if pad:
+            if box.free() < pad:
+                return False
+            box.pad(pad)
+        req._finish()
+        return True
+
+    def _pull(self, src: int) -> bool:
+        box = self._in[src]
+        inc = self._incoming[src]
+        moved = False
+        if inc is None:
+            if box.available() < HEADER_BYTES:
+                return False
+            magic, tag, nbytes, _ = box.peek_words(4)
+            if magic != MAGIC or nbytes < 0:
+                raise P2PError(f"corrupt frame from rank {src} (magic {magic:#x}, size {nbytes})")
+            box.skip(HEADER_BYTES)
+            inc = self._incoming[src] = self._match(src, tag, nbytes)
+            moved = True
+        want = inc.nbytes - inc.got
+        if want:
+            m = min(box.available(), want)
+            if m <= 0:
+                return moved
+            if inc.dst is None:
+                box.skip(m)
+            else:
+                box.read_into(inc.dst[inc.got:], m)
+            inc.got += m
+            moved = True
+            if inc.got < inc.nbytes:
+                return moved
+        pad = (-inc.nbytes) % FRAME_ALIGN
+        if pad:
+            if box.available() < pad:
+                return moved
+            box.skip(pad)
+        self._incoming[src] = None
+        if inc.req is not None:
+            self._deliver(inc.req, src, None)
+        elif inc.dst is not None:
+            self._unexpected.append((src, inc.tag, inc.dst))
+            self._rematch()
+        return True
+
+    def _match(self, src: int, tag: int, nbytes: int) -> _Incoming:
+        for i, req in enumerate(self._recvs):
+            if req.tag == tag and req.peer in (None, src):
+                del self._recvs[i]
+                if req.data.numel() != nbytes:
+                    req._finish(P2PError(
+                        f"{req.describe()}: rank {src} sent {nbytes} bytes with tag {tag}; "
+                        "sizes of matching send and recv must be equal"))
+                    return _Incoming(tag, nbytes, None, None)
+                req.source = src
+                return _Incoming(tag, nbytes, req.data, req)
+        return _Incoming(tag, nbytes, torch.empty(nbytes, dtype=torch.uint8), None)
+
+    def _deliver(self, req: Request, src: int, buf) -> None:
+        if buf is not None:
+            if buf.numel() != req.data.numel():
+                req._finish(P2PError(
+                    f"{req.describe()}: rank {src} sent {buf.numel()} bytes with tag {req.tag}; "
+                    "sizes of matching send and recv must be equal"))
+                return
+            req.data.copy_(buf)
+        req.source = src
+        req._finish()
+
+    def _rematch(self) -> None:
+        src, tag, buf = self._unexpected[-1]
+        for i, req in enumerate(self._recvs):
+            if req.tag == tag and req.peer in (None, src):
+                del self._recvs[i]
+                self._unexpected.pop()
+                self._deliver(req, src, buf)
+                return

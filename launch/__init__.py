@@ -1,0 +1,1 @@
+"""Runnable recipes for neuron-dist: the training "main job" and its reference."""

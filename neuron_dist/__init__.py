@@ -1,0 +1,18 @@
+"""neuron-dist: a torch.distributed backend named ``neuron`` for CPU tensors.
+
+After ``pip install``, ``torch.distributed.init_process_group("neuron")`` works without
+importing this package (torch autoloads it through the ``torch.backends`` entry point);
+``import neuron_dist`` registers it too, e.g. with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
+"""
+
+from .backend import register
+from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
+                     PeerTimeoutError)
+from .process_group import ProcessGroupNeuron
+from .stats import comm_stats
+
+__version__ = "0.1.0"
+__all__ = ["ProcessGroupNeuron", "register", "comm_stats", "NeuronDistError",
+           "CollectiveMismatchError", "PeerTimeoutError", "PeerDiedError", "GroupAbortedError"]
+
+register()

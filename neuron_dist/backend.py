@@ -1,0 +1,37 @@
+"""Registration of the ``neuron`` backend with torch.distributed."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch.distributed as dist
+
+from .config import Settings
+from .process_group import ProcessGroupNeuron
+
+BACKEND_NAME = "neuron"
+
+
+def _create(dist_opts, pg_options=None) -> ProcessGroupNeuron:
+    """Creator torch calls with ``_DistributedBackendOptions`` for every new group."""
+    return ProcessGroupNeuron(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                              dist_opts.timeout, Settings.from_env())
+
+
+def register() -> None:
+    """Register ``neuron`` with torch.distributed (idempotent)."""
+    if BACKEND_NAME in dist.Backend.backend_list or hasattr(dist.Backend, BACKEND_NAME.upper()):
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    _configure_logging()
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("NEURON_DIST_DEBUG", "WARN").upper()
+    logger = logging.getLogger("neuron_dist")
+    logger.setLevel({"TRACE": logging.DEBUG, "INFO": logging.INFO}.get(level, logging.WARNING))
+    if level in ("INFO", "TRACE") and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)

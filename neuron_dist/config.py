@@ -1,0 +1,64 @@
+"""Every NEURON_DIST_* setting, parsed in one place. The README's settings table mirrors this."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'4M' -> 4194304; plain integers are bytes."""
+    t = text.strip().lower().rstrip("ib").rstrip("b")
+    if t and t[-1] in _UNITS:
+        return int(float(t[:-1]) * _UNITS[t[-1]])
+    return int(t)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Backend settings; see ``from_env`` for the variables and their defaults."""
+
+    slot_bytes: int
+    mailbox_bytes: int
+    small_bytes: int
+    spin: int | None
+    shm_dir: str
+    node_name: str | None
+    debug: str
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        """Read the environment.
+
+        NEURON_DIST_SHM_SLOT_BYTES     1M    bytes per rank per collective step (x2 buffers)
+        NEURON_DIST_SHM_MAILBOX_BYTES  256K  send/recv ring per ordered rank pair
+        NEURON_DIST_SMALL_BYTES        64K   all_reduce up to this size uses one step
+        NEURON_DIST_SPIN               auto  polls before a wait yields (0 when oversubscribed)
+        NEURON_DIST_SHM_DIR            /dev/shm
+        NEURON_DIST_NODE_NAME          hostname+boot id: ranks with equal names share memory
+        NEURON_DIST_DEBUG              WARN  WARN, INFO or TRACE
+        """
+        spin = _env("NEURON_DIST_SPIN", "auto")
+        settings = cls(
+            slot_bytes=parse_bytes(_env("NEURON_DIST_SHM_SLOT_BYTES", "1M")),
+            mailbox_bytes=parse_bytes(_env("NEURON_DIST_SHM_MAILBOX_BYTES", "256K")),
+            small_bytes=parse_bytes(_env("NEURON_DIST_SMALL_BYTES", "64K")),
+            spin=None if spin == "auto" else int(spin),
+            shm_dir=_env("NEURON_DIST_SHM_DIR", "/dev/shm"),
+            node_name=os.environ.get("NEURON_DIST_NODE_NAME") or None,
+            debug=_env("NEURON_DIST_DEBUG", "WARN").upper(),
+        )
+        for name in ("slot_bytes", "mailbox_bytes"):
+            value = getattr(settings, name)
+            if value < 4096 or value % 4096:
+                raise ValueError(f"NEURON_DIST_SHM_{name.split('_')[0].upper()}_BYTES must be a "
+                                 f"multiple of 4096 and at least 4096, got {value}")
+        if settings.debug not in ("WARN", "INFO", "TRACE"):
+            raise ValueError(f"NEURON_DIST_DEBUG must be WARN, INFO or TRACE, got {settings.debug!r}")
+        return settings

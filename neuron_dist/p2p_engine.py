@@ -1,0 +1,134 @@
+"""Drives send/recv: the matching engine of collectives/p2p.py, a lock, and a helper thread.
+
+Progress is made by whoever needs it: the caller's ``Work.wait`` (no thread hand-off on the
+critical path), and a background thread while requests are pending and nobody waits (so an
+``isend`` proceeds while the caller computes). Both call ``P2P.progress`` under one lock.
+Sends and receives of a group never queue behind its collectives, so the usual exchange
+patterns (isend + irecv both ways, pipelining schedules) cannot deadlock.
+Expired requests fail with PeerTimeoutError; requests on a dead peer with PeerDiedError.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .collectives.p2p import P2P, Request  # noqa: F401  (Request re-exported for callers)
+from .errors import GroupAbortedError
+
+LIVENESS_PERIOD = 0.2
+
+
+class P2PEngine:
+    """Send/receive driver of one group.
+
+    Parameters
+    ----------
+    p2p : P2P
+    channel : ShmChannel
+        For peer liveness and abort checks.
+    label : str
+    translate : callable
+        ``translate(exc, what) -> exception`` for errors raised while progressing.
+    """
+
+    def __init__(self, p2p: P2P, channel, label: str, translate):
+        self._p2p = p2p
+        self._channel = channel
+        self._label = label
+        self._translate = translate
+        self._lock = threading.RLock()  # completions may post new requests
+        self._wake = threading.Condition(self._lock)
+        self._waiters = 0
+        self._thread = None
+        self._stopped = False
+        self._next_liveness = 0.0
+
+    def post(self, req: Request) -> None:
+        with self._lock:
+            if self._stopped:
+                raise GroupAbortedError(f"{req.describe()} in group {self._label}: "
+                                        "the group was destroyed")
+            if req.is_send:
+                self._p2p.post_send(req)
+            else:
+                self._p2p.post_recv(req)
+            self._progress_locked()
+            if not req.done:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._loop, name=f"neuron-p2p[{self._label}]", daemon=True)
+                    self._thread.start()
+                self._wake.notify()
+
+    def drive(self, req: Request, deadline: float) -> None:
+        """Make progress from the calling thread until ``req`` is done or ``deadline``."""
+        backoff = self._channel.backoff()
+        with self._lock:
+            self._waiters += 1
+        try:
+            while True:
+                with self._lock:
+                    moved = self._progress_locked()
+                if req.done:
+                    return
+                if time.monotonic() > deadline:
+                    from .errors import PeerTimeoutError
+                    raise PeerTimeoutError(f"{req.describe()} in group {self._label}: "
+                                           "Work.wait timed out")
+                if moved:
+                    backoff = self._channel.backoff()
+                else:
+                    backoff.pause()
+        finally:
+            with self._lock:
+                self._waiters -= 1
+
+    def _loop(self) -> None:
+        backoff = self._channel.backoff()
+        while True:
+            with self._lock:
+                while not self._stopped and (self._waiters or not self._p2p.pending()):
+                    self._wake.wait(0.005 if self._waiters else None)
+                if self._stopped:
+                    return
+                moved = self._progress_locked()
+            if moved:
+                backoff = self._channel.backoff()
+            else:
+                backoff.pause()
+
+    def _progress_locked(self) -> bool:
+        try:
+            moved = self._p2p.progress()
+        except Exception as exc:  # a corrupt stream: fail everything pending
+            self._fail_all(self._translate(exc, f"send/recv in group {self._label}"))
+            return False
+        now = time.monotonic()
+        if not moved and now >= self._next_liveness:
+            self._next_liveness = now + LIVENESS_PERIOD
+            self._check_expired(now)
+        return moved
+
+    def _check_expired(self, now: float) -> None:
+        for req in self._p2p.pending_requests():
+            peers = list(range(self._channel.size)) if req.peer is None else [req.peer]
+            peers = [k for k in peers if k != self._channel.rank]
+            try:
+                self._channel.check_peers(peers, req.deadline)
+            except Exception as exc:  # noqa: BLE001
+                self._p2p.fail(req, self._translate(exc, f"{req.describe()} in group {self._label}"))
+
+    def _fail_all(self, error) -> None:
+        for req in self._p2p.pending_requests():
+            self._p2p.fail(req, error)
+
+    def stop(self, error=None) -> None:
+        with self._lock:
+            self._stopped = True
+            self._fail_all(error or GroupAbortedError(
+                f"send/recv in group {self._label}: the group was destroyed"))
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)

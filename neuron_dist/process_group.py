@@ -1,0 +1,590 @@
+"""``ProcessGroupNeuron``: the c10d face of the backend.
+
+Each method validates its arguments (bad input raises here, before anything is sent),
+flattens tensors to contiguous 1-D views (non-contiguous ones go through a copy that is
+written back), describes the call for the cross-rank check, and hands a closure running
+the algorithm from ``collectives`` to the group's engine (engine.py). Send/recv go to the
+group's P2P engine instead, so they never queue behind collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .collectives import alltoall, allgather, allreduce, barrier, broadcast, reduce_scatter, rooted
+from .collectives.descriptor import Call, CollectiveMismatch, digest
+from .collectives.p2p import P2P, P2PError, Request
+from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
+from .transport.errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
+from . import checks, stats
+from .config import Settings
+from .engine import CollectiveEngine
+from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
+                     PeerTimeoutError)
+from .p2p_engine import P2PEngine
+from .rendezvous import open_group_channel
+from .work import NeuronWork
+
+log = logging.getLogger("neuron_dist")
+_UNSET = timedelta(milliseconds=-1)
+
+
+class _Flat:
+    """A flat contiguous alias of ``t``; a non-contiguous ``t`` gets a copy written back."""
+
+    __slots__ = ("t", "flat", "copied")
+
+    def __init__(self, t: torch.Tensor, read: bool = True):
+        self.t = t
+        d = t.detach()
+        self.copied = not d.is_contiguous()
+        if not self.copied:
+            self.flat = d.reshape(-1)
+        elif read:
+            self.flat = d.contiguous().reshape(-1)
+        else:
+            self.flat = torch.empty(d.numel(), dtype=d.dtype)
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        return self.flat.view(torch.uint8)
+
+    def finish(self) -> None:
+        if self.copied:
+            self.t.detach().copy_(self.flat.view(self.t.shape))
+
+
+def reduce_spec(op) -> ReduceSpec:
+    """torch ReduceOp (enum or object, PREMUL_SUM with its factor) -> ReduceSpec."""
+    kind = getattr(op, "op", op)
+    name = str(kind).rsplit(".", 1)[-1]
+    if name == "PREMUL_SUM":
+        factor = op.factor
+        if isinstance(factor, torch.Tensor):
+            factor = factor.detach().cpu()
+        return ReduceSpec(name, factor)
+    if name not in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+        raise ValueError(f"unsupported reduce op {op}")
+    return ReduceSpec(name)
+
+
+class ProcessGroupNeuron(dist.ProcessGroup):
+    """The ``neuron`` process group: collectives over a shared-memory collective core.
+
+    Created by torch through ``init_process_group("neuron")`` / ``new_group``; not meant
+    to be constructed directly.
+
+    Parameters
+    ----------
+    store : torch.distributed.Store
+        The group's (prefixed) store, used once to set up shared memory.
+    rank, size : int
+        This process's rank in the group and the group size.
+    timeout : datetime.timedelta
+        Default deadline of every operation of the group.
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta,
+                 settings: Settings | None = None):
+        super().__init__(rank, size)
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self._group_name = ""
+        self._group_desc = ""
+        self.settings = settings or Settings.from_env()
+        self._channel = open_group_channel(store, rank, size, self.settings, timeout)
+        self._scratch = Scratch()
+        self._engine = CollectiveEngine(self._label(), self._on_error)
+        self._p2p = None
+        self._closed = False
+        log.info("neuron: group rank %d/%d ready: shm %.1f MiB (slot %d KiB x2, mailbox %d KiB "
+                 "per peer), one-step all_reduce <= %d KiB", rank, size,
+                 self._channel.layout.total_bytes / 2**20, self.settings.slot_bytes >> 10,
+                 self.settings.mailbox_bytes >> 10, self.settings.small_bytes >> 10)
+
+    # ---------------------------------------------------------------- identity
+    def getBackendName(self) -> str:
+        return "neuron"
+
+    def name(self) -> str:
+        return "neuron"
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+        self._engine.label = self._label()
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+        self._engine.label = self._label()
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _label(self) -> str:
+        desc = f" ({self._group_desc})" if self._group_desc else ""
+        return f"'{self._group_name or '?'}'{desc} rank {self._rank}/{self._size}"
+
+    def __repr__(self):
+        return f"ProcessGroupNeuron({self._label()})"
+
+    # ------------------------------------------------------------- machinery
+    def _deadline_seconds(self, opts) -> float:
+        t = getattr(opts, "timeout", _UNSET)
+        if t is None or t == _UNSET or t.total_seconds() <= 0:
+            t = self._timeout
+        return t.total_seconds()
+
+    def _submit(self, name: str, call: Call, algo, outputs, opts, nbytes: int, flats=()):
+        seconds = self._deadline_seconds(opts)
+        work = NeuronWork(outputs, name)
+        channel, scratch, small = self._channel, self._scratch, self.settings.small_bytes
+
+        def run(seq: int) -> None:
+            from .collectives.context import Context
+            ctx = Context(channel, call, seq, time.monotonic() + seconds, scratch, small)
+            algo(ctx)
+            for f in flats:
+                f.finish()
+
+        stats.add_call(nbytes)
+        started = time.monotonic()
+        self._engine.submit(run, work, bool(getattr(opts, "asyncOp", False)), name)
+        if work.is_completed():
+            stats.add_blocked(time.monotonic() - started)
+        return work
+
+    def _on_error(self, exc: BaseException, what: str):
+        """Translate a failure into the user-facing error; say whether it is fatal."""
+        if isinstance(exc, CollectiveMismatch):
+            return CollectiveMismatchError(f"{what}: {exc}"), False
+        if isinstance(exc, PeerTimeout):
+            detail = self._describe_laggards(exc.ranks)
+            error = PeerTimeoutError(
+                f"{what} timed out after {self._timeout_text()}: {detail}")
+        elif isinstance(exc, PeerDied):
+            error = PeerDiedError(f"{what}: rank {exc.rank} (pid {exc.pid}) died")
+        elif isinstance(exc, PeerAborted):
+            error = GroupAbortedError(f"{what}: {exc}")
+        elif isinstance(exc, ChannelClosed):
+            return GroupAbortedError(f"{what}: {exc}"), True
+        elif isinstance(exc, (ValueError, TypeError, P2PError)):
+            return exc, False
+        elif isinstance(exc, NeuronDistError):
+            return exc, True
+        else:
+            error = NeuronDistError(f"{what} failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+        self._channel.abort(str(error))
+        return error, True
+
+    def _timeout_text(self) -> str:
+        return f"{self._timeout.total_seconds():g} s"
+
+    def _describe_laggards(self, ranks) -> str:
+        parts = []
+        for k in ranks:
+            seq, call = Call.from_words(self._channel.peer_descriptor(k, self._engine.seq - 1, 7))
+            last = (f"its last collective was #{seq} {call.describe()}" if seq > 0
+                    else "it has not entered any collective of this group")
+            parts.append(f"rank {k} never arrived ({last})")
+        return "; ".join(parts) or "peers did not arrive"
+
+    # ------------------------------------------------------------- all-reduce
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        t = checks.single(tensors, "allreduce tensor")
+        spec = reduce_spec(opts.reduceOp)
+        check_supported(spec, t.dtype)
+        f = _Flat(t)
+        call = Call("all_reduce", t.dtype, t.numel(), reduce=spec.kind)
+        return self._submit("all_reduce", call,
+                            lambda ctx: allreduce.all_reduce(ctx, f.flat, f.flat, spec),
+                            [t], opts, t.numel() * t.element_size(), [f])
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        spec = reduce_spec(opts.reduceOp)
+        for i, t in enumerate(tensors):
+            checks.tensor(t, f"allreduce_coalesced tensor {i}")
+            check_supported(spec, t.dtype)
+        groups: dict = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+        calls = [Call("all_reduce", dt, sum(t.numel() for t in ts), reduce=spec.kind,
+                      extra=digest([t.numel() for t in ts])) for dt, ts in groups.items()]
+
+        def algo(ctx):
+            # One all-reduce per dtype over the concatenation of that dtype's tensors.
+            for (dt, ts), call in zip(groups.items(), calls):
+                ctx.call = call
+                ctx._checked = False
+                flat = torch.cat([t.detach().reshape(-1) for t in ts])
+                allreduce.all_reduce(ctx, flat, flat, spec)
+                o = 0
+                for t in ts:
+                    t.detach().copy_(flat[o:o + t.numel()].view(t.shape))
+                    o += t.numel()
+
+        first = calls[0] if calls else Call("all_reduce", None, 0, reduce=spec.kind)
+        return self._submit("allreduce_coalesced", first, algo, list(tensors), opts,
+                            sum(t.numel() * t.element_size() for t in tensors))
+
+    # ------------------------------------------------------------- all-gather
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        inp = checks.single(input_tensors, "allgather input")
+        if len(output_tensors) != 1:
+            raise ValueError("allgather: expected one output list per input tensor")
+        outs = output_tensors[0]
+        checks.length(outs, self._size, "allgather output list")
+        for k, o in enumerate(outs):
+            checks.tensor(o, f"allgather output {k}")
+            checks.same_dtype(o, inp, f"allgather output {k}")
+        checks.numel(inp, outs[self._rank].numel(), "allgather input (vs output[rank])")
+        fi = _Flat(inp)
+        fo = [_Flat(o, read=False) for o in outs]
+        sizes = [o.numel() for o in outs]
+        call = Call("all_gather", inp.dtype, sum(sizes), extra=digest(sizes))
+        return self._submit(
+            "all_gather", call,
+            lambda ctx: allgather.all_gather(ctx, [f.bytes for f in fo], fi.bytes),
+            [list(outs)], opts, inp.numel() * inp.element_size(), fo)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        works = [self.allgather([outs], [inp], opts) for outs, inp in
+                 zip(output_lists, input_list, strict=True)]
+        return _combined_work(works, output_lists)
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        checks.tensor(output, "all_gather output")
+        checks.tensor(input, "all_gather input")
+        checks.same_dtype(output, input, "all_gather_into_tensor")
+        checks.numel(output, input.numel() * self._size,
+                     f"all_gather_into_tensor output (input numel x world size {self._size})")
+        fi, fo = _Flat(input), _Flat(output, read=False)
+        n = input.numel() * input.element_size()
+
+        def algo(ctx):
+            ob = fo.bytes
+            allgather.all_gather(ctx, [ob[k * n:(k + 1) * n] for k in range(self._size)], fi.bytes)
+
+        call = Call("all_gather", input.dtype, output.numel())
+        return self._submit("all_gather_into_tensor", call, algo, [output], opts, n, [fo])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        works = [self.all_gather_single(o, i, opts)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return _combined_work(works, list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # --------------------------------------------------------- reduce-scatter
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        out = checks.single(output_tensors, "reduce_scatter output")
+        if len(input_tensors) != 1:
+            raise ValueError("reduce_scatter: expected one input list per output tensor")
+        ins = input_tensors[0]
+        checks.length(ins, self._size, "reduce_scatter input list")
+        for k, t in enumerate(ins):
+            checks.tensor(t, f"reduce_scatter input {k}")
+            checks.same_dtype(t, out, f"reduce_scatter input {k}")
+        checks.numel(out, ins[self._rank].numel(), "reduce_scatter output (vs input[rank])")
+        spec = reduce_spec(opts.reduceOp)
+        check_supported(spec, out.dtype)
+        fo = _Flat(out, read=False)
+        fis = [_Flat(t) for t in ins]
+        sizes = [t.numel() for t in ins]
+        call = Call("reduce_scatter", out.dtype, sum(sizes), reduce=spec.kind, extra=digest(sizes))
+        return self._submit(
+            "reduce_scatter", call,
+            lambda ctx: reduce_scatter.reduce_scatter(ctx, fo.flat, [f.flat for f in fis], spec),
+            [out], opts, sum(sizes) * out.element_size(), [fo])
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        checks.tensor(output, "reduce_scatter output")
+        checks.tensor(input, "reduce_scatter input")
+        checks.same_dtype(output, input, "reduce_scatter_tensor")
+        checks.numel(input, output.numel() * self._size,
+                     f"reduce_scatter_tensor input (output numel x world size {self._size})")
+        spec = reduce_spec(opts.reduceOp)
+        check_supported(spec, output.dtype)
+        fo, fi = _Flat(output, read=False), _Flat(input)
+        n = output.numel()
+
+        def algo(ctx):
+            ins = [fi.flat[k * n:(k + 1) * n] for k in range(self._size)]
+            reduce_scatter.reduce_scatter(ctx, fo.flat, ins, spec)
+
+        call = Call("reduce_scatter", output.dtype, input.numel(), reduce=spec.kind)
+        return self._submit("reduce_scatter_tensor", call, algo, [output], opts,
+                            input.numel() * input.element_size(), [fo])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        works = [self.reduce_scatter_single(o, i, opts)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return _combined_work(works, list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ------------------------------------------------------------ broadcast &c
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        t = checks.single(tensors, "broadcast tensor")
+        root = checks.rank(opts.rootRank, self._size, "broadcast root")
+        f = _Flat(t)
+        call = Call("broadcast", t.dtype, t.numel(), root=root)
+        return self._submit("broadcast", call,
+                            lambda ctx: broadcast.broadcast(ctx, f.bytes, root),
+                            [t], opts, t.numel() * t.element_size(), [f])
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        t = checks.single(tensors, "reduce tensor")
+        root = checks.rank(opts.rootRank, self._size, "reduce root")
+        spec = reduce_spec(opts.reduceOp)
+        check_supported(spec, t.dtype)
+        f = _Flat(t)
+        call = Call("reduce", t.dtype, t.numel(), root=root, reduce=spec.kind)
+        return self._submit("reduce", call,
+                            lambda ctx: rooted.reduce(ctx, f.flat, f.flat, spec, root),
+                            [t], opts, t.numel() * t.element_size(),
+                            [f] if self._rank == root else [])
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        inp = checks.single(input_tensors, "gather input")
+        root = checks.rank(opts.rootRank, self._size, "gather root")
+        fo = []
+        if self._rank == root:
+            if len(output_tensors) != 1:
+                raise ValueError("gather: the root needs exactly one output list")
+            outs = output_tensors[0]
+            checks.length(outs, self._size, "gather output list")
+            for k, o in enumerate(outs):
+                checks.tensor(o, f"gather output {k}")
+                checks.same_dtype(o, inp, f"gather output {k}")
+                checks.numel(o, inp.numel(), f"gather output {k}")
+            fo = [_Flat(o, read=False) for o in outs]
+        elif output_tensors and any(len(x) for x in output_tensors):
+            raise ValueError(f"gather: only the root (rank {root}) may pass output tensors")
+        fi = _Flat(inp)
+        call = Call("gather", inp.dtype, inp.numel(), root=root)
+        return self._submit("gather", call,
+                            lambda ctx: rooted.gather(ctx, [f.bytes for f in fo], fi.bytes, root),
+                            output_tensors, opts, inp.numel() * inp.element_size(), fo)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        out = checks.single(output_tensors, "scatter output")
+        root = checks.rank(opts.rootRank, self._size, "scatter root")
+        fis = []
+        if self._rank == root:
+            if len(input_tensors) != 1:
+                raise ValueError("scatter: the root needs exactly one input list")
+            ins = input_tensors[0]
+            checks.length(ins, self._size, "scatter input list")
+            for k, t in enumerate(ins):
+                checks.tensor(t, f"scatter input {k}")
+                checks.same_dtype(t, out, f"scatter input {k}")
+                checks.numel(t, out.numel(), f"scatter input {k}")
+            fis = [_Flat(t) for t in ins]
+        elif input_tensors and any(len(x) for x in input_tensors):
+            raise ValueError(f"scatter: only the root (rank {root}) may pass input tensors")
+        fo = _Flat(out, read=False)
+        call = Call("scatter", out.dtype, out.numel(), root=root)
+        return self._submit("scatter", call,
+                            lambda ctx: rooted.scatter(ctx, fo.bytes, [f.bytes for f in fis], root),
+                            [out], opts, out.numel() * out.element_size(), [fo])
+
+    # -------------------------------------------------------------- all-to-all
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        checks.length(output_tensors, self._size, "alltoall output list")
+        checks.length(input_tensors, self._size, "alltoall input list")
+        dtype = None
+        for k, t in enumerate(list(output_tensors) + list(input_tensors)):
+            checks.tensor(t, "alltoall tensor")
+            if dtype is None:
+                dtype = t.dtype
+            elif t.dtype != dtype:
+                raise ValueError(f"alltoall: all tensors must have one dtype ({dtype} vs {t.dtype})")
+        fo = [_Flat(t, read=False) for t in output_tensors]
+        fi = [_Flat(t) for t in input_tensors]
+        es = input_tensors[0].element_size()
+        call = Call("all_to_all", dtype, 0)
+        return self._submit(
+            "all_to_all", call,
+            lambda ctx: alltoall.all_to_all(ctx, [f.bytes for f in fo], [f.bytes for f in fi], es),
+            list(output_tensors), opts, sum(t.numel() * es for t in input_tensors), fo)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        checks.tensor(output, "all_to_all_single output")
+        checks.tensor(input, "all_to_all_single input")
+        checks.same_dtype(output, input, "all_to_all_single")
+        out_splits = self._splits(output, output_split_sizes, "output")
+        in_splits = self._splits(input, input_split_sizes, "input")
+        fo, fi = _Flat(output, read=False), _Flat(input)
+        es = input.element_size()
+
+        def algo(ctx):
+            alltoall.all_to_all(ctx, _cut(fo.bytes, out_splits, es), _cut(fi.bytes, in_splits, es), es)
+
+        call = Call("all_to_all", input.dtype, 0)
+        return self._submit("all_to_all_single", call, algo, [output], opts,
+                            input.numel() * es, [fo])
+
+    alltoall_base = all_to_all_single
+
+    def _splits(self, t, splits, what) -> list[int]:
+        rows = t.shape[0] if t.dim() else 1
+        per_row = t.numel() // rows if rows else 0
+        if not splits:
+            if rows % self._size:
+                raise ValueError(f"all_to_all_single: {what} dim 0 ({rows}) is not divisible by "
+                                 f"the group size {self._size} and no split sizes were given")
+            return [rows // self._size * per_row] * self._size
+        checks.length(splits, self._size, f"all_to_all_single {what}_split_sizes")
+        if any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(f"all_to_all_single: {what}_split_sizes {list(splits)} do not sum to "
+                             f"the {what}'s dim 0 ({rows})")
+        return [s * per_row for s in splits]
+
+    # ------------------------------------------------------------------ barrier
+    def barrier(self, opts=None):
+        opts = opts or dist.BarrierOptions()
+        return self._submit("barrier", Call("barrier"), barrier.barrier, [], opts, 0)
+
+    # --------------------------------------------------------------- send/recv
+    def _p2p_engine(self) -> P2PEngine:
+        if self._p2p is None:
+            ch = self._channel
+            p2p = P2P(self._rank, self._size, lambda k: ch.mailbox(self._rank, k),
+                      lambda k: ch.mailbox(k, self._rank))
+            self._p2p = P2PEngine(p2p, ch, self._label(),
+                                  lambda exc, what: self._on_error(exc, what)[0])
+        return self._p2p
+
+    def _post(self, t, peer, tag: int, is_send: bool, name: str):
+        if self._closed:
+            raise GroupAbortedError(f"{name}: the group was destroyed")
+        f = _Flat(t, read=is_send)
+        req = Request(peer, int(tag), f.bytes, is_send,
+                      time.monotonic() + self._timeout.total_seconds())
+        work = NeuronWork([t], f"{req.describe()} in group {self._label()}")
+        engine = self._p2p_engine()
+
+        def done(r):
+            if r.error is None and not is_send:
+                f.finish()
+            work._complete(r.error, r.source)
+
+        req.callback = done
+        work.driver = lambda deadline: engine.drive(req, deadline)
+        stats.add_call(f.bytes.numel())
+        engine.post(req)
+        return work
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        t = checks.single(tensors, "send tensor")
+        checks.rank(dst, self._size, "send destination rank")
+        if dst == self._rank:
+            raise ValueError(f"send: rank {dst} cannot send to itself")
+        return self._post(t, dst, tag, True, "send")
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        t = checks.single(tensors, "recv tensor")
+        checks.rank(src, self._size, "recv source rank")
+        if src == self._rank:
+            raise ValueError(f"recv: rank {src} cannot receive from itself")
+        return self._post(t, src, tag, False, "recv")
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        t = checks.single(tensors, "recv tensor")
+        if self._size == 1:
+            raise ValueError("recv from any source in a group of size 1 can never complete")
+        return self._post(t, None, tag, False, "recv")
+
+    # ---------------------------------------------------------------- shutdown
+    def abort(self) -> None:
+        """Fail every pending operation now and release resources."""
+        self._shutdown(GroupAbortedError(f"group {self._label()} was aborted"), abort_peers=True)
+
+    def shutdown(self) -> None:
+        """Release resources (destroy_process_group)."""
+        self._shutdown(None, abort_peers=False)
+
+    def _shutdown(self, error, abort_peers: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if abort_peers:
+            self._channel.abort(str(error))
+        self._channel.interrupt()
+        self._engine.stop(error)
+        if self._p2p is not None:
+            self._p2p.stop(error)
+        self._channel.close()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+def _cut(flat_bytes, counts, es):
+    """Split flat bytes into consecutive pieces of ``counts[k]`` elements."""
+    out, o = [], 0
+    for c in counts:
+        out.append(flat_bytes[o:o + c * es])
+        o += c * es
+    return out
+
+
+def _combined_work(works, outputs):
+    """One Work for the parts of a coalesced call: done with the last, failed if any failed.
+
+    A group runs its collectives in issue order, so when the last part completes all
+    earlier parts have completed too.
+    """
+    combined = NeuronWork(outputs, works[-1].what if works else "empty coalesced call")
+    if not works:
+        combined._complete()
+        return combined
+    combined.engine = works[-1].engine
+
+    def finish():
+        errors = [w.exception() for w in works if w.exception() is not None]
+        combined._complete(errors[0] if errors else None)
+
+    works[-1].add_done_hook(finish)
+    return combined

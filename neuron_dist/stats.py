@@ -1,0 +1,33 @@
+"""Process-wide communication counters, read with ``neuron_dist.comm_stats()``."""
+
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+_stats = {"calls": 0, "bytes": 0, "blocked_seconds": 0.0}
+
+
+def add_call(nbytes: int) -> None:
+    with _lock:
+        _stats["calls"] += 1
+        _stats["bytes"] += nbytes
+
+
+def add_blocked(seconds: float) -> None:
+    with _lock:
+        _stats["blocked_seconds"] += seconds
+
+
+def comm_stats() -> dict:
+    """Cumulative counters of this process.
+
+    Returns
+    -------
+    dict
+        ``calls`` collectives and p2p operations issued, ``bytes`` of their inputs, and
+        ``blocked_seconds``: time callers spent blocked on communication (inline execution
+        plus ``Work.wait``). Take differences between two reads to measure an interval.
+    """
+    with _lock:
+        return dict(_stats)

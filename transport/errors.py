@@ -1,0 +1,44 @@
+"""Typed failures a transport reports. The c10d layer turns them into DistBackendErrors."""
+
+
+class TransportError(RuntimeError):
+    """Base class of every transport failure."""
+
+
+class PeerTimeout(TransportError):
+    """Peers did not reach a step in time.
+
+    Attributes
+    ----------
+    ranks : list[int]
+        Group ranks that had not arrived when the deadline passed.
+    waited : float
+        Seconds spent waiting.
+    """
+
+    def __init__(self, ranks, waited, detail=""):
+        self.ranks = list(ranks)
+        self.waited = waited
+        super().__init__(detail or f"rank(s) {self.ranks} did not arrive within {waited:.1f} s")
+
+
+class PeerDied(TransportError):
+    """A peer process is gone (killed or exited) while we waited for it."""
+
+    def __init__(self, rank, pid, detail=""):
+        self.rank = rank
+        self.pid = pid
+        super().__init__(detail or f"rank {rank} (pid {pid}) is no longer running")
+
+
+class PeerAborted(TransportError):
+    """A peer marked the group as failed and said why."""
+
+    def __init__(self, rank, reason):
+        self.rank = rank
+        self.reason = reason
+        super().__init__(f"rank {rank} aborted the group: {reason}")
+
+
+class ChannelClosed(TransportError):
+    """The local endpoint was closed (destroy_process_group or abort) while in use."""

@@ -1,0 +1,1 @@
+"""Intra-node transport: the collective core's shared-memory segment, step channel and mailboxes."""

@@ -1,0 +1,198 @@
+"""The collective core's step channel over one shared-memory segment per group.
+
+Protocol (see transport/base.py for the interface):
+
+* Each rank has a monotonically increasing ``step`` counter. Step ``e`` is: write my slot
+  ``e % 2`` (and, on a collective's first step, my descriptor ``seq % 2``), store
+  ``step = e``, then poll until every peer's counter is >= e. Afterwards peers' slots
+  ``e % 2`` are read directly, with no further copy.
+* Reuse is safe without extra flags: I write slot parity ``p`` again only at step e + 2,
+  and I only get there after waiting for every peer to publish e + 1, which each peer does
+  only after it has finished reading everybody's step-e slots. The same argument covers
+  the two descriptor buffers, because every collective has at least one step.
+* Failures end a wait early and by name: a peer's abort flag (with its message), a peer pid
+  that no longer runs, the local endpoint being closed, or the deadline. Waiting follows
+  ``backoff.Backoff`` (spin, yield, sleep).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from ..errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
+from . import layout as L
+from .backoff import Backoff
+from .mailbox import ShmMailbox
+from .segment import Segment, _pid_alive
+
+LIVENESS_PERIOD = 0.2  # seconds between checks that waited-for peers still run
+
+
+class ShmChannel:
+    """Step channel and mailboxes of one group, over a mapped ``Segment``.
+
+    Parameters
+    ----------
+    segment : Segment
+        The group's mapped segment (created by group rank 0, attached by the others).
+    layout : Layout
+        Offsets inside it.
+    rank : int
+        This process's rank in the group.
+    spin : int
+        Polls before a wait starts yielding the CPU.
+    """
+
+    def __init__(self, segment: Segment, layout: L.Layout, rank: int, spin: int,
+                 yield_seconds: float = 2e-3, max_sleep: float = 1e-3):
+        self.segment = segment
+        self.layout = layout
+        self.rank = rank
+        self.size = layout.size
+        self.slot_bytes = layout.slot_bytes
+        self._spin = spin
+        self._yield_seconds = yield_seconds
+        self._max_sleep = max_sleep
+        self._closed = False
+        self._epoch = 0
+        self._w = memoryview(segment.map).cast("q")
+        self._bytes = torch.frombuffer(segment.map, dtype=torch.uint8)
+        n = self.size
+        self._step_word = [layout.region(k) // 8 for k in range(n)]
+        self._abort_word = [(layout.region(k) + L.ABORT_OFF) // 8 for k in range(n)]
+        self._pid_word = [(layout.region(k) + L.PID_OFF) // 8 for k in range(n)]
+        self._desc_word = [(layout.region(k) + L.DESC_OFF) // 8 for k in range(n)]
+        self._slots = [[self._view(layout.slot(k, p), layout.slot_bytes) for p in (0, 1)]
+                       for k in range(n)]
+        self._others = [k for k in range(n) if k != rank]
+        self._pids = {}
+        self._w[self._pid_word[rank]] = os.getpid()
+        if rank == 0:
+            self._w[0] = L.MAGIC
+
+    def _view(self, off: int, nbytes: int):
+        return self._bytes[off:off + nbytes]
+
+    # ----------------------------------------------------------------- steps
+    def my_slot(self):
+        return self._slots[self.rank][(self._epoch + 1) & 1]
+
+    def peer_slot(self, rank: int):
+        return self._slots[rank][self._epoch & 1]
+
+    def step(self, deadline: float, descriptor=None) -> None:
+        e = self._epoch + 1
+        w = self._w
+        if descriptor is not None:
+            base = self._desc_word[self.rank] + (descriptor[0] & 1) * L.DESC_WORDS
+            for i, v in enumerate(descriptor):
+                w[base + i] = v
+        w[self._step_word[self.rank]] = e
+        self._wait_step(e, deadline)
+        self._epoch = e
+
+    def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
+        base = self._desc_word[rank] + (seq & 1) * L.DESC_WORDS
+        return tuple(self._w[base + i] for i in range(nwords))
+
+    def peer_step(self, rank: int) -> int:
+        return self._w[self._step_word[rank]]
+
+    def _wait_step(self, e: int, deadline: float) -> None:
+        w = self._w
+        sw = self._step_word
+        pending = [k for k in self._others if w[sw[k]] < e]
+        if not pending:
+            return
+        backoff = Backoff(self._spin, self._yield_seconds, self._max_sleep)
+        polls = 0
+        next_liveness = 0.0
+        while True:
+            pending = [k for k in pending if w[sw[k]] < e]
+            if not pending:
+                return
+            backoff.pause()
+            polls += 1
+            if polls & 63 == 0:
+                next_liveness = self.check_peers(pending, deadline, next_liveness)
+
+    def check_peers(self, pending, deadline: float, next_liveness: float = 0.0) -> float:
+        """Raise if the wait for ``pending`` peers cannot succeed; returns next liveness time."""
+        if self._closed:
+            raise ChannelClosed("the process group was destroyed or aborted while waiting")
+        for k in self._others:
+            if self._w[self._abort_word[k]]:
+                raise PeerAborted(k, self.abort_reason(k))
+        now = time.monotonic()
+        if now >= next_liveness:
+            for k in pending:
+                pid = self._peer_pid(k)
+                if pid and not _pid_alive(pid):
+                    raise PeerDied(k, pid)
+            next_liveness = now + LIVENESS_PERIOD
+        if now > deadline:
+            raise PeerTimeout(pending, 0.0)
+        return next_liveness
+
+    def _peer_pid(self, k: int) -> int:
+        pid = self._pids.get(k)
+        if not pid:
+            pid = self._w[self._pid_word[k]]
+            if pid:
+                self._pids[k] = pid
+        return pid
+
+    # ---------------------------------------------------------------- failure
+    def abort(self, reason: str) -> None:
+        """Mark this rank's side of the group failed; peers' waits raise PeerAborted."""
+        if self._closed:
+            return
+        msg = reason.encode("utf-8", "replace")[: L.ABORT_MSG_BYTES - 1] + b"\0"
+        off = self.layout.region(self.rank) + L.ABORT_MSG_OFF
+        self._bytes[off:off + len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+        self._w[self._abort_word[self.rank]] = 1
+
+    def aborted_by(self) -> int | None:
+        for k in range(self.size):
+            if self._w[self._abort_word[k]]:
+                return k
+        return None
+
+    def abort_reason(self, rank: int) -> str:
+        off = self.layout.region(rank) + L.ABORT_MSG_OFF
+        raw = bytes(self.segment.map[off:off + L.ABORT_MSG_BYTES])
+        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+    # -------------------------------------------------------------- mailboxes
+    def mailbox(self, src: int, dst: int) -> ShmMailbox:
+        head, tail = self.layout.mailbox_counters(src, dst)
+        off = self.layout.mailbox_data(src, dst)
+        return ShmMailbox(self._w, head, tail, self._view(off, self.layout.mailbox_bytes), off)
+
+    def backoff(self) -> Backoff:
+        return Backoff(self._spin, self._yield_seconds, self._max_sleep)
+
+    # ---------------------------------------------------------------- closing
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def interrupt(self) -> None:
+        """Make every wait on this channel raise ChannelClosed soon (from any thread)."""
+        self._closed = True
+
+    def close(self) -> None:
+        """Unmap. Call after the threads that wait on this channel have stopped."""
+        if self._bytes is None:
+            return
+        self._closed = True
+        self._slots = None
+        self._bytes = None
+        try:
+            self._w.release()
+        except BufferError:
+            pass
+        self.segment.close()

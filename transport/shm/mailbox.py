@@ -1,0 +1,66 @@
+"""A single-producer single-consumer byte ring in shared memory (one per ordered rank pair).
+
+``head`` counts bytes ever written (only the producer stores it), ``tail`` bytes ever
+consumed (only the consumer stores it); ``head - tail`` bytes are readable and
+``capacity - (head - tail)`` writable. Data is copied before the counter moves, so a reader
+that sees a counter also sees the bytes it covers. Framing (headers, tags) is the caller's:
+see collectives/p2p.py.
+"""
+
+from __future__ import annotations
+
+
+class ShmMailbox:
+    __slots__ = ("_w", "_head", "_tail", "_data", "_data_word", "capacity")
+
+    def __init__(self, words, head_off: int, tail_off: int, data, data_off: int):
+        self._w = words
+        self._head = head_off // 8
+        self._tail = tail_off // 8
+        self._data = data  # uint8 tensor view of the ring bytes
+        self._data_word = data_off // 8
+        self.capacity = data.numel()
+
+    def free(self) -> int:
+        return self.capacity - (self._w[self._head] - self._w[self._tail])
+
+    def available(self) -> int:
+        return self._w[self._head] - self._w[self._tail]
+
+    def write(self, src, nbytes: int) -> None:
+        head = self._w[self._head]
+        pos = head % self.capacity
+        first = min(nbytes, self.capacity - pos)
+        self._data[pos:pos + first].copy_(src[:first])
+        if nbytes > first:
+            self._data[:nbytes - first].copy_(src[first:nbytes])
+        self._w[self._head] = head + nbytes
+
+    def read_into(self, dst, nbytes: int) -> None:
+        tail = self._w[self._tail]
+        pos = tail % self.capacity
+        first = min(nbytes, self.capacity - pos)
+        dst[:first].copy_(self._data[pos:pos + first])
+        if nbytes > first:
+            dst[first:nbytes].copy_(self._data[:nbytes - first])
+        self._w[self._tail] = tail + nbytes
+
+    def pad(self, nbytes: int) -> None:
+        """Producer side: advance past ``nbytes`` without writing them (frame padding)."""
+        self._w[self._head] = self._w[self._head] + nbytes
+
+    def skip(self, nbytes: int) -> None:
+        """Consume ``nbytes`` without copying them anywhere."""
+        self._w[self._tail] = self._w[self._tail] + nbytes
+
+    def write_words(self, values) -> None:
+        """Append 8-byte words; the caller keeps frames aligned so they never wrap."""
+        head = self._w[self._head]
+        base = self._data_word + (head % self.capacity) // 8
+        for i, v in enumerate(values):
+            self._w[base + i] = v
+        self._w[self._head] = head + 8 * len(values)
+
+    def peek_words(self, count: int) -> tuple[int, ...]:
+        base = self._data_word + (self._w[self._tail] % self.capacity) // 8
+        return tuple(self._w[base + i] for i in range(count))

@@ -20,7 +20,8 @@ from .collectives import alltoall, allgather, allreduce, barrier, broadcast, red
 from .collectives.descriptor import Call, CollectiveMismatch, digest
 from .collectives.p2p import P2P, P2PError, Request
 from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
-from .transport.errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
+from .transport.errors import (ABORTED, ABORTED_PEER_DIED, ABORTED_TIMEOUT, ChannelClosed, PeerAborted,
+                               PeerDied, PeerTimeout)
 from . import checks, stats
 from .config import Settings
 from .engine import CollectiveEngine
@@ -175,14 +176,19 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         """Translate a failure into the user-facing error; say whether it is fatal."""
         if isinstance(exc, CollectiveMismatch):
             return CollectiveMismatchError(f"{what}: {exc}"), False
+        kind = ABORTED
         if isinstance(exc, PeerTimeout):
             detail = self._describe_laggards(exc.ranks)
             error = PeerTimeoutError(
                 f"{what} timed out after {self._timeout_text()}: {detail}")
+            kind = ABORTED_TIMEOUT
         elif isinstance(exc, PeerDied):
             error = PeerDiedError(f"{what}: rank {exc.rank} (pid {exc.pid}) died")
+            kind = ABORTED_PEER_DIED
         elif isinstance(exc, PeerAborted):
-            error = GroupAbortedError(f"{what}: {exc}")
+            cls = {ABORTED_TIMEOUT: PeerTimeoutError,
+                   ABORTED_PEER_DIED: PeerDiedError}.get(exc.kind, GroupAbortedError)
+            return cls(f"{what}: {exc}"), True
         elif isinstance(exc, ChannelClosed):
             return GroupAbortedError(f"{what}: {exc}"), True
         elif isinstance(exc, (ValueError, TypeError, P2PError)):
@@ -192,7 +198,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         else:
             error = NeuronDistError(f"{what} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-        self._channel.abort(str(error))
+        self._channel.abort(str(error), kind)
         return error, True
 
     def _timeout_text(self) -> str:

@@ -10,6 +10,7 @@ fi
 # torch is pinned here (not in pyproject) because an unpinned resolve pulls a multi-GB CUDA
 # build; the package itself declares the lowest torch it is tested with.
 "$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
-"$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$repo[${NEURON_DIST_EXTRAS:-test}]"
+extras="${NEURON_DIST_EXTRAS-test}"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$repo${extras:+[$extras]}"
 export PATH="$venv/bin:$PATH"
 echo "neuron-dist installed in $venv" >&2

@@ -31,12 +31,16 @@ class PeerDied(TransportError):
         super().__init__(detail or f"rank {rank} (pid {pid}) is no longer running")
 
 
-class PeerAborted(TransportError):
-    """A peer marked the group as failed and said why."""
+ABORTED, ABORTED_TIMEOUT, ABORTED_PEER_DIED = 1, 2, 3
 
-    def __init__(self, rank, reason):
+
+class PeerAborted(TransportError):
+    """A peer marked the group as failed and said why (``kind``: one of ABORTED_*)."""
+
+    def __init__(self, rank, reason, kind=ABORTED):
         self.rank = rank
         self.reason = reason
+        self.kind = kind
         super().__init__(f"rank {rank} aborted the group: {reason}")
 
 

@@ -105,8 +105,18 @@ class ShmChannel:
         w = self._w
         sw = self._step_word
         pending = [k for k in self._others if w[sw[k]] < e]
-        if not pending:
-            return
+        if pending:
+            self._poll(pending, e, deadline)
+        # A peer that gave up (timeout, error) may have published this step before it did:
+        # its counter alone does not prove it is still with us.
+        aw = self._abort_word
+        for k in self._others:
+            if w[aw[k]]:
+                raise PeerAborted(k, self.abort_reason(k), w[aw[k]])
+
+    def _poll(self, pending, e: int, deadline: float) -> None:
+        w = self._w
+        sw = self._step_word
         backoff = Backoff(self._spin, self._yield_seconds, self._max_sleep)
         polls = 0
         next_liveness = 0.0
@@ -124,8 +134,9 @@ class ShmChannel:
         if self._closed:
             raise ChannelClosed("the process group was destroyed or aborted while waiting")
         for k in self._others:
-            if self._w[self._abort_word[k]]:
-                raise PeerAborted(k, self.abort_reason(k))
+            kind = self._w[self._abort_word[k]]
+            if kind:
+                raise PeerAborted(k, self.abort_reason(k), kind)
         now = time.monotonic()
         if now >= next_liveness:
             for k in pending:
@@ -146,14 +157,18 @@ class ShmChannel:
         return pid
 
     # ---------------------------------------------------------------- failure
-    def abort(self, reason: str) -> None:
-        """Mark this rank's side of the group failed; peers' waits raise PeerAborted."""
+    def abort(self, reason: str, kind: int = 1) -> None:
+        """Mark this rank's side of the group failed; peers' waits raise PeerAborted.
+
+        ``kind`` (a small positive int, see ``errors.ABORT_KINDS``) tells peers the class of
+        the original failure, so every rank can raise the same exception type.
+        """
         if self._closed:
             return
         msg = reason.encode("utf-8", "replace")[: L.ABORT_MSG_BYTES - 1] + b"\0"
         off = self.layout.region(self.rank) + L.ABORT_MSG_OFF
         self._bytes[off:off + len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
-        self._w[self._abort_word[self.rank]] = 1
+        self._w[self._abort_word[self.rank]] = kind
 
     def aborted_by(self) -> int | None:
         for k in range(self.size):

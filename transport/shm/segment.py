@@ -102,13 +102,19 @@ class Segment:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs. A zombie (killed, not yet reaped by its parent) counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
 
 
 def sweep_leftovers() -> list[str]:

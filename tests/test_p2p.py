@@ -1,0 +1,154 @@
+"""send / recv / isend / irecv with tags, recv from any source, batch_isend_irecv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+SMALL_MAILBOX = {"NEURON_DIST_SHM_MAILBOX_BYTES": "8K"}
+
+
+def ring_exchange(rank, world):
+    """Everyone isends a large tensor to the right and irecvs from the left at once."""
+    n = 300_001  # far larger than the 8 KiB mailbox: streamed in many pieces
+    right, left = (rank + 1) % world, (rank - 1) % world
+    out = torch.arange(n, dtype=torch.float64) + rank
+    got = torch.empty(n, dtype=torch.float64)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, right),
+                                   dist.P2POp(dist.irecv, got, left)])
+    for r in reqs:
+        r.wait()
+    return torch.equal(got, torch.arange(n, dtype=torch.float64) + left)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_ring_exchange_large(world):
+    assert all(run_ranks(ring_exchange, world, env=SMALL_MAILBOX).values())
+
+
+def tags_out_of_order(rank, world):
+    """Rank 0 sends tags 1, 2, 3; rank 1 receives them as 3, 1, 2 (unexpected queue)."""
+    if rank == 0:
+        for tag in (1, 2, 3):
+            dist.send(torch.full((1000 * tag,), float(tag)), 1, tag=tag)
+        return True
+    bufs = {tag: torch.empty(1000 * tag) for tag in (3, 1, 2)}
+    for tag, buf in bufs.items():
+        dist.recv(buf, 0, tag=tag)
+    return all(torch.equal(b, torch.full_like(b, float(t))) for t, b in bufs.items())
+
+
+def test_tags_matched_out_of_order():
+    assert all(run_ranks(tags_out_of_order, 2, env=SMALL_MAILBOX).values())
+
+
+def same_tag_in_order(rank, world):
+    if rank == 0:
+        works = [dist.isend(torch.full((50,), float(i)), 1, tag=7) for i in range(20)]
+        for w in works:
+            w.wait()
+        return True
+    out = []
+    for _ in range(20):
+        t = torch.empty(50)
+        dist.recv(t, 0, tag=7)
+        out.append(t[0].item())
+    return out == [float(i) for i in range(20)]
+
+
+def test_same_tag_non_overtaking():
+    assert all(run_ranks(same_tag_in_order, 2, env=SMALL_MAILBOX).values())
+
+
+def any_source(rank, world):
+    if rank == 0:
+        senders = set()
+        for _ in range(world - 1):
+            t = torch.empty(3)
+            src = dist.recv(t)  # src=None: any source
+            assert torch.equal(t, torch.full((3,), float(src))), (src, t)
+            senders.add(src)
+        return sorted(senders) == list(range(1, world))
+    dist.send(torch.full((3,), float(rank)), 0)
+    return True
+
+
+def test_recv_any_source_reports_sender():
+    assert all(run_ranks(any_source, 4).values())
+
+
+def irecv_before_send(rank, world):
+    if rank == 1:
+        t = torch.empty(10, dtype=torch.int32)
+        w = dist.irecv(t, 0, tag=3)
+        dist.barrier()
+        w.wait()
+        return t.tolist() == list(range(10)) and w.is_completed()
+    dist.barrier()
+    dist.send(torch.arange(10, dtype=torch.int32), 1, tag=3)
+    return True
+
+
+def test_irecv_posted_before_send():
+    assert all(run_ranks(irecv_before_send, 2).values())
+
+
+def dtypes_and_shapes(rank, world):
+    ok = True
+    for dtype in (torch.bool, torch.uint8, torch.int64, torch.bfloat16, torch.float16, torch.complex64):
+        x = (torch.arange(24) % 5).to(dtype).view(2, 3, 4)
+        if rank == 0:
+            dist.send(x.transpose(0, 2), 1)  # non-contiguous send
+            dist.send(torch.empty(0, dtype=dtype), 1)  # zero elements
+        else:
+            y = torch.empty(4, 3, 2, dtype=dtype).transpose(0, 2)  # non-contiguous recv
+            dist.recv(y, 0)
+            # elements travel in logical (row-major) order on both sides
+            ok &= torch.equal(y.reshape(-1), x.transpose(0, 2).reshape(-1))
+            z = torch.empty(0, dtype=dtype)
+            dist.recv(z, 0)
+    return bool(ok)
+
+
+def test_dtypes_noncontiguous_and_empty():
+    assert all(run_ranks(dtypes_and_shapes, 2).values())
+
+
+def size_mismatch(rank, world):
+    if rank == 0:
+        dist.send(torch.ones(8), 1)
+        return "sent"
+    try:
+        dist.recv(torch.empty(5), 0)
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    return "no error"
+
+
+def test_recv_size_mismatch_is_an_error():
+    res = run_ranks(size_mismatch, 2)
+    assert "32 bytes" in res[1] and "20 bytes" in res[1], res[1]
+
+
+def p2p_bad_args(rank, world):
+    errors = []
+    for call in (lambda: dist.send(torch.ones(1), rank),
+                 lambda: dist.send(torch.ones(1), world + 3),
+                 lambda: dist.recv(torch.ones(1), rank)):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, RuntimeError) as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_p2p_bad_arguments_raise_before_sending():
+    res = run_ranks(p2p_bad_args, 2)
+    for errs in res.values():
+        assert all(errs), errs
+        assert "itself" in errs[0] or "same as the rank" in errs[0], errs[0]
+        assert "out of range" in errs[1] or "Invalid" in errs[1] or "not part" in errs[1], errs[1]

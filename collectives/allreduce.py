@@ -37,9 +37,9 @@ def _one_step(ctx, out, inp, spec, cap) -> None:
     dtype = inp.dtype
     for o in range(0, inp.numel(), cap):
         m = min(cap, inp.numel() - o)
-        stage(ctx.my_slot().view(dtype)[:m], inp[o:o + m], spec)
+        stage(ctx.my_slot(dtype)[:m], inp[o:o + m], spec)
         ctx.step()
-        views = [ctx.peer_slot(k).view(dtype)[:m] for k in range(ctx.size)]
+        views = [ctx.peer_slot(k, dtype)[:m] for k in range(ctx.size)]
         reduce_into(out[o:o + m], views, spec, ctx.size, ctx.scratch)
 
 
@@ -50,12 +50,12 @@ def _two_step(ctx, out, inp, spec, cap) -> None:
     for o in range(0, inp.numel(), cap):
         m = min(cap, inp.numel() - o)
         slices = partition(m, ctx.size, align)
-        stage(ctx.my_slot().view(dtype)[:m], inp[o:o + m], spec)
+        stage(ctx.my_slot(dtype)[:m], inp[o:o + m], spec)
         ctx.step()
         s, length = slices[r]
-        views = [ctx.peer_slot(k).view(dtype)[s:s + length] for k in range(ctx.size)]
-        reduce_into(ctx.my_slot().view(dtype)[s:s + length], views, spec, ctx.size, ctx.scratch)
+        views = [ctx.peer_slot(k, dtype)[s:s + length] for k in range(ctx.size)]
+        reduce_into(ctx.my_slot(dtype)[s:s + length], views, spec, ctx.size, ctx.scratch)
         ctx.step()
         for k, (s, length) in enumerate(slices):
             if length:
-                out[o + s:o + s + length].copy_(ctx.peer_slot(k).view(dtype)[s:s + length])
+                out[o + s:o + s + length].copy_(ctx.peer_slot(k, dtype)[s:s + length])

@@ -57,11 +57,11 @@ class Context:
         if not self._checked:
             self.step()
 
-    def my_slot(self):
-        return self.channel.my_slot()
+    def my_slot(self, dtype=None):
+        return self.channel.my_slot(dtype)
 
-    def peer_slot(self, rank: int):
-        return self.channel.peer_slot(rank)
+    def peer_slot(self, rank: int, dtype=None):
+        return self.channel.peer_slot(rank, dtype)
 
 
 def steps_for(nbytes: int, per_step: int) -> int:

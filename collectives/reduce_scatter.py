@@ -25,7 +25,7 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     r = ctx.rank
     for i in range(steps_for(max(sizes), per)):
         o = i * per
-        slot = ctx.my_slot().view(dtype)
+        slot = ctx.my_slot(dtype)
         for k, t in enumerate(inputs):
             m = max(0, min(per, sizes[k] - o))
             if m:
@@ -33,6 +33,6 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
         ctx.step()
         m = max(0, min(per, sizes[r] - o))
         if m:
-            views = [ctx.peer_slot(k).view(dtype)[r * per:r * per + m] for k in range(n)]
+            views = [ctx.peer_slot(k, dtype)[r * per:r * per + m] for k in range(n)]
             reduce_into(out[o:o + m], views, spec, n, ctx.scratch)
     ctx.finish()

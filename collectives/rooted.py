@@ -22,10 +22,10 @@ def reduce(ctx: Context, out, inp, spec, root: int) -> None:
         o = i * cap
         m = max(0, min(cap, n - o))
         if m:
-            stage(ctx.my_slot().view(dtype)[:m], inp[o:o + m], spec)
+            stage(ctx.my_slot(dtype)[:m], inp[o:o + m], spec)
         ctx.step()
         if ctx.rank == root and m:
-            views = [ctx.peer_slot(k).view(dtype)[:m] for k in range(ctx.size)]
+            views = [ctx.peer_slot(k, dtype)[:m] for k in range(ctx.size)]
             reduce_into(out[o:o + m], views, spec, ctx.size, ctx.scratch)
     ctx.finish()
 

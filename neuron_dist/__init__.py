@@ -5,6 +5,10 @@ importing this package (torch autoloads it through the ``torch.backends`` entry 
 ``import neuron_dist`` registers it too, e.g. with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
 """
 
+# torch first: its entry-point autoload then imports .backend completely before we do,
+# instead of finding it half-imported (a circular import, reported as a RuntimeWarning).
+import torch  # noqa: F401
+
 from .backend import register
 from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
                      PeerTimeoutError)

@@ -22,9 +22,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-import torch
-
 from .errors import GroupAbortedError
+from .transport.shm.backoff import set_background_thread
 
 
 class CollectiveEngine:
@@ -78,6 +77,7 @@ class CollectiveEngine:
                     self._cv.notify_all()
 
     def _loop(self) -> None:
+        set_background_thread()
         while True:
             with self._cv:
                 while not self._stopped and (self._busy or not self._queue):
@@ -100,8 +100,7 @@ class CollectiveEngine:
                 f"{work.what}: the group is unusable after an earlier failure: {self.broken}"))
             return
         try:
-            with torch.no_grad():
-                fn(seq)
+            fn(seq)  # algorithms touch only detached tensors: no autograd involved
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
             error, fatal = self._on_error(exc, work.what)
             if fatal and self.broken is None:

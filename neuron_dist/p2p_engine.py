@@ -15,6 +15,7 @@ import time
 
 from .collectives.p2p import P2P, Request  # noqa: F401  (Request re-exported for callers)
 from .errors import GroupAbortedError
+from .transport.shm.backoff import set_background_thread
 
 LIVENESS_PERIOD = 0.2
 
@@ -85,6 +86,7 @@ class P2PEngine:
                 self._waiters -= 1
 
     def _loop(self) -> None:
+        set_background_thread()
         backoff = self._channel.backoff()
         while True:
             with self._lock:

@@ -60,9 +60,15 @@ class _Flat:
             self.t.detach().copy_(self.flat.view(self.t.shape))
 
 
+_SPECS: dict = {}
+
+
 def reduce_spec(op) -> ReduceSpec:
     """torch ReduceOp (enum or object, PREMUL_SUM with its factor) -> ReduceSpec."""
     kind = getattr(op, "op", op)
+    spec = _SPECS.get(kind)
+    if spec is not None:
+        return spec
     name = str(kind).rsplit(".", 1)[-1]
     if name == "PREMUL_SUM":
         factor = op.factor
@@ -71,7 +77,8 @@ def reduce_spec(op) -> ReduceSpec:
         return ReduceSpec(name, factor)
     if name not in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
         raise ValueError(f"unsupported reduce op {op}")
-    return ReduceSpec(name)
+    spec = _SPECS[kind] = ReduceSpec(name)
+    return spec
 
 
 class ProcessGroupNeuron(dist.ProcessGroup):

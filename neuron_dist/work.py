@@ -6,6 +6,10 @@ A Work completes exactly once, with its output tensors or an exception. ``wait``
 and funcol rely on. Who makes progress while a caller waits depends on the operation:
 collectives are executed by their group's engine (or inline), send/recv are driven by the
 caller's own ``wait`` through ``driver`` so no thread hand-off sits on the critical path.
+
+Small synchronous collectives complete before their Work is even returned, so a Work
+allocates nothing it may not need: the future is made on first ``get_future`` and blocking
+waiters share one process-wide condition variable.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch.distributed as dist
 
 from . import stats
 from .errors import PeerTimeoutError
+
+_state = threading.Condition()  # guards completion state; blocking waiters sleep on it
 
 
 class NeuronWork(dist.Work):
@@ -36,44 +42,45 @@ class NeuronWork(dist.Work):
         super().__init__()
         self._outputs = outputs
         self.what = what
-        self._done = threading.Event()
+        self._finished = False
         self._exception = None
-        self._future = torch.futures.Future()
+        self._future = None
         self._source = -1
+        self._hooks = None
+        self._waiters = 0
         self.driver = None  # callable(deadline) that makes progress until done (send/recv)
         self.engine = None  # the CollectiveEngine that runs this work, if queued
-        self._hooks = []
-        self._finished = False
-        self._hooks_lock = threading.Lock()
 
     # ------------------------------------------------------------- completion
     def add_done_hook(self, hook) -> None:
         """Call ``hook()`` once this work is complete (now, if it already is)."""
-        with self._hooks_lock:
+        with _state:
             if not self._finished:
+                if self._hooks is None:
+                    self._hooks = []
                 self._hooks.append(hook)
                 return
         hook()
 
     def _complete(self, exception=None, source: int = -1) -> None:
-        # Order matters: the state is final first (so a future callback that waits on this
-        # work returns at once), then the future runs its callbacks, then waiters wake up
-        # (so they always find the future completed).
-        with self._hooks_lock:
+        # The state is final first (so a future callback that waits on this work returns at
+        # once), then the future runs its callbacks, then hooks and blocked waiters run.
+        with _state:
             if self._finished:
                 return
             self._exception = exception
             self._source = source
             self._finished = True
-            hooks, self._hooks = self._hooks, []
+            future, hooks = self._future, self._hooks
+            self._hooks = None
         try:
-            if exception is None:
-                self._future.set_result(self._outputs)
-            else:
-                self._future.set_exception(exception)
+            if future is not None:
+                _settle(future, self._outputs, exception)
         finally:
-            self._done.set()
-            for hook in hooks:
+            if self._waiters:
+                with _state:
+                    _state.notify_all()
+            for hook in hooks or ():
                 hook()
 
     # ------------------------------------------------------------------ c10d API
@@ -88,13 +95,26 @@ class NeuronWork(dist.Work):
                     self.driver(deadline)
                 elif self.engine is not None and self.engine.is_engine_thread():
                     self.engine.run_until(self)
-                elif not self._done.wait(None if deadline == float("inf") else seconds):
-                    raise PeerTimeoutError(f"{self.what}: Work.wait timed out after {seconds:.3f} s")
+                else:
+                    self._block(deadline, seconds)
             finally:
                 stats.add_blocked(time.monotonic() - started)
         if self._exception is not None:
             raise self._exception
         return True
+
+    def _block(self, deadline: float, seconds: float) -> None:
+        with _state:
+            self._waiters += 1
+            try:
+                while not self._finished:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise PeerTimeoutError(
+                            f"{self.what}: Work.wait timed out after {seconds:.3f} s")
+                    _state.wait(None if left == float("inf") else left)
+            finally:
+                self._waiters -= 1
 
     def is_completed(self) -> bool:
         return self._finished
@@ -110,7 +130,12 @@ class NeuronWork(dist.Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        with _state:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._finished:
+                    _settle(self._future, self._outputs, self._exception)
+            return self._future
 
     def source_rank(self) -> int:
         return self._source
@@ -122,8 +147,14 @@ class NeuronWork(dist.Work):
         """CPU tensors: nothing to synchronise with."""
 
     def __repr__(self):
-        state = "done" if self._finished else "pending"
-        return f"<NeuronWork {self.what} {state}>"
+        return f"<NeuronWork {self.what} {'done' if self._finished else 'pending'}>"
+
+
+def _settle(future, outputs, exception) -> None:
+    if exception is None:
+        future.set_result(outputs)
+    else:
+        future.set_exception(exception)
 
 
 def _seconds(timeout) -> float:

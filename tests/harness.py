@@ -9,6 +9,7 @@ SIGKILLed and the test fails naming the ranks that hung.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -31,8 +32,10 @@ class RankFailure(AssertionError):
         super().__init__("\n".join(lines))
 
 
-def _entry(fn, rank, world, port, queue, args, env, pg_timeout, init):
+def _entry(fn, rank, world, port, queue, args, env, pg_timeout, init, timeout):
     os.environ.update(env)
+    # If this rank hangs, show where before the test kills it.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
     try:
         if init:
             store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
@@ -63,7 +66,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, env: dict | None = N
                           timeout=timedelta(seconds=30), wait_for_workers=False)
     queue = _CTX.SimpleQueue()
     procs = [_CTX.Process(target=_entry, args=(fn, r, world, store.port, queue, args,
-                                               env or {}, pg_timeout, init), daemon=True)
+                                               env or {}, pg_timeout, init, timeout), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

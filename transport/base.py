@@ -23,8 +23,8 @@ class StepChannel(Protocol):
     size: int
     slot_bytes: int
 
-    def my_slot(self):
-        """uint8 tensor this rank fills before the next ``step``."""
+    def my_slot(self, dtype=None):
+        """Tensor (uint8, or viewed as ``dtype``) this rank fills before the next ``step``."""
 
     def step(self, deadline: float, descriptor: Sequence[int] | None = None) -> None:
         """Publish my slot and wait for every rank to publish the same step.
@@ -33,8 +33,8 @@ class StepChannel(Protocol):
         same step is available from ``peer_descriptor`` afterwards.
         """
 
-    def peer_slot(self, rank: int):
-        """uint8 tensor of ``rank``'s slot for the step just completed."""
+    def peer_slot(self, rank: int, dtype=None):
+        """Tensor (uint8, or viewed as ``dtype``) of ``rank``'s slot for the step just completed."""
 
     def peer_descriptor(self, rank: int) -> tuple[int, ...]:
         """Descriptor ``rank`` posted with the current collective's first step."""

@@ -10,14 +10,26 @@ sched_yield (which also releases the GIL, letting the caller's other threads run
 from __future__ import annotations
 
 import os
+import threading
 import time
+
+_thread = threading.local()
+
+
+def set_background_thread() -> None:
+    """Mark the calling thread as a progress thread: its waits never spin.
+
+    A spinning Python thread holds the GIL, so a progress thread that spun would stall
+    the user's own thread (the one doing compute) for whole GIL switch intervals.
+    """
+    _thread.background = True
 
 
 class Backoff:
     __slots__ = ("spin", "yield_seconds", "max_sleep", "polls", "started", "sleep")
 
     def __init__(self, spin: int, yield_seconds: float, max_sleep: float):
-        self.spin = spin
+        self.spin = 0 if getattr(_thread, "background", False) else spin
         self.yield_seconds = yield_seconds
         self.max_sleep = max_sleep
         self.polls = 0

@@ -18,6 +18,7 @@ Protocol (see transport/base.py for the interface):
 from __future__ import annotations
 
 import os
+import struct
 import time
 
 import torch
@@ -67,6 +68,7 @@ class ShmChannel:
         self._desc_word = [(layout.region(k) + L.DESC_OFF) // 8 for k in range(n)]
         self._slots = [[self._view(layout.slot(k, p), layout.slot_bytes) for p in (0, 1)]
                        for k in range(n)]
+        self._typed_views = {}
         self._others = [k for k in range(n) if k != rank]
         self._pids = {}
         self._w[self._pid_word[rank]] = os.getpid()
@@ -77,26 +79,35 @@ class ShmChannel:
         return self._bytes[off:off + nbytes]
 
     # ----------------------------------------------------------------- steps
-    def my_slot(self):
-        return self._slots[self.rank][(self._epoch + 1) & 1]
+    def my_slot(self, dtype=None):
+        """My slot for the next step, as uint8 or (cached view) as ``dtype``."""
+        return self._typed(self.rank, (self._epoch + 1) & 1, dtype)
 
-    def peer_slot(self, rank: int):
-        return self._slots[rank][self._epoch & 1]
+    def peer_slot(self, rank: int, dtype=None):
+        """``rank``'s slot of the step just completed, as uint8 or ``dtype``."""
+        return self._typed(rank, self._epoch & 1, dtype)
+
+    def _typed(self, rank: int, parity: int, dtype):
+        if dtype is None:
+            return self._slots[rank][parity]
+        key = (rank, parity, dtype)
+        view = self._typed_views.get(key)
+        if view is None:
+            view = self._typed_views[key] = self._slots[rank][parity].view(dtype)
+        return view
 
     def step(self, deadline: float, descriptor=None) -> None:
         e = self._epoch + 1
-        w = self._w
         if descriptor is not None:
-            base = self._desc_word[self.rank] + (descriptor[0] & 1) * L.DESC_WORDS
-            for i, v in enumerate(descriptor):
-                w[base + i] = v
-        w[self._step_word[self.rank]] = e
+            off = self._desc_word[self.rank] * 8 + (descriptor[0] & 1) * L.DESC_WORDS * 8
+            struct.pack_into(f"{len(descriptor)}q", self.segment.map, off, *descriptor)
+        self._w[self._step_word[self.rank]] = e
         self._wait_step(e, deadline)
         self._epoch = e
 
     def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
-        base = self._desc_word[rank] + (seq & 1) * L.DESC_WORDS
-        return tuple(self._w[base + i] for i in range(nwords))
+        off = self._desc_word[rank] * 8 + (seq & 1) * L.DESC_WORDS * 8
+        return struct.unpack_from(f"{nwords}q", self.segment.map, off)
 
     def peer_step(self, rank: int) -> int:
         return self._w[self._step_word[rank]]
@@ -205,6 +216,7 @@ class ShmChannel:
             return
         self._closed = True
         self._slots = None
+        self._typed_views = None
         self._bytes = None
         try:
             self._w.release()

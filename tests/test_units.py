@@ -1,0 +1,154 @@
+"""Unit tests: reduction kernels, segment math, descriptors, settings, mailboxes and p2p matching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_dist.collectives.context import partition, steps_for
+from neuron_dist.collectives.descriptor import Call, digest
+from neuron_dist.collectives.p2p import P2P, P2PError, Request
+from neuron_dist.collectives.reduce_ops import ReduceSpec, Scratch, check_supported, reduce_into, stage
+from neuron_dist.config import Settings, parse_bytes
+from neuron_dist.transport.shm.channel import ShmChannel
+from neuron_dist.transport.shm.layout import Layout
+from neuron_dist.transport.shm.segment import Segment, new_segment_name
+
+
+def test_bf16_sums_accumulate_in_fp32_and_round_once():
+    # 1 + 8 * 2^-9: in bf16 (8 bits of mantissa) each partial sum 1 + 2^-9 rounds back to 1,
+    # so a bf16 accumulator returns 1.0; fp32 accumulation gives 1 + 2^-6, exact in bf16.
+    inputs = [torch.tensor([1.0], dtype=torch.bfloat16)] + [torch.tensor([2 ** -9], dtype=torch.bfloat16)] * 8
+    out = torch.empty(1, dtype=torch.bfloat16)
+    reduce_into(out, inputs, ReduceSpec("SUM"), len(inputs), Scratch())
+    assert out.item() == 1 + 2 ** -6
+
+
+def test_reduce_ops_on_ints_and_bools():
+    s = Scratch()
+    a, b = torch.tensor([6, -7], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32)
+    out = torch.empty(2, dtype=torch.int32)
+    reduce_into(out, [a, b], ReduceSpec("AVG"), 2, s)
+    assert out.tolist() == [4, -2]  # truncation toward zero
+    reduce_into(out, [a, b], ReduceSpec("BXOR"), 2, s)
+    assert out.tolist() == [6 ^ 3, -7 ^ 2]
+    x, y = torch.tensor([True, False, True]), torch.tensor([True, False, False])
+    o = torch.empty(3, dtype=torch.bool)
+    reduce_into(o, [x, y], ReduceSpec("SUM"), 2, s)
+    assert o.tolist() == [True, False, True]
+    reduce_into(o, [x, y], ReduceSpec("MIN"), 2, s)
+    assert o.tolist() == [True, False, False]
+
+
+def test_premul_sum_scales_before_sharing():
+    dst = torch.empty(3)
+    stage(dst, torch.tensor([2.0, 4.0, 6.0]), ReduceSpec("PREMUL_SUM", 0.5))
+    assert dst.tolist() == [1.0, 2.0, 3.0]
+    stage(dst, torch.tensor([2.0, 4.0, 6.0]), ReduceSpec("PREMUL_SUM", torch.tensor(0.25)))
+    assert dst.tolist() == [0.5, 1.0, 1.5]
+
+
+@pytest.mark.parametrize("kind,dtype", [("BAND", torch.float32), ("AVG", torch.bool),
+                                        ("PREMUL_SUM", torch.int64), ("MAX", torch.complex64)])
+def test_unsupported_combinations_are_named(kind, dtype):
+    with pytest.raises(ValueError, match=kind):
+        check_supported(ReduceSpec(kind), dtype)
+
+
+def test_partition_covers_range_with_aligned_starts():
+    for n in (0, 1, 7, 100, 1001):
+        for parts in (1, 2, 3, 8):
+            pieces = partition(n, parts, 16)
+            assert len(pieces) == parts
+            assert sum(length for _, length in pieces) == n
+            pos = 0
+            for start, length in pieces:
+                assert length == 0 or (start == pos and start % 16 == 0)
+                pos = start + length if length else pos
+    assert steps_for(0, 10) == 1 and steps_for(10, 10) == 1 and steps_for(11, 10) == 2
+
+
+def test_descriptor_round_trip_and_text():
+    call = Call("reduce_scatter", torch.bfloat16, 1024, root=-1, reduce="PREMUL_SUM", extra=digest([1, 2]))
+    seq, back = Call.from_words(call.words(42))
+    assert seq == 42 and back == call
+    assert call.describe().startswith("reduce_scatter(bfloat16, 1024 elements")
+    with pytest.raises(ValueError, match="dtype"):
+        Call("all_reduce", torch.quint8, 1).words(1)
+
+
+def test_settings_parse_and_reject(monkeypatch):
+    assert parse_bytes("4M") == 4 << 20 and parse_bytes("64KiB") == 64 << 10 and parse_bytes("100") == 100
+    monkeypatch.setenv("NEURON_DIST_SHM_SLOT_BYTES", "1000")
+    with pytest.raises(ValueError, match="4096"):
+        Settings.from_env()
+    monkeypatch.setenv("NEURON_DIST_SHM_SLOT_BYTES", "2M")
+    monkeypatch.setenv("NEURON_DIST_DEBUG", "loud")
+    with pytest.raises(ValueError, match="NEURON_DIST_DEBUG"):
+        Settings.from_env()
+
+
+@pytest.fixture
+def two_endpoints():
+    """Two P2P engines (ranks 0 and 1) over one real segment, in this process."""
+    layout = Layout(2, 4096, 4096)
+    seg = Segment.create(new_segment_name(), layout.total_bytes)
+    peer = Segment.attach(seg.name, layout.total_bytes)
+    seg.unlink()
+    chans = [ShmChannel(seg, layout, 0, spin=0), ShmChannel(peer, layout, 1, spin=0)]
+    eps = [P2P(r, 2, (lambda r: lambda k: chans[r].mailbox(r, k))(r),
+               (lambda r: lambda k: chans[r].mailbox(k, r))(r)) for r in (0, 1)]
+    yield eps
+    for c in chans:
+        c.close()
+
+
+def _pump(eps, reqs, rounds=10_000):
+    for _ in range(rounds):
+        for ep in eps:
+            ep.progress()
+        if all(r.done for r in reqs):
+            return
+    raise AssertionError("p2p did not complete")
+
+
+def test_p2p_streams_messages_larger_than_the_mailbox(two_endpoints):
+    a, b = two_endpoints
+    data = torch.arange(10_000, dtype=torch.int64).view(torch.uint8)  # 80 KB through a 4 KiB ring
+    got = torch.empty_like(data)
+    s, r = Request(1, 5, data, True, 1e18), Request(0, 5, got, False, 1e18)
+    a.post_send(s)
+    b.post_recv(r)
+    _pump([a, b], [s, r])
+    assert torch.equal(got, data) and r.source == 0 and r.error is None
+
+
+def test_p2p_unexpected_messages_keep_order_per_tag(two_endpoints):
+    a, b = two_endpoints
+    sends = [Request(1, tag, torch.full((100,), tag * 10 + i, dtype=torch.uint8), True, 1e18)
+             for i, tag in enumerate([1, 2, 1])]
+    for s in sends:
+        a.post_send(s)
+    _pump([a, b], sends)  # all arrive before any receive is posted: unexpected queue
+    bufs = [torch.empty(100, dtype=torch.uint8) for _ in range(3)]
+    recvs = [Request(None, 1, bufs[0], False, 1e18), Request(0, 2, bufs[1], False, 1e18),
+             Request(0, 1, bufs[2], False, 1e18)]
+    for r in recvs:
+        b.post_recv(r)
+    _pump([a, b], recvs)
+    assert [int(x[0]) for x in bufs] == [10, 21, 12]
+
+
+def test_p2p_size_mismatch_fails_only_that_receive(two_endpoints):
+    a, b = two_endpoints
+    s1 = Request(1, 0, torch.ones(64, dtype=torch.uint8), True, 1e18)
+    s2 = Request(1, 0, torch.ones(8, dtype=torch.uint8), True, 1e18)
+    r1 = Request(0, 0, torch.empty(32, dtype=torch.uint8), False, 1e18)
+    r2 = Request(0, 0, torch.empty(8, dtype=torch.uint8), False, 1e18)
+    for s in (s1, s2):
+        a.post_send(s)
+    for r in (r1, r2):
+        b.post_recv(r)
+    _pump([a, b], [s1, s2, r1, r2])
+    assert isinstance(r1.error, P2PError) and "64 bytes" in str(r1.error)
+    assert r2.error is None and r2.data.tolist() == [1] * 8

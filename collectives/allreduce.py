@@ -22,15 +22,27 @@ ALIGN_BYTES = 64
 
 
 def all_reduce(ctx: Context, out, inp, spec) -> None:
-    """Reduce the flat contiguous tensor ``inp`` across ranks into ``out`` (may alias)."""
+    """Reduce the contiguous tensor ``inp`` across ranks into ``out`` (same shape; may alias)."""
     n = inp.numel()
     es = inp.element_size()
     cap = ctx.channel.slot_bytes // es
-    if n * es <= ctx.small_bytes or ctx.size == 1:
+    if n * es <= ctx.small_bytes and n <= cap:
+        _fits_one_slot(ctx, out, inp, spec)
+        return
+    out, inp = out.view(-1), inp.view(-1)
+    if ctx.size == 1:
         _one_step(ctx, out, inp, spec, cap)
     else:
         _two_step(ctx, out, inp, spec, cap)
     ctx.finish()
+
+
+def _fits_one_slot(ctx, out, inp, spec) -> None:
+    """The latency path: no flattening, slot views cached by shape, one step."""
+    stage(ctx.my_slot_like(inp), inp, spec)
+    ctx.step()
+    views = [ctx.peer_slot_like(k, inp) for k in range(ctx.size)]
+    reduce_into(out, views, spec, ctx.size, ctx.scratch)
 
 
 def _one_step(ctx, out, inp, spec, cap) -> None:

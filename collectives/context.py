@@ -63,6 +63,12 @@ class Context:
     def peer_slot(self, rank: int, dtype=None):
         return self.channel.peer_slot(rank, dtype)
 
+    def my_slot_like(self, like):
+        return self.channel.my_slot_like(like)
+
+    def peer_slot_like(self, rank: int, like):
+        return self.channel.peer_slot_like(rank, like)
+
 
 def steps_for(nbytes: int, per_step: int) -> int:
     """Number of steps to move ``nbytes`` at ``per_step`` bytes a step (at least one)."""

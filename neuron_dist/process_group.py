@@ -109,6 +109,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self.settings = settings or Settings.from_env()
         self._channel = open_group_channel(store, rank, size, self.settings, timeout)
         self._scratch = Scratch()
+        self._calls = {}
         self._engine = CollectiveEngine(self._label(), self._on_error)
         self._p2p = None
         self._closed = False
@@ -226,11 +227,26 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         t = checks.single(tensors, "allreduce tensor")
         spec = reduce_spec(opts.reduceOp)
         check_supported(spec, t.dtype)
+        call = self._call("all_reduce", t.dtype, t.numel(), spec.kind)
+        if t.is_contiguous():
+            x = t.detach() if t.requires_grad else t
+            return self._submit("all_reduce", call,
+                                lambda ctx: allreduce.all_reduce(ctx, x, x, spec),
+                                [t], opts, t.numel() * t.element_size())
         f = _Flat(t)
-        call = Call("all_reduce", t.dtype, t.numel(), reduce=spec.kind)
         return self._submit("all_reduce", call,
                             lambda ctx: allreduce.all_reduce(ctx, f.flat, f.flat, spec),
                             [t], opts, t.numel() * t.element_size(), [f])
+
+    def _call(self, op, dtype, count, reduce=None) -> Call:
+        """Call descriptors, cached: training loops repeat the same few calls."""
+        key = (op, dtype, count, reduce)
+        call = self._calls.get(key)
+        if call is None:
+            if len(self._calls) > 1024:
+                self._calls.clear()
+            call = self._calls[key] = Call(op, dtype, count, reduce=reduce)
+        return call
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()

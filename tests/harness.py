@@ -2,7 +2,9 @@
 
 Ranks are forked from the test process (fast: no re-import of torch) and rendezvous on a
 TCPStore that the test process hosts on an ephemeral port (port 0), so tests can run in
-parallel. Each rank reports ``("ok", value)`` or ``("error", type name, message,
+parallel. The ranks are forked *before* the store starts its server thread, and learn the
+port through a queue: forking a process that runs threads can copy a lock held by one of
+them into the child, where nobody will ever release it. Each rank reports ``("ok", value)`` or ``("error", type name, message,
 traceback)`` through a queue. If any rank has not reported by the deadline, every rank is
 SIGKILLed and the test fails naming the ranks that hung.
 """
@@ -32,8 +34,9 @@ class RankFailure(AssertionError):
         super().__init__("\n".join(lines))
 
 
-def _entry(fn, rank, world, port, queue, args, env, pg_timeout, init, timeout):
+def _entry(fn, rank, world, ports, queue, args, env, pg_timeout, init, timeout):
     os.environ.update(env)
+    port = ports.get()
     # If this rank hangs, show where before the test kills it.
     faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
     try:
@@ -62,14 +65,16 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, env: dict | None = N
     With ``expect_errors`` the raw per-rank results are returned instead of raising.
     ``hooks(procs)`` is called right after start (e.g. to kill a rank).
     """
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
-                          timeout=timedelta(seconds=30), wait_for_workers=False)
-    queue = _CTX.SimpleQueue()
-    procs = [_CTX.Process(target=_entry, args=(fn, r, world, store.port, queue, args,
+    queue, ports = _CTX.SimpleQueue(), _CTX.SimpleQueue()
+    procs = [_CTX.Process(target=_entry, args=(fn, r, world, ports, queue, args,
                                                env or {}, pg_timeout, init, timeout), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
+                          timeout=timedelta(seconds=30), wait_for_workers=False)
+    for _ in procs:
+        ports.put(store.port)
     if hooks:
         hooks(procs)
     results = {}

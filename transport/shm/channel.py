@@ -69,6 +69,7 @@ class ShmChannel:
         self._slots = [[self._view(layout.slot(k, p), layout.slot_bytes) for p in (0, 1)]
                        for k in range(n)]
         self._typed_views = {}
+        self._shaped_views = {}
         self._others = [k for k in range(n) if k != rank]
         self._pids = {}
         self._w[self._pid_word[rank]] = os.getpid()
@@ -86,6 +87,24 @@ class ShmChannel:
     def peer_slot(self, rank: int, dtype=None):
         """``rank``'s slot of the step just completed, as uint8 or ``dtype``."""
         return self._typed(rank, self._epoch & 1, dtype)
+
+    def my_slot_like(self, like):
+        """My next slot viewed with ``like``'s dtype and shape (cached: small-message path)."""
+        return self._shaped(self.rank, (self._epoch + 1) & 1, like)
+
+    def peer_slot_like(self, rank: int, like):
+        """``rank``'s current slot viewed with ``like``'s dtype and shape (cached)."""
+        return self._shaped(rank, self._epoch & 1, like)
+
+    def _shaped(self, rank: int, parity: int, like):
+        key = (rank, parity, like.dtype, like.shape)
+        view = self._shaped_views.get(key)
+        if view is None:
+            if len(self._shaped_views) > 512:
+                self._shaped_views.clear()
+            typed = self._typed(rank, parity, like.dtype)
+            view = self._shaped_views[key] = typed[:like.numel()].view(like.shape)
+        return view
 
     def _typed(self, rank: int, parity: int, dtype):
         if dtype is None:
@@ -217,6 +236,7 @@ class ShmChannel:
         self._closed = True
         self._slots = None
         self._typed_views = None
+        self._shaped_views = None
         self._bytes = None
         try:
             self._w.release()

@@ -13,6 +13,21 @@ def _neuron_segments():
         return set()
 
 
+def _ours_or_orphaned(name: str) -> bool:
+    """A segment is a leak if this process made it or its creator is gone.
+
+    (A segment whose creator still runs belongs to another job on this machine, caught in
+    the moment between creating and unlinking its segment.)
+    """
+    from neuron_dist.transport.shm.segment import _pid_alive
+
+    try:
+        pid = int(name.split("-")[2])
+    except (IndexError, ValueError):
+        return True
+    return pid == os.getpid() or not _pid_alive(pid)
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Every test must leave no shared-memory segment and no child process behind."""
@@ -20,7 +35,7 @@ def no_leftovers():
 
     before = _neuron_segments()
     yield
-    leaked = _neuron_segments() - before
+    leaked = {n for n in _neuron_segments() - before if _ours_or_orphaned(n)}
     children = multiprocessing.active_children()
     for c in children:
         c.kill()

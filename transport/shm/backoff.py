@@ -4,7 +4,9 @@ A peer's store becomes visible to a spinning reader in well under a microsecond,
 waking a sleeping process costs 25-55 µs here; so we poll first. With more ranks than
 cores, pure spinning starves the very peer we wait for, so after ``spin`` polls we call
 sched_yield (which also releases the GIL, letting the caller's other threads run), and after
-``yield_seconds`` we sleep in growing steps up to ``max_sleep`` so an idle wait costs no CPU.
+``yield_seconds`` we block: on a futex when the caller can (the step channel, see
+futex.py: woken the moment the peer publishes), else in growing sleeps up to ``max_sleep``
+so an idle wait costs no CPU.
 """
 
 from __future__ import annotations
@@ -26,29 +28,37 @@ def set_background_thread() -> None:
 
 
 class Backoff:
-    __slots__ = ("spin", "yield_seconds", "max_sleep", "polls", "started", "sleep")
+    __slots__ = ("spin", "yield_seconds", "max_sleep", "polls", "started", "sleep", "can_block")
 
-    def __init__(self, spin: int, yield_seconds: float, max_sleep: float):
+    def __init__(self, spin: int, yield_seconds: float, max_sleep: float, can_block: bool = False):
         self.spin = 0 if getattr(_thread, "background", False) else spin
         self.yield_seconds = yield_seconds
         self.max_sleep = max_sleep
         self.polls = 0
         self.started = 0.0
         self.sleep = 0.0
+        self.can_block = can_block
 
-    def pause(self) -> None:
-        """Called after each unsuccessful poll."""
+    def pause(self) -> bool:
+        """Called after each unsuccessful poll.
+
+        Returns True when the caller should block on a futex instead (only with
+        ``can_block``); otherwise it spins, yields or sleeps here and returns False.
+        """
         self.polls += 1
         if self.polls <= self.spin:
-            return
+            return False
         now = time.monotonic()
         if not self.started:
             self.started = now
         if now - self.started < self.yield_seconds:
             os.sched_yield()
-            return
+            return False
+        if self.can_block:
+            return True
         self.sleep = min(self.max_sleep, max(2e-5, self.sleep * 2))
         time.sleep(self.sleep)
+        return False
 
 
 def default_spin(local_ranks: int) -> int:
@@ -57,4 +67,4 @@ def default_spin(local_ranks: int) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         cores = os.cpu_count() or 1
-    return 0 if local_ranks > cores else 2000
+    return 0 if local_ranks > cores else 500

@@ -12,7 +12,8 @@ Protocol (see transport/base.py for the interface):
   the two descriptor buffers, because every collective has at least one step.
 * Failures end a wait early and by name: a peer's abort flag (with its message), a peer pid
   that no longer runs, the local endpoint being closed, or the deadline. Waiting follows
-  ``backoff.Backoff`` (spin, yield, sleep).
+  ``backoff.Backoff`` (spin, yield), then sleeps on the awaited peer's step word with a
+  futex; a publisher wakes the word's sleepers when a peer has raised its sleep flag.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import time
 import torch
 
 from ..errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
+from . import futex
 from . import layout as L
 from .backoff import Backoff
 from .mailbox import ShmMailbox
 from .segment import Segment, _pid_alive
 
 LIVENESS_PERIOD = 0.2  # seconds between checks that waited-for peers still run
+SLEEP_SLICE = 2e-3  # longest futex sleep before looking again (bounds a missed wake-up)
 
 
 class ShmChannel:
@@ -48,7 +51,7 @@ class ShmChannel:
     """
 
     def __init__(self, segment: Segment, layout: L.Layout, rank: int, spin: int,
-                 yield_seconds: float = 2e-3, max_sleep: float = 1e-3):
+                 yield_seconds: float = 5e-4, max_sleep: float = 1e-3):
         self.segment = segment
         self.layout = layout
         self.rank = rank
@@ -66,6 +69,9 @@ class ShmChannel:
         self._abort_word = [(layout.region(k) + L.ABORT_OFF) // 8 for k in range(n)]
         self._pid_word = [(layout.region(k) + L.PID_OFF) // 8 for k in range(n)]
         self._desc_word = [(layout.region(k) + L.DESC_OFF) // 8 for k in range(n)]
+        self._sleep_word = [(layout.region(k) + L.SLEEP_OFF) // 8 for k in range(n)]
+        base = self._bytes.data_ptr()
+        self._step_addr = [base + layout.region(k) for k in range(n)]
         self._slots = [[self._view(layout.slot(k, p), layout.slot_bytes) for p in (0, 1)]
                        for k in range(n)]
         self._typed_views = {}
@@ -120,7 +126,12 @@ class ShmChannel:
         if descriptor is not None:
             off = self._desc_word[self.rank] * 8 + (descriptor[0] & 1) * L.DESC_WORDS * 8
             struct.pack_into(f"{len(descriptor)}q", self.segment.map, off, *descriptor)
-        self._w[self._step_word[self.rank]] = e
+        w = self._w
+        w[self._step_word[self.rank]] = e
+        for k in self._others:
+            if w[self._sleep_word[k]]:
+                futex.wake(self._step_addr[self.rank])
+                break
         self._wait_step(e, deadline)
         self._epoch = e
 
@@ -147,17 +158,40 @@ class ShmChannel:
     def _poll(self, pending, e: int, deadline: float) -> None:
         w = self._w
         sw = self._step_word
-        backoff = Backoff(self._spin, self._yield_seconds, self._max_sleep)
+        backoff = Backoff(self._spin, self._yield_seconds, self._max_sleep, futex.available)
         polls = 0
         next_liveness = 0.0
         while True:
             pending = [k for k in pending if w[sw[k]] < e]
             if not pending:
                 return
-            backoff.pause()
             polls += 1
-            if polls & 63 == 0:
+            if backoff.pause():
+                self._sleep_on(pending[0], e, deadline)
+            elif polls & 63:
+                continue
+            # Judge only peers still missing *now*: one that published and then exited
+            # while we slept has done its part.
+            pending = [k for k in pending if w[sw[k]] < e]
+            if pending:
                 next_liveness = self.check_peers(pending, deadline, next_liveness)
+
+    def _sleep_on(self, k: int, e: int, deadline: float) -> None:
+        """Block until peer ``k``'s step counter moves (or a short timeout passes)."""
+        w = self._w
+        seen = w[self._step_word[k]]
+        if seen >= e:
+            return
+        me = self._sleep_word[self.rank]
+        w[me] = 1
+        try:
+            # Re-read after raising the flag: a publisher that stored before seeing the flag
+            # has already changed the word, and the futex then returns at once.
+            seen = w[self._step_word[k]]
+            if seen < e:
+                futex.wait(self._step_addr[k], seen, max(1e-4, min(SLEEP_SLICE, deadline - time.monotonic())))
+        finally:
+            w[me] = 0
 
     def check_peers(self, pending, deadline: float, next_liveness: float = 0.0) -> float:
         """Raise if the wait for ``pending`` peers cannot succeed; returns next liveness time."""

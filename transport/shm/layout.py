@@ -4,7 +4,7 @@
 
 Each region (page aligned) belongs to one rank and holds
 
-    control   step counter | pid, abort flag | 2 call descriptors | abort message |
+    control   step counter | pid, abort flag, sleep flag | 2 call descriptors | abort message |
               per-source mailbox head/tail counters (each on its own 64-byte line)
     slots     2 x slot_bytes            double-buffered step slots (collectives)
     mailboxes N x mailbox_bytes         inbound byte rings, one per source rank (send/recv)
@@ -27,6 +27,7 @@ MAGIC = 0x4E4555524F4E3031  # "NEURON01"
 STEP_OFF = 0
 PID_OFF = LINE
 ABORT_OFF = LINE + 8
+SLEEP_OFF = LINE + 16  # nonzero while this rank sleeps on a futex waiting for a peer
 DESC_OFF = 2 * LINE
 DESC_WORDS = 16
 ABORT_MSG_OFF = 512

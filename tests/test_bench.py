@@ -1,0 +1,93 @@
+"""The collectives benchmark (``python -m neuron_dist.bench``) runs end to end on a tiny sweep.
+
+One run of the real command line (-b 8 -e 64K -f 8, 2 ranks, 3 iterations, --check) over
+neuron and gloo, plus MPI when mpi4py and mpiexec are there; its JSON, CSV and PNG must
+exist and hold a checked row for every op and backend. The plot is only asserted when
+matplotlib is installed (it belongs to the ``bench`` extra, not to ``test``). A few unit
+tests pin the nccl-tests conventions (sizes, rounding, bus bandwidth factors).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from neuron_dist.bench import mpi_runner
+from neuron_dist.bench.sweep import OPS, bandwidths, element_count, parse_size, plan, size_range
+
+OP_NAMES = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"]
+
+
+def test_sweep_conventions():
+    assert parse_size("256M") == 256 << 20 and parse_size("64K") == 65536 and parse_size("8") == 8
+    assert size_range(8, 65536, 8) == [8, 64, 512, 4096, 32768]
+    assert size_range(8, 64, 2) == [8, 16, 32, 64]
+    # chunked ops round to whole chunks, never below one element per rank
+    assert element_count("all_gather", 8, 4, 4) == 4 and element_count("all_gather", 100, 4, 4) == 24
+    assert element_count("all_reduce", 8, 4, 4) == 2
+    assert plan("all_to_all", [8, 16], 4, 4) == [4]          # both sizes round to 16 bytes
+    alg, bus = bandwidths("all_reduce", 10**9, 1.0, 4)
+    assert alg == 1.0 and bus == pytest.approx(1.5)
+    assert OPS["all_gather"].bus_factor(4) == pytest.approx(0.75)
+    assert OPS["broadcast"].bus_factor(8) == OPS["send_recv"].bus_factor(2) == 1.0
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One run of the command line shared by the tests below."""
+    tmp_path = tmp_path_factory.mktemp("bench")
+    backends = ["neuron", "gloo"]
+    if mpi_runner.unavailable_reason() is None:
+        backends.append("mpi")
+    files = {k: tmp_path / f"bench.{k}" for k in ("json", "csv", "png")}
+    cmd = [sys.executable, "-m", "neuron_dist.bench", "-b", "8", "-e", "64K", "-f", "8",
+           "-n", "2", "--iters", "3", "--warmup", "1", "--check", "--ops", ",".join(OP_NAMES),
+           "--backends", ",".join(backends), "--json", str(files["json"]),
+           "--csv", str(files["csv"]), "--plot", str(files["png"]),
+           "--timeout", "90", "--stall-timeout", "60", "--pg-timeout", "30"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    return proc, files, backends
+
+
+def test_bench_tiny_sweep(bench_run):
+    proc, files, backends = bench_run
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+    # stdout: the table; stderr: one progress line per (op, size)
+    assert "busbw GB/s" in proc.stdout and "# check:" in proc.stdout
+    assert "0 FAIL" in proc.stdout, proc.stdout
+    assert "[all_reduce 8 B n=2] neuron" in proc.stderr, proc.stderr
+
+    doc = json.loads(files["json"].read_text())
+    rows = doc["results"]
+    assert not doc["errors"], doc["errors"]
+    for op in OP_NAMES:
+        for b in backends:
+            mine = [r for r in rows if r["op"] == op and r["backend"] == b]
+            assert len(mine) == 5, (op, b, mine)   # 8, 64, 512, 4K, 32K bytes
+            for r in mine:
+                assert r["status"] == "ok" and r["check"] == "OK", r
+                assert r["time_us"] > 0 and r["busbw_gbs"] >= 0 and r["world"] == 2
+            if b == "gloo":
+                assert all(r["vs_gloo"] == pytest.approx(1.0) for r in mine)
+
+    with open(files["csv"], newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows) == len(OP_NAMES) * len(backends) * 5
+    assert {(r["op"], r["backend"]) for r in csv_rows} == {(o, b) for o in OP_NAMES for b in backends}
+    assert all(r["check"] == "OK" for r in csv_rows)
+
+
+def test_bench_plot(bench_run):
+    proc, files, _ = bench_run
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in proc.stderr, proc.stderr
+        pytest.skip("matplotlib not installed: plot not checked (pip install 'neuron-dist[bench]')")
+    assert proc.returncode == 0, proc.stderr
+    png = files["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

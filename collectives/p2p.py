@@ -83,9 +83,12 @@ class P2P:
         ``outbox(dst)`` -> Mailbox from this rank to ``dst``.
     inbox : callable
         ``inbox(src)`` -> Mailbox from ``src`` to this rank.
+    notify : callable, optional
+        ``notify(peer)`` after this rank moved bytes into or out of a mailbox shared with
+        ``peer`` (lets a sleeping peer wake up).
     """
 
-    def __init__(self, rank: int, size: int, outbox, inbox):
+    def __init__(self, rank: int, size: int, outbox, inbox, notify=None):
         self.rank = rank
         self.size = size
         self._out = {k: outbox(k) for k in range(size) if k != rank}
@@ -95,6 +98,7 @@ class P2P:
         self._incoming: dict[int, _Incoming | None] = {k: None for k in self._in}
         self._unexpected: deque = deque()  # (src, tag, buffer), in arrival order
         self._piece = {k: max(FRAME_ALIGN, m.capacity // 4) for k, m in self._out.items()}
+        self._notify = notify or (lambda peer: None)
 
     # ------------------------------------------------------------------ posting
     def post_send(self, req: Request) -> None:
@@ -140,17 +144,23 @@ class P2P:
     def progress(self) -> bool:
         """Move whatever can move now; returns True if anything did."""
         moved = False
-        for q in self._sends.values():
+        for dst, q in self._sends.items():
+            wrote = False
             while q:
                 req = q[0]
                 before = (req.moved, req.header_sent)
                 finished = self._push(req)
-                moved |= finished or (req.moved, req.header_sent) != before
+                wrote |= finished or (req.moved, req.header_sent) != before
                 if not finished:
                     break
                 q.popleft()
+            if wrote:
+                self._notify(dst)
+                moved = True
         for src in self._in:
-            moved |= self._pull(src)
+            if self._pull(src):
+                self._notify(src)
+                moved = True
         return moved
 
     def _push(self, req: Request) -> bool:

@@ -79,8 +79,8 @@ class P2PEngine:
                                            "Work.wait timed out")
                 if moved:
                     backoff = self._channel.backoff()
-                else:
-                    backoff.pause()
+                elif backoff.pause():
+                    self._sleep(lambda: req.done)
         finally:
             with self._lock:
                 self._waiters -= 1
@@ -97,8 +97,20 @@ class P2PEngine:
                 moved = self._progress_locked()
             if moved:
                 backoff = self._channel.backoff()
-            else:
-                backoff.pause()
+            elif backoff.pause():
+                self._sleep(lambda: self._waiters or self._stopped)
+
+    def _sleep(self, stop) -> None:
+        """Sleep on this rank's doorbell until a peer moves bytes (or a short slice ends)."""
+        seen = self._channel.doorbell()
+
+        def ready():
+            if stop():
+                return True
+            with self._lock:
+                return self._progress_locked()
+
+        self._channel.sleep_on_doorbell(seen, ready)
 
     def _progress_locked(self) -> bool:
         try:

@@ -517,7 +517,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if self._p2p is None:
             ch = self._channel
             p2p = P2P(self._rank, self._size, lambda k: ch.mailbox(self._rank, k),
-                      lambda k: ch.mailbox(k, self._rank))
+                      lambda k: ch.mailbox(k, self._rank), ch.ring)
             self._p2p = P2PEngine(p2p, ch, self._label(),
                                   lambda exc, what: self._on_error(exc, what)[0])
         return self._p2p

@@ -5,6 +5,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import torch  # noqa: E402
+
+# Test ranks are forked from this process. Once torch has started its OpenMP thread pool
+# (any large enough op runs in parallel), a forked child that enters a parallel region can
+# hang forever inside libgomp. Keeping this process single-threaded keeps forking safe;
+# the ranks inherit the setting.
+torch.set_num_threads(1)
+
 
 def _neuron_segments():
     try:

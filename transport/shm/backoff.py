@@ -16,6 +16,7 @@ import threading
 import time
 
 _thread = threading.local()
+SPIN_SECONDS = 50e-6
 
 
 def set_background_thread() -> None:
@@ -47,11 +48,21 @@ class Backoff:
         """
         self.polls += 1
         if self.polls <= self.spin:
-            return False
+            if self.polls & 15:
+                return False
+            # Spinning is bounded in time too: a poll that is itself expensive (send/recv
+            # progress) must not turn 500 polls into milliseconds of a stolen core.
+            now = time.monotonic()
+            if not self.started:
+                self.started = now
+                return False
+            if now - self.started < SPIN_SECONDS:
+                return False
+            self.polls = self.spin
         now = time.monotonic()
         if not self.started:
             self.started = now
-        if now - self.started < self.yield_seconds:
+        if now - self.started < self.yield_seconds + SPIN_SECONDS:
             os.sched_yield()
             return False
         if self.can_block:

@@ -72,6 +72,9 @@ class ShmChannel:
         self._sleep_word = [(layout.region(k) + L.SLEEP_OFF) // 8 for k in range(n)]
         base = self._bytes.data_ptr()
         self._step_addr = [base + layout.region(k) for k in range(n)]
+        self._bell_word = [(layout.region(k) + L.DOORBELL_OFF) // 8 for k in range(n)]
+        self._bell_sleep_word = [(layout.region(k) + L.DOORBELL_SLEEP_OFF) // 8 for k in range(n)]
+        self._bell_addr = [base + layout.region(k) + L.DOORBELL_OFF for k in range(n)]
         self._slots = [[self._view(layout.slot(k, p), layout.slot_bytes) for p in (0, 1)]
                        for k in range(n)]
         self._typed_views = {}
@@ -252,7 +255,34 @@ class ShmChannel:
         return ShmMailbox(self._w, head, tail, self._view(off, self.layout.mailbox_bytes), off)
 
     def backoff(self) -> Backoff:
-        return Backoff(self._spin, self._yield_seconds, self._max_sleep)
+        """A fresh waiting policy; ``pause()`` returning True means: call ``sleep_on_doorbell``."""
+        return Backoff(self._spin, self._yield_seconds, self._max_sleep, futex.available)
+
+    # -------------------------------------------------------------- doorbells
+    # Send/recv progress can wait on many words at once (any source, full mailboxes), so
+    # instead of sleeping on one of them a rank sleeps on its own doorbell, which every peer
+    # rings after moving bytes into or out of a mailbox this rank uses.
+    def ring(self, rank: int) -> None:
+        """Tell ``rank`` that a mailbox it uses changed."""
+        w = self._w
+        w[self._bell_word[rank]] = w[self._bell_word[rank]] + 1
+        if w[self._bell_sleep_word[rank]]:
+            futex.wake(self._bell_addr[rank])
+
+    def doorbell(self) -> int:
+        return self._w[self._bell_word[self.rank]]
+
+    def sleep_on_doorbell(self, seen: int, ready) -> None:
+        """Sleep until the doorbell moves past ``seen`` unless ``ready()`` (checked after
+        raising the sleep flag, so a ring between the two is never lost for long)."""
+        w = self._w
+        me = self._bell_sleep_word[self.rank]
+        w[me] = 1
+        try:
+            if not ready():
+                futex.wait(self._bell_addr[self.rank], seen, SLEEP_SLICE)
+        finally:
+            w[me] = 0
 
     # ---------------------------------------------------------------- closing
     @property

@@ -4,7 +4,8 @@
 
 Each region (page aligned) belongs to one rank and holds
 
-    control   step counter | pid, abort flag, sleep flag | 2 call descriptors | abort message |
+    control   step counter | pid, abort flag, sleep flag | 2 call descriptors | doorbell |
+              abort message |
               per-source mailbox head/tail counters (each on its own 64-byte line)
     slots     2 x slot_bytes            double-buffered step slots (collectives)
     mailboxes N x mailbox_bytes         inbound byte rings, one per source rank (send/recv)
@@ -30,6 +31,8 @@ ABORT_OFF = LINE + 8
 SLEEP_OFF = LINE + 16  # nonzero while this rank sleeps on a futex waiting for a peer
 DESC_OFF = 2 * LINE
 DESC_WORDS = 16
+DOORBELL_OFF = 6 * LINE  # bumped by peers whose send/recv progress this rank may wait for
+DOORBELL_SLEEP_OFF = 6 * LINE + 8  # nonzero while this rank sleeps on its doorbell
 ABORT_MSG_OFF = 512
 ABORT_MSG_BYTES = 512
 MAILBOX_CTR_OFF = 1024

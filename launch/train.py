@@ -531,7 +531,7 @@ def apply_fsdp(model: Decoder, dp_mesh, cfg: TrainConfig) -> None:
         Uses ``mixed_precision``, ``grad_divide_factor`` and
         ``force_sum_reduction``.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if cfg.mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -541,10 +541,14 @@ def apply_fsdp(model: Decoder, dp_mesh, cfg: TrainConfig) -> None:
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-    if cfg.grad_divide_factor is not None:
-        model.set_gradient_divide_factor(cfg.grad_divide_factor)
-    if cfg.force_sum_reduction:
-        model.set_force_sum_reduction_for_comms(True)
+    # These setters act on one FSDP module's parameter group, not recursively.
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        if cfg.grad_divide_factor is not None:
+            module.set_gradient_divide_factor(cfg.grad_divide_factor)
+        if cfg.force_sum_reduction:
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize(model: Decoder, mesh, cfg: TrainConfig) -> Decoder:

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.autograd import profiler as _profiler
 
 from .collectives import alltoall, allgather, allreduce, barrier, broadcast, reduce_scatter, rooted
 from .collectives.descriptor import Call, CollectiveMismatch, digest
@@ -147,6 +148,27 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def group_desc(self) -> str:
         return self._group_desc
 
+    # ------------------------------------------------------ per-device backend
+    # torch asks the per-device c10d Backend for capabilities (pg._device_types,
+    # pg._get_backend(device)): dcp.async_save, FSDP2's ProcessGroupAllocMixin,
+    # _get_pg_default_device. A Python ProcessGroup subclass registers none and
+    # c10d.Backend cannot be subclassed from Python, so the group answers for itself.
+    @property
+    def _device_types(self):
+        return [torch.device("cpu")]
+
+    def _get_backend(self, device):
+        if torch.device(device).type != "cpu":
+            raise RuntimeError(f"neuron: no backend for device {device} (CPU tensors only)")
+        return self
+
+    def supports_tensor_alloc(self, device) -> bool:
+        return False
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
     def _label(self) -> str:
         desc = f" ({self._group_desc})" if self._group_desc else ""
         return f"'{self._group_name or '?'}'{desc} rank {self._rank}/{self._size}"
@@ -162,6 +184,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return t.total_seconds()
 
     def _submit(self, name: str, call: Call, algo, outputs, opts, nbytes: int, flats=()):
+        if _profiler._is_profiler_enabled:  # name the collective in torch.profiler traces
+            with _profiler.record_function(f"neuron:{name}", f"group={self._label()} bytes={nbytes}"):
+                return self._submit_now(name, call, algo, outputs, opts, nbytes, flats)
+        return self._submit_now(name, call, algo, outputs, opts, nbytes, flats)
+
+    def _submit_now(self, name: str, call: Call, algo, outputs, opts, nbytes: int, flats=()):
         seconds = self._deadline_seconds(opts)
         work = NeuronWork(outputs, name)
         channel, scratch, small = self._channel, self._scratch, self.settings.small_bytes
@@ -523,6 +551,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return self._p2p
 
     def _post(self, t, peer, tag: int, is_send: bool, name: str):
+        if _profiler._is_profiler_enabled:
+            what = f"group={self._label()} peer={peer} tag={tag} bytes={t.numel() * t.element_size()}"
+            with _profiler.record_function(f"neuron:{name}", what):
+                return self._post_now(t, peer, tag, is_send, name)
+        return self._post_now(t, peer, tag, is_send, name)
+
+    def _post_now(self, t, peer, tag: int, is_send: bool, name: str):
         if self._closed:
             raise GroupAbortedError(f"{name}: the group was destroyed")
         f = _Flat(t, read=is_send)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cases import ALL_DTYPES, FLOATS, close, make, ops_for, reduce_ref, torch_op
+from cases import ALL_DTYPES, close, make, ops_for, reduce_ref, torch_op
 from harness import run_ranks
 
 SMALL_SLOTS = {"NEURON_DIST_SHM_SLOT_BYTES": "64K", "NEURON_DIST_SMALL_BYTES": "4K",

@@ -13,7 +13,6 @@ def subsets(rank, world):
     evens = dist.new_group([0, 2])
     odds = dist.new_group([1, 3])
     tail = dist.new_group([1, 2, 3])
-    single = dist.new_group([rank]) if False else None
     singles = [dist.new_group([k]) for k in range(world)]  # every rank creates every group
     mine = evens if rank % 2 == 0 else odds
     t = torch.full((3,), float(rank))
@@ -42,7 +41,6 @@ def subsets(rank, world):
     if s.item() != rank + 1:
         fails.append("singleton group")
     dist.barrier(group=singles[rank])
-    del single
     return fails
 
 

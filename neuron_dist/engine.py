@@ -69,12 +69,7 @@ class CollectiveEngine:
                     self._thread.start()
                 self._cv.notify_all()
         if inline:
-            try:
-                self._execute(task)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            self._run_busy(task)
 
     def _loop(self) -> None:
         set_background_thread()
@@ -86,12 +81,16 @@ class CollectiveEngine:
                     return
                 task = self._queue.popleft()
                 self._busy = True
-            try:
-                self._execute(task)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            self._run_busy(task)
+
+    def _run_busy(self, task) -> None:
+        """Execute ``task`` (the caller has set busy), then let the next one start."""
+        try:
+            self._execute(task)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def _execute(self, task) -> None:
         fn, work, seq = task

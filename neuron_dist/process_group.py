@@ -435,23 +435,27 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                             [t], opts, t.numel() * t.element_size(),
                             [f] if self._rank == root else [])
 
+    def _root_list(self, lists, like, root: int, what: str, read: bool) -> list:
+        """The root's list of one tensor per rank, checked and flattened; others pass none."""
+        if self._rank != root:
+            if lists and any(len(x) for x in lists):
+                raise ValueError(f"{what}: only the root (rank {root}) may pass a tensor list")
+            return []
+        if len(lists) != 1:
+            raise ValueError(f"{what}: the root needs exactly one tensor list")
+        tensors = lists[0]
+        checks.length(tensors, self._size, f"{what} list")
+        for k, t in enumerate(tensors):
+            checks.tensor(t, f"{what} tensor {k}")
+            checks.same_dtype(t, like, f"{what} tensor {k}")
+            checks.numel(t, like.numel(), f"{what} tensor {k}")
+        return [_Flat(t, read=read) for t in tensors]
+
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
         inp = checks.single(input_tensors, "gather input")
         root = checks.rank(opts.rootRank, self._size, "gather root")
-        fo = []
-        if self._rank == root:
-            if len(output_tensors) != 1:
-                raise ValueError("gather: the root needs exactly one output list")
-            outs = output_tensors[0]
-            checks.length(outs, self._size, "gather output list")
-            for k, o in enumerate(outs):
-                checks.tensor(o, f"gather output {k}")
-                checks.same_dtype(o, inp, f"gather output {k}")
-                checks.numel(o, inp.numel(), f"gather output {k}")
-            fo = [_Flat(o, read=False) for o in outs]
-        elif output_tensors and any(len(x) for x in output_tensors):
-            raise ValueError(f"gather: only the root (rank {root}) may pass output tensors")
+        fo = self._root_list(output_tensors, inp, root, "gather output", read=False)
         fi = _Flat(inp)
         call = Call("gather", inp.dtype, inp.numel(), root=root)
         return self._submit("gather", call,
@@ -462,19 +466,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         opts = opts or dist.ScatterOptions()
         out = checks.single(output_tensors, "scatter output")
         root = checks.rank(opts.rootRank, self._size, "scatter root")
-        fis = []
-        if self._rank == root:
-            if len(input_tensors) != 1:
-                raise ValueError("scatter: the root needs exactly one input list")
-            ins = input_tensors[0]
-            checks.length(ins, self._size, "scatter input list")
-            for k, t in enumerate(ins):
-                checks.tensor(t, f"scatter input {k}")
-                checks.same_dtype(t, out, f"scatter input {k}")
-                checks.numel(t, out.numel(), f"scatter input {k}")
-            fis = [_Flat(t) for t in ins]
-        elif input_tensors and any(len(x) for x in input_tensors):
-            raise ValueError(f"scatter: only the root (rank {root}) may pass input tensors")
+        fis = self._root_list(input_tensors, out, root, "scatter input", read=True)
         fo = _Flat(out, read=False)
         call = Call("scatter", out.dtype, out.numel(), root=root)
         return self._submit("scatter", call,

@@ -16,7 +16,7 @@ take one step each instead of a ring's N-1: the data volume per rank is the ring
 from __future__ import annotations
 
 from .context import Context, partition
-from .reduce_ops import reduce_into, stage
+from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
 ALIGN_BYTES = 64
 
@@ -59,13 +59,22 @@ def _two_step(ctx, out, inp, spec, cap) -> None:
     dtype = inp.dtype
     align = max(1, ALIGN_BYTES // inp.element_size())
     r = ctx.rank
+    # My own slice is reduced by me, straight from my input: only the slices that peers
+    # reduce need to go through shared memory (PREMUL_SUM must scale mine first, so it
+    # stages everything).
+    own_from_input = spec.kind != PREMUL_SUM
     for o in range(0, inp.numel(), cap):
         m = min(cap, inp.numel() - o)
         slices = partition(m, ctx.size, align)
-        stage(ctx.my_slot(dtype)[:m], inp[o:o + m], spec)
+        slot = ctx.my_slot(dtype)
+        for k, (s, length) in enumerate(slices):
+            if length and not (k == r and own_from_input):
+                stage(slot[s:s + length], inp[o + s:o + s + length], spec)
         ctx.step()
         s, length = slices[r]
         views = [ctx.peer_slot(k, dtype)[s:s + length] for k in range(ctx.size)]
+        if own_from_input:
+            views[r] = inp[o + s:o + s + length]
         reduce_into(ctx.my_slot(dtype)[s:s + length], views, spec, ctx.size, ctx.scratch)
         ctx.step()
         for k, (s, length) in enumerate(slices):

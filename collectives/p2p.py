@@ -91,17 +91,22 @@ class P2P:
     def __init__(self, rank: int, size: int, outbox, inbox, notify=None):
         self.rank = rank
         self.size = size
-        self._out = {k: outbox(k) for k in range(size) if k != rank}
+        self._outbox = outbox
+        self._out = {}  # dst -> Mailbox, made on the first send to dst (it reserves memory)
         self._in = {k: inbox(k) for k in range(size) if k != rank}
-        self._sends = {k: deque() for k in self._out}
+        self._sends = {}
         self._recvs: list[Request] = []
         self._incoming: dict[int, _Incoming | None] = {k: None for k in self._in}
         self._unexpected: deque = deque()  # (src, tag, buffer), in arrival order
-        self._piece = {k: max(FRAME_ALIGN, m.capacity // 4) for k, m in self._out.items()}
+        self._piece = {}
         self._notify = notify or (lambda peer: None)
 
     # ------------------------------------------------------------------ posting
     def post_send(self, req: Request) -> None:
+        if req.peer not in self._out:
+            box = self._out[req.peer] = self._outbox(req.peer)
+            self._piece[req.peer] = max(FRAME_ALIGN, box.capacity // 4)
+            self._sends[req.peer] = deque()
         self._sends[req.peer].append(req)
 
     def post_recv(self, req: Request) -> None:

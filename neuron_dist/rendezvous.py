@@ -38,7 +38,7 @@ def open_group_channel(store, rank: int, size: int, settings, timeout: timedelta
     layout = Layout(size, settings.slot_bytes, settings.mailbox_bytes)
     if rank == 0:
         sweep_leftovers()
-        segment = Segment.create(new_segment_name(), layout.total_bytes)
+        segment = Segment.create(new_segment_name(), layout.total_bytes, layout.eager_ranges())
         store.set(f"{key}/segment", segment.name)
     else:
         segment = Segment.attach(store.get(f"{key}/segment").decode(), layout.total_bytes)

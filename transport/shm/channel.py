@@ -250,8 +250,12 @@ class ShmChannel:
 
     # -------------------------------------------------------------- mailboxes
     def mailbox(self, src: int, dst: int) -> ShmMailbox:
+        """The src -> dst mailbox; its pages are reserved here when this rank is the sender
+        (the only writer of its bytes), so unused pairs cost no memory."""
         head, tail = self.layout.mailbox_counters(src, dst)
         off = self.layout.mailbox_data(src, dst)
+        if src == self.rank:
+            self.segment.reserve(off, self.layout.mailbox_bytes)
         return ShmMailbox(self._w, head, tail, self._view(off, self.layout.mailbox_bytes), off)
 
     def backoff(self) -> Backoff:

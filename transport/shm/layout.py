@@ -79,5 +79,16 @@ class Layout:
         base = self.region(dst) + MAILBOX_CTR_OFF + src * MAILBOX_CTR_STRIDE
         return base, base + LINE
 
+    def eager_ranges(self) -> list[tuple[int, int]]:
+        """(offset, length) of what is used from the start: header, control and slots.
+        Mailboxes are reserved when their sender first uses them."""
+        first = [(0, HEADER_BYTES)]
+        return first + [(self.region(k), self.control_bytes + 2 * self.slot_bytes)
+                        for k in range(self.size)]
+
+    @property
+    def eager_bytes(self) -> int:
+        return sum(length for _, length in self.eager_ranges())
+
     def mailbox_data(self, src: int, dst: int) -> int:
         return self.region(dst) + self.control_bytes + 2 * self.slot_bytes + src * self.mailbox_bytes

@@ -3,8 +3,10 @@
 Lifecycle, chosen so that nothing can accumulate in /dev/shm:
 
 1. The creator makes ``<dir>/neuron-<uid>-<creator pid>-<random token>`` with
-   O_CREAT|O_EXCL and mode 0600, and reserves its pages with posix_fallocate (so a too-small
-   /dev/shm fails here with a clear error instead of a SIGBUS later).
+   O_CREAT|O_EXCL and mode 0600, sized with ftruncate (sparse), and reserves the pages that
+   are used at once with posix_fallocate; other ranges (send/recv mailboxes) are reserved
+   by ``reserve`` on first use. Either way a too-small /dev/shm fails with a clear error
+   instead of a SIGBUS on first touch.
 2. Peers open it by name (they learn the name through the c10d store) and map it.
 3. Once every rank has mapped it, the creator unlinks the name. The mapping lives on until
    the last process unmaps it or dies, so a SIGKILL leaves nothing behind.
@@ -46,28 +48,34 @@ class Segment:
         self._path = os.path.join(shm_dir(), name)
         try:
             self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd  # kept for ``reserve``; works after the name is unlinked
         self._unlinked = False
 
     @classmethod
-    def create(cls, name: str, size: int) -> "Segment":
+    def create(cls, name: str, size: int, reserve=((0, None),)) -> "Segment":
+        """Create ``size`` bytes; ``reserve`` lists (offset, length) ranges to allocate now
+        (length None: to the end)."""
         path = os.path.join(shm_dir(), name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as exc:
             raise ShmSetupError(f"cannot create shared-memory segment {path}: {exc}") from exc
         try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
+            os.ftruncate(fd, size)
+            for off, length in reserve:
+                _fallocate(fd, off, size - off if length is None else length)
+        except BaseException:
             os.close(fd)
             os.unlink(path)
-            raise ShmSetupError(
-                f"cannot reserve {size / 2**20:.1f} MiB in {shm_dir()} ({exc.strerror}); "
-                "free space there (e.g. docker --shm-size) or lower NEURON_DIST_SHM_SLOT_BYTES / "
-                "NEURON_DIST_SHM_MAILBOX_BYTES"
-            ) from exc
+            raise
         return cls(name, fd, size, owner=True)
+
+    def reserve(self, offset: int, length: int) -> None:
+        """Allocate the pages of a range before first use (ShmSetupError if no space)."""
+        _fallocate(self._fd, offset, length)
 
     @classmethod
     def attach(cls, name: str, size: int) -> "Segment":
@@ -94,11 +102,24 @@ class Segment:
     def close(self) -> None:
         if self.owner:
             self.unlink()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             self.map.close()
         except BufferError:
             # A tensor view still references the mapping; it is unmapped when that view dies.
             pass
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        raise ShmSetupError(
+            f"cannot reserve {length / 2**20:.1f} MiB in {shm_dir()} ({exc.strerror}); "
+            "free space there (e.g. docker --shm-size) or lower NEURON_DIST_SHM_SLOT_BYTES / "
+            "NEURON_DIST_SHM_MAILBOX_BYTES") from exc
 
 
 def _pid_alive(pid: int) -> bool:

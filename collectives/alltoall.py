@@ -1,12 +1,12 @@
 """All-to-all with arbitrary (uneven, possibly empty) splits over a step channel.
 
-Step 0 exchanges sizes: every rank writes the bytes it will send to each rank and expects
-from each rank (2N int64 words) into its slot. Every rank then checks every pair
-(what i sends to j == what j expects from i), so all ranks agree on success or on the
-same error, and on the number of data steps (from the largest block anywhere).
-Data steps cut the slot into N blocks; block k of rank r's slot carries the next piece
-of r's data for rank k, which rank k copies out after the step. A rank's block for itself
-is copied directly, outside shared memory.
+A slot is laid out as [sizes header | block 0 | block 1 | ... | block N-1]. Block k of rank
+r's slot carries the next piece of r's data for rank k, which rank k copies out after the
+step. The header holds the bytes this rank sends to and expects from every rank (2N int64):
+after the first step every rank checks every pair (what i sends to j == what j expects from
+i), so all ranks agree on success or on the same error, and on the number of further steps
+(from the largest block anywhere). The first step carries data too, so a small all-to-all
+takes one step. A rank's block for itself is copied directly, outside shared memory.
 """
 
 from __future__ import annotations
@@ -23,31 +23,32 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     """Send uint8 ``ins[k]`` to rank k and receive rank k's block into ``outs[k]``."""
     n = ctx.size
     r = ctx.rank
-    sizes = ctx.my_slot().view(torch.int64)
-    for k in range(n):
-        sizes[k] = ins[k].numel()
-        sizes[n + k] = outs[k].numel()
-    ctx.step()
-    table = [ctx.peer_slot(k).view(torch.int64)[:2 * n].tolist() for k in range(n)]
-    _check_splits(table, n, element_size, ctx)
-    if outs[r].numel():
-        outs[r].copy_(ins[r])  # my block to myself never touches shared memory
-    per = (ctx.channel.slot_bytes // n) // ALIGN_BYTES * ALIGN_BYTES
-    largest = max((table[i][j] for i in range(n) for j in range(n) if i != j), default=0)
-    if largest == 0:
-        return
-    for i in range(steps_for(largest, per)):
+    header = -(-16 * n // ALIGN_BYTES) * ALIGN_BYTES
+    per = ((ctx.channel.slot_bytes - header) // n) // ALIGN_BYTES * ALIGN_BYTES
+    largest = per  # until the first step tells us the real sizes
+    i = 0
+    while i < steps_for(largest, per):
         o = i * per
         slot = ctx.my_slot()
+        if i == 0:
+            sizes = [t.numel() for t in ins] + [t.numel() for t in outs]
+            slot[:header].view(torch.int64)[:2 * n].copy_(torch.tensor(sizes, dtype=torch.int64))
         for k, src in enumerate(ins):
             m = max(0, min(per, src.numel() - o))
             if m and k != r:
-                slot[k * per:k * per + m].copy_(src[o:o + m])
+                slot[header + k * per:header + k * per + m].copy_(src[o:o + m])
         ctx.step()
+        if i == 0:
+            table = [ctx.peer_slot(k)[:header].view(torch.int64)[:2 * n].tolist() for k in range(n)]
+            _check_splits(table, n, element_size, ctx)
+            if outs[r].numel():
+                outs[r].copy_(ins[r])
+            largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
         for k, dst in enumerate(outs):
             m = max(0, min(per, dst.numel() - o))
             if m and k != r:
-                dst[o:o + m].copy_(ctx.peer_slot(k)[r * per:r * per + m])
+                dst[o:o + m].copy_(ctx.peer_slot(k)[header + r * per:header + r * per + m])
+        i += 1
 
 
 def _check_splits(table, n, element_size, ctx) -> None:

@@ -1,0 +1,85 @@
+"""Summarise benchmark JSON files as Markdown, and put the summary into the README.
+
+For each world size and op: the smallest size's latency and the largest size's bus
+bandwidth per backend, each with its ratio to gloo *from the same run*, plus the range of
+neuron/gloo ratios over all sizes. ``--readme README.md`` replaces the text between the
+``<!-- perf:start -->`` and ``<!-- perf:end -->`` markers, so the README's numbers always come
+from committed result files:
+
+    python -m neuron_dist.bench.summary --readme README.md results/bench-n2.json results/bench-n4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+START, END = "<!-- perf:start -->", "<!-- perf:end -->"
+
+
+def _size(n: int) -> str:
+    for unit, div in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def summarise(docs: list[tuple[str, dict]]) -> str:
+    """Markdown tables for the given (path, document) pairs."""
+    out = []
+    for path, doc in docs:
+        meta = doc["meta"]
+        rows = [r for r in doc["results"] if r["status"] == "ok"]
+        mpi = meta.get("mpi")
+        mpi = mpi.get("mpi_library", "MPI") if isinstance(mpi, dict) else (mpi or "no MPI")
+        out.append(f"From `{path}` (`{meta['command']}`; {meta['cores']} cores, torch "
+                   f"{meta['torch']}, {mpi}):\n")
+        out.append("| op | n | smallest: time per backend (x gloo) | largest: busbw GB/s per backend "
+                   "(x gloo) | neuron vs gloo over all sizes |")
+        out.append("|---|---|---|---|---|")
+        keys = sorted({(r["op"], r["world"]) for r in rows}, key=lambda k: (k[1], k[0]))
+        for op, world in keys:
+            mine = [r for r in rows if r["op"] == op and r["world"] == world]
+            lo, hi = min(r["bytes"] for r in mine), max(r["bytes"] for r in mine)
+
+            def cell(size, fmt):
+                parts = []
+                for r in sorted((r for r in mine if r["bytes"] == size), key=lambda r: r["backend"]):
+                    ratio = f" ({r['vs_gloo']:.2f}x)" if r.get("vs_gloo") and r["backend"] != "gloo" else ""
+                    parts.append(f"{r['backend']} {fmt(r)}{ratio}")
+                return f"{_size(size)}: " + ", ".join(parts)
+
+            ratios = [r["vs_gloo"] for r in mine if r["backend"] == "neuron" and r.get("vs_gloo")]
+            span = f"{min(ratios):.2f}x .. {max(ratios):.2f}x" if ratios else "n/a"
+            out.append(f"| {op} | {world} | {cell(lo, lambda r: format(r['time_us'], '.0f') + ' us')} | "
+                       f"{cell(hi, lambda r: format(r['busbw_gbs'], '.2f'))} | {span} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def replace_section(text: str, body: str) -> str:
+    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"README has no {START} ... {END} section")
+    return pattern.sub(lambda _: f"{START}\n{body}\n{END}", text)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", help="benchmark JSON files")
+    parser.add_argument("--readme", help="README to update in place")
+    args = parser.parse_args(argv)
+    docs = [(p, json.load(open(p))) for p in args.files]
+    body = summarise(docs)
+    if args.readme:
+        with open(args.readme) as f:
+            text = f.read()
+        with open(args.readme, "w") as f:
+            f.write(replace_section(text, body))
+    else:
+        print(body)
+
+
+if __name__ == "__main__":
+    main()

@@ -100,3 +100,29 @@ def test_eight_ranks_on_two_cores_stay_responsive():
     # gloo needs ~1.1 ms per tiny all_reduce at 4 ranks on 2 cores; a spin-wait collapse
     # would take tens of ms per op here. This is a sanity bound, not the benchmark.
     assert worst < 0.02, worst
+
+
+def wait_with_timeout(rank, world):
+    from datetime import timedelta
+
+    if rank == 1:
+        time.sleep(1.0)
+        dist.all_reduce(torch.ones(3))
+        return None
+    w = dist.all_reduce(torch.ones(3), async_op=True)
+    t0 = time.monotonic()
+    try:
+        w.wait(timedelta(seconds=0.2))
+        first = "no error"
+    except Exception as exc:  # noqa: BLE001
+        first = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - t0
+    w.wait()  # the collective itself goes on and completes once rank 1 arrives
+    return first, took, w.get_future().value()[0].tolist()
+
+
+def test_work_wait_timeout_raises_and_the_op_still_completes():
+    first, took, value = run_ranks(wait_with_timeout, 2, timeout=60)[0]
+    assert first.startswith("PeerTimeoutError") and "Work.wait timed out" in first, first
+    assert 0.15 < took < 0.8, took
+    assert value == [2.0, 2.0, 2.0]

@@ -43,6 +43,9 @@ class Settings:
         NEURON_DIST_SHM_DIR            /dev/shm
         NEURON_DIST_NODE_NAME          hostname+boot id: ranks with equal names share memory
         NEURON_DIST_DEBUG              WARN  WARN, INFO or TRACE
+
+        The flight recorder reads NEURON_DIST_FR_SIZE (2000) and NEURON_DIST_FR_DIR (.)
+        itself (neuron_dist/flight_recorder.py): it is process-wide, not per group.
         """
         spin = _env("NEURON_DIST_SPIN", "auto")
         settings = cls(

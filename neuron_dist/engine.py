@@ -23,6 +23,7 @@ import threading
 from collections import deque
 
 from .errors import GroupAbortedError
+from .flight_recorder import recorder
 from .transport.shm.backoff import set_background_thread
 
 
@@ -38,8 +39,11 @@ class CollectiveEngine:
         user sees and says whether the group is unusable afterwards.
     """
 
-    def __init__(self, label: str, on_error):
+    def __init__(self, label: str, on_error, group_name: str = "", rank: int = 0, size: int = 1):
         self.label = label
+        self.group_name = group_name
+        self.rank = rank
+        self.size = size
         self._on_error = on_error
         self._cv = threading.Condition()
         self._queue: deque = deque()
@@ -49,14 +53,18 @@ class CollectiveEngine:
         self.seq = 0
         self.broken = None
 
-    def submit(self, fn, work, async_op: bool, name: str) -> None:
-        """Issue ``fn(seq)`` as the group's next collective, completing ``work``."""
+    def submit(self, fn, work, async_op: bool, name: str, call=None) -> None:
+        """Issue ``fn(seq)`` as the group's next collective, completing ``work``.
+
+        ``call`` (its descriptor) goes into the flight recorder.
+        """
         with self._cv:
             if self._stopped:
                 raise GroupAbortedError(f"{name} in group {self.label}: the group was destroyed")
             self.seq += 1
             work.what = f"{name} #{self.seq} in group {self.label}"
-            task = (fn, work, self.seq)
+            rec = recorder.issue(self.group_name, self.rank, self.size, self.seq, name, call)
+            task = (fn, work, self.seq, rec)
             inline = not async_op and not self._queue and not self._busy
             if inline:
                 self._busy = True
@@ -93,19 +101,29 @@ class CollectiveEngine:
                 self._cv.notify_all()
 
     def _execute(self, task) -> None:
-        fn, work, seq = task
+        fn, work, seq, rec = task
         if self.broken is not None:
-            work._complete(GroupAbortedError(
-                f"{work.what}: the group is unusable after an earlier failure: {self.broken}"))
+            error = GroupAbortedError(
+                f"{work.what}: the group is unusable after an earlier failure: {self.broken}")
+            if rec is not None:
+                rec.finish(error)
+            work._complete(error)
             return
+        if rec is not None:
+            rec.start()
         try:
             fn(seq)  # algorithms touch only detached tensors: no autograd involved
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
             error, fatal = self._on_error(exc, work.what)
+            if rec is not None:
+                rec.finish(error)
             if fatal and self.broken is None:
                 self.broken = error
+                recorder.dump(str(error))
             work._complete(error)
         else:
+            if rec is not None:
+                rec.finish()
             work._complete()
 
     def is_engine_thread(self) -> bool:
@@ -129,8 +147,10 @@ class CollectiveEngine:
             self._queue.clear()
             self._cv.notify_all()
             thread = self._thread
-        for _, work, _ in pending:
-            work._complete(error or GroupAbortedError(
-                f"{work.what}: the group was destroyed before this ran"))
+        for _, work, _, rec in pending:
+            failure = error or GroupAbortedError(f"{work.what}: the group was destroyed before this ran")
+            if rec is not None:
+                rec.finish(failure)
+            work._complete(failure)
         if thread is not None and thread is not threading.current_thread():
             thread.join(join_timeout)

@@ -26,6 +26,7 @@ from .transport.errors import (ABORTED, ABORTED_PEER_DIED, ABORTED_TIMEOUT, Chan
 from . import checks, stats
 from .config import Settings
 from .engine import CollectiveEngine
+from .flight_recorder import install_signal_handler
 from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
                      PeerTimeoutError)
 from .p2p_engine import P2PEngine
@@ -111,7 +112,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._channel = open_group_channel(store, rank, size, self.settings, timeout)
         self._scratch = Scratch()
         self._calls = {}
-        self._engine = CollectiveEngine(self._label(), self._on_error)
+        self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size)
+        install_signal_handler()
         self._p2p = None
         self._closed = False
         log.info("neuron: group rank %d/%d ready: shm %.1f MiB (slot %d KiB x2, mailbox %d KiB "
@@ -129,6 +131,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def setGroupName(self, name: str) -> None:
         self._group_name = name
         self._engine.label = self._label()
+        self._engine.group_name = self._group_key()
 
     def getGroupName(self) -> str:
         return self._group_name
@@ -136,6 +139,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
         self._engine.label = self._label()
+        self._engine.group_name = self._group_key()
 
     def getGroupDesc(self) -> str:
         return self._group_desc
@@ -168,6 +172,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     supports_splitting = False
     supports_coalescing = False
     supports_time_estimate = False
+
+    def _group_key(self) -> str:
+        desc = f" ({self._group_desc})" if self._group_desc else ""
+        return f"'{self._group_name or '?'}'{desc}"
 
     def _label(self) -> str:
         desc = f" ({self._group_desc})" if self._group_desc else ""
@@ -203,7 +211,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         stats.add_call(nbytes)
         started = time.monotonic()
-        self._engine.submit(run, work, bool(getattr(opts, "asyncOp", False)), name)
+        self._engine.submit(run, work, bool(getattr(opts, "asyncOp", False)), name, call)
         if work.is_completed():
             stats.add_blocked(time.monotonic() - started)
         return work

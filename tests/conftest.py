@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -12,6 +14,15 @@ import torch  # noqa: E402
 # hang forever inside libgomp. Keeping this process single-threaded keeps forking safe;
 # the ranks inherit the setting.
 torch.set_num_threads(1)
+
+# Flight-recorder dumps (written when a test makes a collective fail) go to a private
+# directory that is removed at the end of the session, not into the working tree.
+_FR_DIR = tempfile.mkdtemp(prefix="neuron-fr-tests-")
+os.environ.setdefault("NEURON_DIST_FR_DIR", _FR_DIR)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_FR_DIR, ignore_errors=True)
 
 
 def _neuron_segments():

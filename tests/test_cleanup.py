@@ -192,7 +192,7 @@ def run_job(tmp_path, mode: str, world: int = 2, pg_timeout: float = 10.0):
         proc = subprocess.run(
             [sys.executable, str(script), mode, str(world), str(out), str(pg_timeout),
              str(JOB_DEADLINE)],
-            env=_clean_env(NEURON_TEST_JOB_TAG=tag), capture_output=True, text=True,
+            env=_clean_env(NEURON_TEST_JOB_TAG=tag, NEURON_DIST_FR_DIR=str(tmp_path)), capture_output=True, text=True,
             timeout=SUBPROCESS_TIMEOUT)
     finally:
         # whatever happened, nothing of the job may still run

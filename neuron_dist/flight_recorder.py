@@ -1,0 +1,112 @@
+"""Flight recorder: the last collectives of this process, dumped when something goes wrong.
+
+Every collective a group issues gets a ``Record`` (group, sequence number, op, call
+descriptor, state, timestamps, error) in a bounded ring (``NEURON_DIST_FR_SIZE`` entries,
+default 2000, 0 disables). The ring is written as JSON to
+``$NEURON_DIST_FR_DIR/neuron-fr-rank<RANK>-pid<pid>.json`` (default directory: the current
+one) when a collective fails with a timeout, a dead peer or an abort, and on SIGUSR1 (if the
+program has not installed its own handler). ``python -m neuron_dist.fr_analyze DIR`` reads
+the dumps of all ranks and says which rank is behind or called something different.
+
+Recording costs one small object per collective; formatting happens only when dumping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import deque
+
+QUEUED, RUNNING, COMPLETED, FAILED = "queued", "running", "completed", "failed"
+
+
+class Record:
+    __slots__ = ("group", "rank", "size", "seq", "op", "call", "state", "t_issue", "t_start",
+                 "t_end", "error")
+
+    def __init__(self, group, rank, size, seq, op, call):
+        self.group, self.rank, self.size = group, rank, size
+        self.seq, self.op, self.call = seq, op, call
+        self.state = QUEUED
+        self.t_issue = time.time()
+        self.t_start = self.t_end = None
+        self.error = None
+
+    def start(self) -> None:
+        self.state = RUNNING
+        self.t_start = time.time()
+
+    def finish(self, error=None) -> None:
+        self.state = FAILED if error is not None else COMPLETED
+        self.t_end = time.time()
+        if error is not None:
+            self.error = f"{type(error).__name__}: {error}"
+
+    def as_dict(self) -> dict:
+        call = self.call
+        return {
+            "group": self.group, "rank": self.rank, "size": self.size, "seq": self.seq,
+            "op": self.op, "call": call.describe() if call is not None else self.op,
+            "dtype": str(call.dtype).replace("torch.", "") if call is not None and call.dtype else None,
+            "count": call.count if call is not None else None,
+            "root": call.root if call is not None else None,
+            "state": self.state, "t_issue": self.t_issue, "t_start": self.t_start,
+            "t_end": self.t_end, "error": self.error,
+        }
+
+
+class FlightRecorder:
+    """Process-wide ring of the most recent collectives."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._ring: deque = deque(maxlen=max(1, size))
+        self._lock = threading.Lock()
+        self.dumps = 0
+
+    def issue(self, group: str, rank: int, size: int, seq: int, op: str, call) -> Record | None:
+        if not self.size:
+            return None
+        rec = Record(group, rank, size, seq, op, call)
+        self._ring.append(rec)
+        return rec
+
+    def path(self) -> str:
+        directory = os.environ.get("NEURON_DIST_FR_DIR", ".")
+        rank = os.environ.get("RANK", "x")
+        return os.path.join(directory, f"neuron-fr-rank{rank}-pid{os.getpid()}.json")
+
+    def dump(self, reason: str) -> str | None:
+        """Write the ring to ``path()``; returns the path (None if disabled or it failed)."""
+        if not self.size:
+            return None
+        with self._lock:
+            records = [r.as_dict() for r in list(self._ring)]
+            doc = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "reason": reason,
+                   "time": time.time(), "records": records}
+            path = self.path()
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                tmp = f"{path}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(doc, f, indent=1)
+                os.replace(tmp, path)
+            except OSError:
+                return None
+            self.dumps += 1
+            return path
+
+
+recorder = FlightRecorder(int(os.environ.get("NEURON_DIST_FR_SIZE", "2000")))
+
+
+def install_signal_handler() -> None:
+    """Dump on SIGUSR1, unless the program handles that signal itself (main thread only)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        return
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        return
+    signal.signal(signal.SIGUSR1, lambda signum, frame: recorder.dump("SIGUSR1"))

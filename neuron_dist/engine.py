@@ -19,11 +19,15 @@ once with an error that names the original failure.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import deque
 
 from .errors import GroupAbortedError
 from .flight_recorder import recorder
+
+log = logging.getLogger("neuron_dist")
 from .transport.shm.backoff import set_background_thread
 
 
@@ -111,19 +115,28 @@ class CollectiveEngine:
             return
         if rec is not None:
             rec.start()
+        trace = log.isEnabledFor(logging.DEBUG)
+        if trace:
+            log.debug("neuron: start %s%s", work.what, f" {rec.call.describe()}" if rec and rec.call else "")
+            started = time.monotonic()
         try:
             fn(seq)  # algorithms touch only detached tensors: no autograd involved
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
             error, fatal = self._on_error(exc, work.what)
             if rec is not None:
                 rec.finish(error)
+            log.log(logging.WARNING if fatal else logging.INFO, "neuron: %s", error)
             if fatal and self.broken is None:
                 self.broken = error
-                recorder.dump(str(error))
+                path = recorder.dump(str(error))
+                if path:
+                    log.warning("neuron: flight recorder written to %s", path)
             work._complete(error)
         else:
             if rec is not None:
                 rec.finish()
+            if trace:
+                log.debug("neuron: done  %s in %.1f us", work.what, (time.monotonic() - started) * 1e6)
             work._complete()
 
     def is_engine_thread(self) -> bool:

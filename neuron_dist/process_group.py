@@ -21,6 +21,7 @@ from .collectives import alltoall, allgather, allreduce, barrier, broadcast, red
 from .collectives.descriptor import Call, CollectiveMismatch, digest
 from .collectives.p2p import P2P, P2PError, Request
 from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
+from .transport.shm.futex import available as futex_available
 from .transport.errors import (ABORTED, ABORTED_PEER_DIED, ABORTED_TIMEOUT, ChannelClosed, PeerAborted,
                                PeerDied, PeerTimeout)
 from . import checks, stats
@@ -116,10 +117,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         install_signal_handler()
         self._p2p = None
         self._closed = False
-        log.info("neuron: group rank %d/%d ready: shm %.1f MiB (slot %d KiB x2, mailbox %d KiB "
-                 "per peer), one-step all_reduce <= %d KiB", rank, size,
-                 self._channel.layout.total_bytes / 2**20, self.settings.slot_bytes >> 10,
-                 self.settings.mailbox_bytes >> 10, self.settings.small_bytes >> 10)
+        log.info("neuron: group rank %d/%d ready on node %r: shared memory %.1f MiB reserved "
+                 "(slot %d KiB x2 per rank; %d KiB per send/recv pair on first use), one-step "
+                 "all_reduce <= %d KiB, spin %s, futex %s", rank, size,
+                 self.settings.node_name or "auto", self._channel.layout.eager_bytes / 2**20,
+                 self.settings.slot_bytes >> 10, self.settings.mailbox_bytes >> 10,
+                 self.settings.small_bytes >> 10,
+                 "auto" if self.settings.spin is None else self.settings.spin,
+                 "on" if futex_available else "off")
 
     # ---------------------------------------------------------------- identity
     def getBackendName(self) -> str:

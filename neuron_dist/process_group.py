@@ -290,31 +290,27 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return call
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """All-reduce of several tensors of one dtype, as one all-reduce of their concatenation."""
         opts = opts or dist.AllreduceCoalescedOptions()
         spec = reduce_spec(opts.reduceOp)
         for i, t in enumerate(tensors):
             checks.tensor(t, f"allreduce_coalesced tensor {i}")
+            checks.same_dtype(t, tensors[0], f"allreduce_coalesced tensor {i}")
             check_supported(spec, t.dtype)
-        groups: dict = {}
-        for t in tensors:
-            groups.setdefault(t.dtype, []).append(t)
-        calls = [Call("all_reduce", dt, sum(t.numel() for t in ts), reduce=spec.kind,
-                      extra=digest([t.numel() for t in ts])) for dt, ts in groups.items()]
+        dtype = tensors[0].dtype if tensors else torch.float32
+        counts = [t.numel() for t in tensors]
+        call = Call("all_reduce", dtype, sum(counts), reduce=spec.kind, extra=digest(counts))
 
         def algo(ctx):
-            # One all-reduce per dtype over the concatenation of that dtype's tensors.
-            for (dt, ts), call in zip(groups.items(), calls):
-                ctx.call = call
-                ctx._checked = False
-                flat = torch.cat([t.detach().reshape(-1) for t in ts])
-                allreduce.all_reduce(ctx, flat, flat, spec)
-                o = 0
-                for t in ts:
-                    t.detach().copy_(flat[o:o + t.numel()].view(t.shape))
-                    o += t.numel()
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else \
+                torch.empty(0, dtype=dtype)
+            allreduce.all_reduce(ctx, flat, flat, spec)
+            o = 0
+            for t in tensors:
+                t.detach().copy_(flat[o:o + t.numel()].view(t.shape))
+                o += t.numel()
 
-        first = calls[0] if calls else Call("all_reduce", None, 0, reduce=spec.kind)
-        return self._submit("allreduce_coalesced", first, algo, list(tensors), opts,
+        return self._submit("allreduce_coalesced", call, algo, list(tensors), opts,
                             sum(t.numel() * t.element_size() for t in tensors))
 
     # ------------------------------------------------------------- all-gather

@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 import time
 
-from .collectives.p2p import P2P, Request  # noqa: F401  (Request re-exported for callers)
-from .errors import GroupAbortedError
+from .collectives.p2p import P2P, Request
+from .errors import GroupAbortedError, PeerTimeoutError
 from .transport.shm.backoff import set_background_thread
 
 LIVENESS_PERIOD = 0.2
@@ -74,7 +74,6 @@ class P2PEngine:
                 if req.done:
                     return
                 if time.monotonic() > deadline:
-                    from .errors import PeerTimeoutError
                     raise PeerTimeoutError(f"{req.describe()} in group {self._label}: "
                                            "Work.wait timed out")
                 if moved:

@@ -1,0 +1,513 @@
+"""The rdm protocol core under a simulated lossy multi-rail network, and its frame decoder fuzzed.
+
+Every test drives ``transport.rdm.protocol.Endpoint`` objects through ``Net``: a seeded,
+deterministic simulation with one "wire" per (direction, rail) that drops, duplicates,
+delays (hence reorders) and corrupts frames, and rails that die. No sockets, no threads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import struct
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
+
+from neuron_dist.transport.rdm import frames as F
+from neuron_dist.transport.rdm.protocol import (Endpoint, FrameRejected, MessageReceived,
+                                                PeerFailed, ProtocolError, SendCompleted)
+
+DT = 0.002
+
+
+class Net:
+    """Endpoints joined by ``rails`` lossy wires per direction, stepped in simulated time."""
+
+    def __init__(self, endpoints, seed=0, drop=0.0, dup=0.0, corrupt=0.0, delay=(0.001, 0.02)):
+        self.eps = endpoints
+        self.rng = random.Random(seed)
+        self.drop, self.dup, self.corrupt, self.delay = drop, dup, corrupt, delay
+        self.now = 0.0
+        self.queue = []  # (arrival time, n, dst, rail, bytes)
+        self.n = 0
+        self.dead = set()  # (a, b, rail) with a < b: the rail between a and b is cut
+        self.events = {ep.rank: [] for ep in endpoints}
+        self.max_inflight = {ep.rank: 0 for ep in endpoints}
+        self.max_reassembly = {ep.rank: 0 for ep in endpoints}
+        self.on_step = []
+
+    def _link(self, a, b, rail):
+        return (min(a, b), max(a, b), rail)
+
+    def cut(self, a, b, rail):
+        """Kill the rail between a and b: frames on it (also in flight) vanish."""
+        self.dead.add(self._link(a, b, rail))
+
+    def _put(self, src, tx):
+        if self._link(src, tx.peer, tx.rail) in self.dead or self.rng.random() < self.drop:
+            return
+        copies = 2 if self.rng.random() < self.dup else 1
+        for _ in range(copies):
+            data = tx.data
+            if self.rng.random() < self.corrupt:
+                b = bytearray(data)
+                i = self.rng.randrange(len(b))
+                b[i] ^= self.rng.randrange(1, 256)
+                data = bytes(b)
+            self.n += 1
+            t = self.now + self.rng.uniform(*self.delay)
+            heapq.heappush(self.queue, (t, self.n, src, tx.peer, tx.rail, data))
+
+    def step(self):
+        self.now += DT
+        for ep in self.eps:
+            for tx in ep.poll_transmit(self.now):
+                self._put(ep.rank, tx)
+        by_rank = {ep.rank: ep for ep in self.eps}
+        while self.queue and self.queue[0][0] <= self.now:
+            _, _, src, dst, rail, data = heapq.heappop(self.queue)
+            if self._link(src, dst, rail) in self.dead:
+                continue
+            by_rank[dst].receive(rail, data, self.now)
+        for ep in self.eps:
+            self.events[ep.rank] += ep.events()
+            for peer in range(ep.world_size):
+                if peer != ep.rank:
+                    self.max_inflight[ep.rank] = max(self.max_inflight[ep.rank], ep.inflight_bytes(peer))
+            self.max_reassembly[ep.rank] = max(self.max_reassembly[ep.rank], ep.reassembly_bytes)
+        for hook in list(self.on_step):
+            hook(self)
+
+    def run(self, done, max_time=60.0):
+        while not done():
+            assert self.now < max_time, "simulation did not finish in time"
+            self.step()
+
+    def of(self, rank, kind):
+        return [e for e in self.events[rank] if isinstance(e, kind)]
+
+
+def make(world, **kw):
+    args = dict(rails=3, segment_bytes=256, max_message_bytes=1 << 20, rto=0.05, max_rto=0.4,
+                max_retries=30, window_bytes=8 * 1024)
+    args.update(kw)
+    return [Endpoint(r, world, **args) for r in range(world)]
+
+
+def payload(rng, n):
+    return bytes(rng.getrandbits(8) for _ in range(n))
+
+
+def send_traffic(eps, rng, per_pair=12, sizes=(0, 1, 255, 256, 257, 1000, 3000), tags=(0, 1, 5)):
+    """Send messages between every ordered pair; return {(src, dst, tag): [bytes in send order]}."""
+    sent, ids = {}, {}
+    for ep in eps:
+        for peer in range(ep.world_size):
+            if peer == ep.rank:
+                continue
+            for _ in range(per_pair):
+                tag = rng.choice(tags)
+                data = payload(rng, rng.choice(sizes))
+                msg_id = ep.send(peer, tag, data)
+                sent.setdefault((ep.rank, peer, tag), []).append(data)
+                ids.setdefault((ep.rank, peer), set()).add(msg_id)
+    return sent, ids
+
+
+def all_delivered(net, sent, ids):
+    def done():
+        got = sum(len(net.of(r, MessageReceived)) for r in net.events)
+        completed = sum(len(net.of(r, SendCompleted)) for r in net.events)
+        return got == sum(map(len, sent.values())) and completed == sum(map(len, ids.values()))
+    return done
+
+
+def check_delivery(net, sent, ids):
+    received = {}
+    for rank in net.events:
+        for e in net.of(rank, MessageReceived):
+            received.setdefault((e.src, rank, e.tag), []).append(bytes(e.data))
+    assert received == sent  # exactly once, intact, in per-(src, tag) order
+    for rank in net.events:
+        done = {}
+        for e in net.of(rank, SendCompleted):
+            done.setdefault((rank, e.peer), []).append(e.msg_id)
+        for key, msg_ids in done.items():
+            assert len(msg_ids) == len(set(msg_ids)), "a completion fired twice"
+            assert set(msg_ids) == ids[key]
+    for rank in net.events:
+        assert not net.of(rank, PeerFailed)
+
+
+# ---------------------------------------------------------------- delivery under faults
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_two_ranks_lossy_duplicating_reordering(seed):
+    eps = make(2)
+    net = Net(eps, seed=seed, drop=0.2, dup=0.1, delay=(0.001, 0.03))
+    sent, ids = send_traffic(eps, random.Random(seed))
+    net.run(all_delivered(net, sent, ids))
+    check_delivery(net, sent, ids)
+    assert eps[0].stats["retransmits"] > 0 and eps[1].stats["duplicates"] > 0
+    for ep in eps:  # the window was respected (one segment may always be outstanding)
+        assert net.max_inflight[ep.rank] <= ep.window_bytes
+        assert ep.reassembly_bytes == 0
+
+
+def test_three_ranks_all_pairs_lossy():
+    eps = make(3)
+    net = Net(eps, seed=3, drop=0.2, dup=0.05, delay=(0.001, 0.02))
+    sent, ids = send_traffic(eps, random.Random(3), per_pair=8)
+    net.run(all_delivered(net, sent, ids))
+    check_delivery(net, sent, ids)
+
+
+def test_corrupted_frames_are_dropped_never_delivered():
+    eps = make(2, crc=True)
+    net = Net(eps, seed=4, corrupt=0.2, drop=0.05)
+    sent, ids = send_traffic(eps, random.Random(4))
+    net.run(all_delivered(net, sent, ids))
+    check_delivery(net, sent, ids)
+    rejected = net.of(0, FrameRejected) + net.of(1, FrameRejected)
+    assert rejected and all(r.reason for r in rejected)
+
+
+def test_zero_byte_and_odd_sized_messages():
+    eps = make(2, segment_bytes=100)
+    net = Net(eps, seed=5, drop=0.2, dup=0.2)
+    sizes = [0, 0, 1, 99, 100, 101, 199, 200, 201, 1234, 0]
+    rng = random.Random(5)
+    sent = {(0, 1, 9): [payload(rng, n) for n in sizes]}
+    ids = {(0, 1): {eps[0].send(1, 9, d) for d in sent[(0, 1, 9)]}}
+    net.run(all_delivered(net, sent, ids))
+    check_delivery(net, sent, ids)
+
+
+@pytest.mark.parametrize("drop,rto", [(0.0, 1.0), (0.1, 0.05)])
+def test_rail_dying_mid_transfer_loses_nothing(drop, rto):
+    eps = make(2, rto=rto, max_rto=max(rto, 0.4), window_bytes=64 * 1024)
+    net = Net(eps, seed=6, drop=drop)
+    rng = random.Random(6)
+    sent = {(0, 1, 0): [payload(rng, 20_000) for _ in range(4)]}
+    ids = {(0, 1): {eps[0].send(1, 0, d) for d in sent[(0, 1, 0)]}}
+
+    def kill(net):
+        if net.now >= 0.01 and not net.dead:
+            assert eps[0].inflight_bytes(1) > 0, "the rail must die mid-transfer"
+            net.cut(0, 1, 1)
+            for ep in eps:  # both drivers see the connection reset
+                ep.rail_failed(1, peer=1 - ep.rank)
+    net.on_step.append(kill)
+    net.run(all_delivered(net, sent, ids), max_time=30)
+    check_delivery(net, sent, ids)
+    assert net.dead and eps[0].stats["retransmits"] > 0
+    if drop == 0:  # without loss, recovery came from rail_failed, not from the long RTO
+        assert net.now < rto
+
+
+def test_all_rails_dead_fails_the_peer_by_name():
+    eps = make(2)
+    net = Net(eps, seed=7)
+    eps[0].send(1, 0, b"x" * 5000)
+    for _ in range(3):
+        net.step()
+    for rail in range(3):
+        net.cut(0, 1, rail)
+        eps[0].rail_failed(rail, peer=1)
+    failed = eps[0].events() + net.events[0]
+    failed = [e for e in failed if isinstance(e, PeerFailed)]
+    assert len(failed) == 1 and failed[0].peer == 1 and "rank 1" in failed[0].reason
+    assert failed[0].msg_ids == (0,)
+    with pytest.raises(ProtocolError, match="rank 1"):
+        eps[0].send(1, 0, b"more")
+    net.step()  # a failed peer is left alone
+    assert eps[0].poll_transmit(net.now + 100) == []
+
+
+def test_silent_peer_fails_after_max_retries():
+    ep = Endpoint(0, 3, rails=2, segment_bytes=64, max_message_bytes=1024, rto=0.1,
+                  backoff=2.0, max_rto=0.5, max_retries=4)
+    ep.send(2, 0, b"hello")
+    now, frames = 0.0, 0
+    while not ep.events():
+        frames += len(ep.poll_transmit(now))
+        now += 0.01
+        assert now < 10
+    assert frames == 5  # the first send and 4 retransmissions, on alternating rails
+    assert 0.1 + 0.2 + 0.4 + 0.5 <= now <= 0.1 + 0.2 + 0.4 + 0.5 + 0.5 + 0.05
+
+
+def test_window_bounds_inflight_bytes():
+    eps = make(2, window_bytes=2000, segment_bytes=500, rails=2)
+    net = Net(eps, seed=8, drop=0.1)
+    rng = random.Random(8)
+    sent = {(0, 1, 0): [payload(rng, 10_000) for _ in range(3)]}
+    ids = {(0, 1): {eps[0].send(1, 0, d) for d in sent[(0, 1, 0)]}}
+    net.run(all_delivered(net, sent, ids))
+    check_delivery(net, sent, ids)
+    assert 0 < net.max_inflight[0] <= 2000
+
+
+def test_reassembly_memory_is_bounded():
+    """Messages stuck behind an incomplete earlier one stop being accepted at the limit."""
+    eps = make(2, rails=1, segment_bytes=100, max_reassembly_bytes=1000, window_bytes=1 << 20)
+    rng = random.Random(9)
+    sent = {(0, 1, 0): [payload(rng, 300) for _ in range(20)]}
+    ids = {(0, 1): {eps[0].send(1, 0, d) for d in sent[(0, 1, 0)]}}
+    net = Net(eps, seed=9)
+    hold = {"on": True}
+    real_put = net._put
+
+    def put(src, tx):  # withhold the first message's first segment for a while
+        frame = F.decode(tx.data)
+        if hold["on"] and frame.type == F.DATA and frame.msg_id == 0 and frame.offset == 0:
+            return
+        real_put(src, tx)
+    net._put = put
+    for _ in range(200):
+        net.step()
+    assert eps[1].stats["dropped_full"] > 0
+    assert net.max_reassembly[1] <= 1000 + 300  # limit + the message due next on the stream
+    hold["on"] = False
+    net.run(all_delivered(net, sent, ids))
+    check_delivery(net, sent, ids)
+    assert eps[1].reassembly_bytes == 0
+
+
+# ---------------------------------------------------------------- posted receive buffers
+
+
+def test_posted_buffers_receive_in_place_and_in_order():
+    eps = make(2, segment_bytes=64)
+    net = Net(eps, seed=10, drop=0.2, dup=0.1)
+    rng = random.Random(10)
+    msgs = [payload(rng, n) for n in (500, 70, 0, 300)]
+    bufs = [bytearray(600) for _ in msgs[:2]]
+    for b in bufs:  # two posted before anything arrives
+        eps[1].post_recv(0, 3, b)
+    for m in msgs:
+        eps[0].send(1, 3, m)
+    net.run(lambda: len(net.of(1, MessageReceived)) == 4)
+    late = bytearray(400)
+    eps[1].post_recv(0, 3, late)  # every message was already delivered: binds to the next one
+    got = net.of(1, MessageReceived)
+    assert [bytes(e.data) for e in got] == msgs
+    assert [e.posted for e in got] == [True, True, False, False]
+    assert got[0].data.obj is bufs[0] and bytes(bufs[0][:500]) == msgs[0]
+    assert bytes(bufs[1][:70]) == msgs[1]
+    eps[0].send(1, 3, b"late one")
+    net.run(lambda: len(net.of(1, MessageReceived)) == 5)
+    assert net.of(1, MessageReceived)[-1].posted and bytes(late[:8]) == b"late one"
+
+
+def test_buffer_posted_after_arrival_gets_a_copy_and_small_buffer_is_refused():
+    eps = make(2, rails=1, segment_bytes=64)
+    net = Net(eps, seed=11)
+    hold = {"on": True}
+    real_put = net._put
+
+    def put(src, tx):  # message 0 is held back so message 1 waits, unexpected, in reassembly
+        frame = F.decode(tx.data)
+        if hold["on"] and frame.type == F.DATA and frame.msg_id == 0:
+            return
+        real_put(src, tx)
+    net._put = put
+    eps[0].send(1, 1, b"a" * 100)
+    eps[0].send(1, 1, b"b" * 200)
+    for _ in range(20):
+        net.step()
+    assert eps[1].reassembly_bytes == 200
+    small, big = bytearray(10), bytearray(300)
+    eps[1].post_recv(0, 1, small)  # for message 0: too small
+    eps[1].post_recv(0, 1, big)    # for message 1: already reassembled privately
+    hold["on"] = False
+    net.run(lambda: len(net.of(1, MessageReceived)) == 2)
+    first, second = net.of(1, MessageReceived)
+    assert not first.posted and bytes(first.data) == b"a" * 100 and small == bytearray(10)
+    assert second.posted and bytes(big[:200]) == b"b" * 200
+    assert eps[1].reassembly_bytes == 0
+
+
+def test_tags_do_not_block_each_other():
+    eps = make(2, rails=1)
+    net = Net(eps, seed=12)
+    real_put = net._put
+
+    def put(src, tx):  # tag 1's message never gets through
+        frame = F.decode(tx.data)
+        if frame.type == F.DATA and frame.tag == 1:
+            return
+        real_put(src, tx)
+    net._put = put
+    eps[0].send(1, 1, b"stuck")
+    eps[0].send(1, 2, b"free")
+    net.run(lambda: net.of(1, MessageReceived), max_time=1)
+    assert [(e.tag, bytes(e.data)) for e in net.of(1, MessageReceived)] == [(2, b"free")]
+
+
+# ---------------------------------------------------------------- garbage handling
+
+
+def data_frame(**kw):
+    args = dict(msg_id=0, tag=1, seq=0, total=10, offset=0, payload=b"0123456789")
+    args.update(kw)
+    return F.encode(F.DATA, 0, 1, **args)
+
+
+def patch(buf, offset, fmt, value):
+    """``buf`` with one header field overwritten (bypassing ``encode``'s own checks)."""
+    b = bytearray(buf)
+    struct.pack_into(fmt, b, offset, value)
+    return bytes(b)
+
+
+@pytest.mark.parametrize("buf,needle", [
+    (b"", "truncated"),
+    (data_frame()[:63], "truncated"),
+    (b"XX" + data_frame()[2:], "magic"),
+    (data_frame()[:2] + b"\x09" + data_frame()[3:], "version"),
+    (data_frame()[:3] + b"\x07" + data_frame()[4:], "type"),
+    (data_frame()[:4] + b"\x80" + data_frame()[5:], "flags"),
+    (data_frame()[:-1], "length"),
+    (data_frame() + b"!", "length"),
+    (patch(data_frame(), 40, "!Q", 5), "exceeds"),  # total smaller than offset + length
+    (data_frame(total=1 << 30), "maximum"),
+    (F.encode(F.DATA, 0, 7, total=1, payload=b"x"), "rank out of range"),
+    (patch(data_frame(), 24, "!q", -5), "negative tag"),
+    (patch(data_frame(), 6, "!H", 1), "reserved"),
+    (F.encode(F.DATA, 0, 1, total=9, offset=4), "empty segment"),
+    (F.encode(F.ACK, 0, 1, payload=b"x" * 15), "ACK"),
+    (data_frame()[:-1] + b"!", None),  # no CRC: a payload byte change is not detectable here
+])
+def test_decoder_rejects_malformed_frames(buf, needle):
+    if needle is None:
+        assert F.decode(buf, world_size=2, max_message_bytes=1 << 20).payload == b"012345678!"
+        return
+    with pytest.raises(F.FrameError, match=needle):
+        F.decode(buf, world_size=2, max_message_bytes=1 << 20)
+
+
+def test_crc_catches_a_flipped_byte_and_can_be_required():
+    good = F.encode(F.DATA, 0, 1, total=4, payload=b"abcd", crc=True)
+    assert F.decode(good, require_crc=True).payload == b"abcd"
+    for i in range(len(good)):
+        bad = bytearray(good)
+        bad[i] ^= 0x10
+        with pytest.raises(F.FrameError):
+            F.decode(bytes(bad), require_crc=True)
+    with pytest.raises(F.FrameError, match="requires"):
+        F.decode(F.encode(F.DATA, 0, 1, total=1, payload=b"a"), require_crc=True)
+
+
+def test_endpoint_rejects_garbage_and_conflicting_segments():
+    ep = Endpoint(1, 2, rails=2, segment_bytes=8, max_message_bytes=64)
+    ep.receive(0, b"garbage", 0.0)
+    ep.receive(1, F.encode(F.DATA, 0, 0, total=1, payload=b"x"), 0.0)  # addressed to rank 0
+    ep.receive(0, F.encode(F.DATA, 0, 1, msg_id=0, total=16, payload=b"abcdefgh"), 0.0)
+    ep.receive(0, F.encode(F.DATA, 0, 1, msg_id=0, total=16, offset=4, payload=b"xxxxxxxx"), 0.0)
+    ep.receive(0, F.encode(F.DATA, 0, 1, msg_id=0, total=17, offset=8, payload=b"ijklmnop"), 0.0)
+    ep.receive(0, F.encode(F.DATA, 0, 1, msg_id=5000, total=1, payload=b"x"), 0.0)
+    events = ep.events()
+    assert len(events) == 5 and all(isinstance(e, FrameRejected) for e in events)
+    assert [e.rail for e in events] == [0, 1, 0, 0, 0]
+    ep.receive(0, F.encode(F.DATA, 0, 1, msg_id=0, total=16, offset=8, payload=b"ijklmnop"), 0.0)
+    (got,) = ep.events()
+    assert bytes(got.data) == b"abcdefghijklmnop"
+    acks = [F.decode(t.data).acks for t in ep.poll_transmit(0.0)]
+    assert sorted(a for batch in acks for a in batch) == [(0, 0), (0, 8)]
+
+
+def test_send_rejects_bad_arguments():
+    ep = Endpoint(0, 2, rails=1, segment_bytes=8, max_message_bytes=16)
+    with pytest.raises(ValueError):
+        ep.send(1, 0, b"x" * 17)
+    with pytest.raises(ValueError):
+        ep.send(0, 0, b"to myself")
+    with pytest.raises(ValueError):
+        ep.send(2, 0, b"nobody")
+    with pytest.raises(ValueError):
+        ep.send(1, -1, b"bad tag")
+
+
+# ---------------------------------------------------------------- fuzzing the decoder
+
+# Keep hypothesis' scratch files (constants cache, failure patches) out of the repository.
+set_hypothesis_home_dir(f"{tempfile.gettempdir()}/neuron-dist-hypothesis")
+FUZZ = settings(max_examples=300, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+def consistent(frame, buf):
+    """A decoded frame is consistent: within limits, and it encodes back to the same bytes."""
+    assert frame.type in F.FRAME_TYPES and frame.src < 4 and frame.dst < 4 and frame.tag >= 0
+    assert frame.offset + len(frame.payload) <= frame.total <= 4096
+    again = F.encode(frame.type, frame.src, frame.dst, msg_id=frame.msg_id, tag=frame.tag,
+                     seq=frame.seq, total=frame.total, offset=frame.offset, payload=frame.payload,
+                     rail=frame.rail, crc=bool(frame.flags & F.FLAG_CRC))
+    assert again == bytes(buf)
+
+
+def decode_or_frame_error(buf):
+    try:
+        frame = F.decode(buf, world_size=4, max_message_bytes=4096)
+    except F.FrameError:
+        return
+    consistent(frame, buf)
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_fuzz_random_bytes(buf):
+    decode_or_frame_error(buf)
+    decode_or_frame_error(F.MAGIC + bytes([F.VERSION]) + buf)
+
+
+def _data(src, dst, msg_id, tag, seq, offset, body, extra, rail, crc):
+    if not body:  # an empty segment is only valid as a whole 0-byte message
+        offset = extra = 0
+    return F.encode(F.DATA, src, dst, msg_id=msg_id, tag=tag, seq=seq,
+                    total=offset + len(body) + extra, offset=offset, payload=body, rail=rail, crc=crc)
+
+
+valid_frames = st.one_of(
+    st.builds(_data,
+        st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**64 - 1), st.integers(0, 2**63 - 1),
+        st.integers(0, 2**64 - 1), st.integers(0, 2000), st.binary(max_size=100),
+        st.integers(0, 1000), st.integers(0, 255), st.booleans()),
+    st.builds(lambda src, dst, entries, crc: F.encode_ack(src, dst, entries, crc=crc),
+              st.integers(0, 3), st.integers(0, 3),
+              st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+                       min_size=1, max_size=20), st.booleans()))
+
+
+@FUZZ
+@given(valid_frames, st.lists(st.tuples(st.integers(0, 300), st.integers(0, 255)), max_size=4),
+       st.one_of(st.none(), st.integers(0, 300)), st.binary(max_size=8))
+def test_fuzz_mutated_valid_frames(buf, flips, cut, tail):
+    decode_or_frame_error(buf)
+    mutated = bytearray(buf)
+    for pos, value in flips:
+        if mutated:
+            mutated[pos % len(mutated)] = value
+    if cut is not None:
+        mutated = mutated[:cut]
+    decode_or_frame_error(bytes(mutated))
+    decode_or_frame_error(bytes(mutated) + tail)
+
+
+@settings(FUZZ, max_examples=150)
+@given(st.lists(st.one_of(valid_frames, st.binary(max_size=120)), max_size=20))
+def test_fuzz_endpoint_never_raises_on_wire_input(bufs):
+    ep = Endpoint(1, 4, rails=2, segment_bytes=64, max_message_bytes=4096,
+                  max_reassembly_bytes=8192)
+    for i, buf in enumerate(bufs):
+        ep.receive(i % 2, buf, float(i))
+        ep.poll_transmit(float(i))
+    for e in ep.events():
+        assert isinstance(e, (FrameRejected, MessageReceived))
+    assert 0 <= ep.reassembly_bytes <= 8192 + 4096 * 4

@@ -1,0 +1,14 @@
+"""Inter-node "EFA-style" transport: reliable, message-oriented, tagged datagrams over N rails.
+
+``frames`` is the wire format, ``protocol`` the sans-I/O protocol core (segmentation,
+per-segment acks, retransmission, reassembly, per-(src, tag) ordering). A driver that moves
+frames over sockets is layered on top and keeps no protocol logic of its own.
+Nothing here imports torch or torch.distributed.
+"""
+
+from .frames import Frame, FrameError, decode, encode, encode_ack
+from .protocol import (Endpoint, FrameRejected, MessageReceived, PeerFailed, ProtocolError,
+                       SendCompleted, Transmit)
+
+__all__ = ["Endpoint", "Frame", "FrameError", "FrameRejected", "MessageReceived", "PeerFailed",
+           "ProtocolError", "SendCompleted", "Transmit", "decode", "encode", "encode_ack"]

@@ -1,0 +1,267 @@
+"""Wire format of the reliable-datagram (rdm) protocol: one frame per datagram.
+
+Every frame is a fixed 64-byte header in network byte order followed by a payload::
+
+    off size field     meaning
+      0   2  magic     b"NR"
+      2   1  version   VERSION (1)
+      3   1  type      DATA (1) or ACK (2)
+      4   1  flags     FLAG_CRC (bit 0): ``crc`` covers header and payload
+      5   1  rail      rail the sender put the frame on (a hint; receivers use their own)
+      6   2  reserved  must be 0
+      8   4  src       sending rank
+     12   4  dst       receiving rank
+     16   8  msg_id    message number, per (src -> dst) pair, 0, 1, 2, ...
+     24   8  tag       user tag (signed on the wire, must be >= 0)
+     32   8  seq       position of the message in its (src, dst, tag) stream
+     40   8  total     length of the whole message in bytes
+     48   8  offset    where this segment's payload goes in the message
+     56   4  length    payload bytes that follow the header
+     60   4  crc       CRC-32 of header (with crc = 0) and payload if FLAG_CRC, else 0
+
+A DATA frame carries one segment: ``payload`` is ``message[offset:offset + length]``.
+A 0-byte message travels as a single DATA frame with ``total = offset = length = 0``.
+
+An ACK frame acknowledges segments individually: its payload is a packed array of
+``(msg_id: u64, offset: u64)`` entries (16 bytes each, 1..MAX_ACKS_PER_FRAME of them);
+its header has ``msg_id = tag = seq = offset = 0`` and ``total = length``.
+
+``decode`` trusts nothing on the wire: magic, version, type, flags, the reserved field,
+every length against the real buffer size, ``offset + length <= total``, ``total`` against
+the configured maximum message size, ranks against the world size, the sign of the tag,
+the ACK payload shape and (when present or required) the CRC. Anything else raises
+``FrameError`` naming the first problem found.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"NR"
+VERSION = 1
+
+DATA = 1
+ACK = 2
+FRAME_TYPES = {DATA: "DATA", ACK: "ACK"}
+
+FLAG_CRC = 0x01
+KNOWN_FLAGS = FLAG_CRC
+
+HEADER = struct.Struct("!2sBBBBHIIQqQQQII")
+HEADER_SIZE = HEADER.size  # 64
+_CRC_OFFSET = HEADER_SIZE - 4
+
+ACK_ENTRY = struct.Struct("!QQ")
+MAX_ACKS_PER_FRAME = 256
+
+MAX_SEGMENT_BYTES = 0xFFFFFFFF  # the length field is 32 bits
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
+_I64 = 0x7FFFFFFFFFFFFFFF
+
+
+class FrameError(ValueError):
+    """A byte string is not a well-formed frame (truncated, oversized, corrupt, garbage)."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One decoded frame.
+
+    Attributes
+    ----------
+    type : int
+        ``DATA`` or ``ACK``.
+    flags : int
+        Bit set of ``FLAG_*``.
+    rail : int
+        The rail the sender chose (a hint).
+    src, dst : int
+        Sending and receiving rank.
+    msg_id, tag, seq, total, offset : int
+        See the module docstring (all 0 except ``total`` in an ACK).
+    payload : bytes
+        The segment (DATA) or the packed ack entries (ACK).
+    """
+
+    type: int
+    flags: int
+    rail: int
+    src: int
+    dst: int
+    msg_id: int
+    tag: int
+    seq: int
+    total: int
+    offset: int
+    payload: bytes
+
+    @property
+    def acks(self) -> list[tuple[int, int]]:
+        """The ``(msg_id, offset)`` entries of an ACK frame (empty for DATA)."""
+        if self.type != ACK:
+            return []
+        return list(ACK_ENTRY.iter_unpack(self.payload))
+
+
+def _check_range(name: str, value: int, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name}={value!r} is outside [{lo}, {hi}]")
+
+
+def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq: int = 0,
+           total: int | None = None, offset: int = 0, payload=b"", rail: int = 0,
+           crc: bool = False) -> bytes:
+    """Build one frame.
+
+    Parameters
+    ----------
+    type : int
+        ``DATA`` or ``ACK``.
+    src, dst : int
+        Sending and receiving rank.
+    msg_id, tag, seq, total, offset : int
+        Header fields (``total`` defaults to ``offset + len(payload)``).
+    payload : bytes-like
+        Segment bytes, or packed ack entries (see ``encode_ack``).
+    rail : int
+        Rail hint, 0..255.
+    crc : bool
+        Set ``FLAG_CRC`` and fill the CRC-32 of header and payload.
+
+    Returns
+    -------
+    bytes
+        The frame, ``HEADER_SIZE + len(payload)`` bytes.
+
+    Raises
+    ------
+    ValueError
+        A field does not fit its wire width or the frame would be inconsistent.
+    """
+    if type not in FRAME_TYPES:
+        raise ValueError(f"unknown frame type {type!r}")
+    length = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+    if total is None:
+        total = offset + length
+    for name, value, hi in (("src", src, _U32), ("dst", dst, _U32), ("msg_id", msg_id, _U64),
+                            ("tag", tag, _I64), ("seq", seq, _U64), ("total", total, _U64),
+                            ("offset", offset, _U64), ("length", length, _U32), ("rail", rail, 0xFF)):
+        _check_range(name, value, 0, hi)
+    if offset + length > total:
+        raise ValueError(f"segment [{offset}, {offset + length}) exceeds the message length {total}")
+    flags = FLAG_CRC if crc else 0
+    header = HEADER.pack(MAGIC, VERSION, type, flags, rail, 0, src, dst, msg_id, tag, seq,
+                         total, offset, length, 0)
+    if crc:
+        value = zlib.crc32(payload, zlib.crc32(header))
+        header = header[:_CRC_OFFSET] + value.to_bytes(4, "big")
+    return header + bytes(payload)
+
+
+def encode_ack(src: int, dst: int, entries, *, rail: int = 0, crc: bool = False) -> bytes:
+    """Build an ACK frame for ``entries``, a sequence of ``(msg_id, offset)`` pairs.
+
+    Raises
+    ------
+    ValueError
+        No entries, or more than ``MAX_ACKS_PER_FRAME``.
+    """
+    if not 1 <= len(entries) <= MAX_ACKS_PER_FRAME:
+        raise ValueError(f"an ACK frame carries 1..{MAX_ACKS_PER_FRAME} entries, not {len(entries)}")
+    payload = b"".join(ACK_ENTRY.pack(m, o) for m, o in entries)
+    return encode(ACK, src, dst, payload=payload, rail=rail, crc=crc)
+
+
+def _header_fields(view: memoryview) -> tuple:
+    if view.nbytes < HEADER_SIZE:
+        raise FrameError(f"truncated frame: {view.nbytes} bytes, the header alone is {HEADER_SIZE}")
+    fields = HEADER.unpack_from(view, 0)
+    magic, version, ftype, flags, _rail, reserved = fields[:6]
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise FrameError(f"unsupported version {version} (expected {VERSION})")
+    if ftype not in FRAME_TYPES:
+        raise FrameError(f"unknown frame type {ftype}")
+    if flags & ~KNOWN_FLAGS:
+        raise FrameError(f"unknown flags 0x{flags:02x}")
+    if reserved:
+        raise FrameError(f"reserved field is {reserved}, must be 0")
+    return fields
+
+
+def _check_lengths(view: memoryview, ftype: int, tag: int, total: int, offset: int, length: int,
+                   max_message_bytes: int | None) -> None:
+    if length != view.nbytes - HEADER_SIZE:
+        raise FrameError(f"length field says {length} payload bytes, the frame carries "
+                         f"{view.nbytes - HEADER_SIZE}")
+    if offset + length > total:
+        raise FrameError(f"segment [{offset}, {offset + length}) exceeds the message length {total}")
+    if max_message_bytes is not None and total > max_message_bytes:
+        raise FrameError(f"message length {total} exceeds the maximum {max_message_bytes}")
+    if tag < 0:
+        raise FrameError(f"negative tag {tag}")
+    if ftype == DATA and length == 0 and total != 0:
+        raise FrameError(f"empty segment of a {total}-byte message")
+    if ftype == ACK:
+        if offset != 0 or total != length or length % ACK_ENTRY.size:
+            raise FrameError(f"malformed ACK (offset {offset}, total {total}, length {length})")
+        if not 1 <= length // ACK_ENTRY.size <= MAX_ACKS_PER_FRAME:
+            raise FrameError(f"ACK with {length // ACK_ENTRY.size} entries "
+                             f"(1..{MAX_ACKS_PER_FRAME} allowed)")
+
+
+def _check_crc(view: memoryview, flags: int, stored: int, require_crc: bool) -> None:
+    if not flags & FLAG_CRC:
+        if require_crc:
+            raise FrameError("frame has no CRC but this endpoint requires one")
+        if stored:
+            raise FrameError(f"CRC field is 0x{stored:08x} but FLAG_CRC is not set")
+        return
+    value = zlib.crc32(view[:_CRC_OFFSET])
+    value = zlib.crc32(b"\0\0\0\0", value)
+    value = zlib.crc32(view[HEADER_SIZE:], value)
+    if value != stored:
+        raise FrameError(f"CRC mismatch (computed 0x{value:08x}, frame says 0x{stored:08x})")
+
+
+def decode(buf, *, world_size: int | None = None, max_message_bytes: int | None = None,
+           require_crc: bool = False) -> Frame:
+    """Parse and validate one frame.
+
+    Parameters
+    ----------
+    buf : bytes-like
+        Exactly one frame (a datagram): the header and ``length`` payload bytes, no more.
+    world_size : int, optional
+        When given, ``src`` and ``dst`` must be below it.
+    max_message_bytes : int, optional
+        When given, ``total`` must not exceed it.
+    require_crc : bool
+        Reject frames without ``FLAG_CRC``.
+
+    Returns
+    -------
+    Frame
+        The frame; its payload is a copy, so ``buf`` may be reused.
+
+    Raises
+    ------
+    FrameError
+        The bytes are not a well-formed frame under these limits.
+    """
+    try:
+        view = memoryview(buf).cast("B")
+    except TypeError as e:
+        raise FrameError(f"not a contiguous bytes-like object: {e}") from None
+    fields = _header_fields(view)
+    (_, _, ftype, flags, rail, _, src, dst, msg_id, tag, seq, total, offset, length, crc) = fields
+    _check_lengths(view, ftype, tag, total, offset, length, max_message_bytes)
+    if world_size is not None and not (src < world_size and dst < world_size):
+        raise FrameError(f"rank out of range: src {src}, dst {dst}, world size {world_size}")
+    _check_crc(view, flags, crc, require_crc)
+    return Frame(ftype, flags, rail, src, dst, msg_id, tag, seq, total, offset,
+                 bytes(view[HEADER_SIZE:]))

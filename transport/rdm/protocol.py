@@ -1,0 +1,713 @@
+"""Sans-I/O core of the reliable-datagram (rdm) transport, in the style of h11.
+
+The ``Endpoint`` never touches a socket, a thread or the clock. A driver feeds it the
+frames that arrived (``receive(rail, bytes, now)``) and the time (``poll_transmit(now)``),
+puts the frames it returns on the named rails, and acts on the events it reports
+(``events()``). Everything here is therefore deterministic and testable with a simulated
+lossy network.
+
+Model
+-----
+Each pair of ranks is joined by N *rails* (parallel paths: TCP connections, ZeroMQ
+sockets, ...) that may drop, duplicate, reorder, delay or corrupt frames, and may die.
+On top of them the endpoint gives reliable, message-oriented, tagged delivery, like EFA's
+SRD / libfabric RDM.
+
+Sending
+    ``send(peer, tag, data)`` numbers the message (``msg_id``: 0, 1, 2, ... per peer) and
+    gives it the next ``seq`` of its ``(peer, tag)`` stream. ``poll_transmit`` cuts it into
+    segments of ``segment_bytes`` (a 0-byte message is one empty segment), one DATA frame
+    each (see ``frames``), and sprays them over the peer's live rails, least-loaded rail
+    first (by unacknowledged bytes; ties go round-robin). ``data`` is not copied: keep it
+    unchanged until ``SendCompleted``.
+
+Acknowledgement: per segment, batched
+    The receiver acknowledges every DATA frame it accepts, duplicates included (the first
+    ack may have been lost), with an ``(msg_id, offset)`` entry; entries are batched into
+    ACK frames (up to ``MAX_ACKS_PER_FRAME``) at the next ``poll_transmit``, sent back on
+    the rail the data came on (another live one if that rail failed). So a rail that dies
+    takes with it only acks of segments it carried, which the sender resends anyway.
+    Per-segment acks are idempotent and order-free, which suits unordered multi-rail
+    delivery better than a cumulative ack. When the last segment of a message is acked,
+    the sender reports ``SendCompleted(peer, msg_id)``. Rail numbers name the same path
+    at both ends (the driver's connection ``i`` to a peer is rail ``i`` on both sides).
+
+Retransmission
+    Every unacked segment has a deadline: ``rto * backoff**retries`` (capped at
+    ``max_rto``) after it was last sent, measured only with the ``now`` values passed in.
+    An expired segment is resent on another live rail when there is one. After
+    ``max_retries`` resends of one segment, the peer is declared dead: ``PeerFailed``.
+    ``rail_failed(rail)`` moves that rail's unacked segments to the remaining rails at the
+    next ``poll_transmit`` (without counting a retry); when a peer has no live rail left,
+    ``PeerFailed``. ``PeerFailed`` lists the peer's unfinished ``msg_id``s, and the peer's
+    state is dropped (later frames from it are ignored, ``send`` to it raises).
+
+Reassembly
+    A DATA frame is placed by ``(src, msg_id, offset)``. The first segment of a message
+    decides its buffer: the caller's buffer posted with ``post_recv`` for that stream
+    position, when there is one and it is large enough (the data lands there directly),
+    else a private ``bytearray``. Received byte ranges are tracked as disjoint intervals:
+    an exact duplicate is ignored (and re-acked), a partial overlap or conflicting header
+    is garbage (``FrameRejected``). A message is complete when its intervals cover
+    ``total`` bytes. A completed ``msg_id`` is remembered (a low-water mark plus a set
+    above it), so late duplicates are re-acked but never delivered twice.
+
+Ordering guarantee
+    Messages are delivered (``MessageReceived``) exactly once, intact, and per
+    ``(src, tag)`` in the order they were sent (by ``seq``), however their segments
+    arrived. There is no order between different tags or different sources: a complete
+    message of tag 1 is not held back by an incomplete message of tag 2.
+
+Matching posted receives
+    ``post_recv(src, tag, buffer)`` binds ``buffer`` to the next not-yet-bound position of
+    the ``(src, tag)`` stream that has not been delivered yet, so posted buffers match
+    messages in send order (like MPI's non-overtaking rule). A message that arrives before
+    its buffer is posted is reassembled privately and copied into the buffer when it is
+    delivered after the post; otherwise it is delivered as its own ``bytearray``.
+
+Limits (bounded memory)
+    * ``window_bytes`` per peer: unacked payload plus ``HEADER_SIZE`` per unacked segment
+      (so even 0-byte messages count). One segment may always be outstanding.
+    * ``max_open_messages`` per peer: a message is started only if its ``msg_id`` is within
+      this distance of the oldest unfinished one; the receiver rejects frames beyond it.
+      This bounds the completed-id set. Both sides must use the same value.
+    * ``max_reassembly_bytes``: private reassembly buffers of messages not yet delivered.
+      A frame that would start a private buffer beyond it is dropped unacked (the sender
+      retries later), unless the message is the next one due on its stream, so a stream
+      can always make progress (the worst case is the limit plus one message per active
+      stream, each at most ``max_message_bytes``).
+    * ``max_message_bytes``: ``send`` refuses larger messages, the decoder rejects frames
+      claiming larger ones.
+
+Integrity
+    With ``crc=True`` every frame carries a CRC-32 over header and payload and frames
+    without one are rejected; a corrupted frame is dropped (``FrameRejected``) and, never
+    acked, it is retransmitted. Both sides must agree on ``crc``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..errors import TransportError
+from . import frames as F
+
+# ----------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class MessageReceived:
+    """A whole message arrived and is next in order on its ``(src, tag)`` stream.
+
+    Attributes
+    ----------
+    src, tag, msg_id : int
+        Where it came from and which message it is.
+    data : memoryview or bytearray
+        The message: a view of the first ``len(message)`` bytes of the posted buffer when
+        ``posted`` is true, else a fresh ``bytearray``.
+    posted : bool
+        Whether the message landed in (or was copied into) the buffer of ``post_recv``.
+        False with a buffer posted for this position means the buffer was too small; the
+        buffer is then released untouched.
+    """
+
+    src: int
+    tag: int
+    msg_id: int
+    data: object
+    posted: bool = False
+
+
+@dataclass(frozen=True)
+class SendCompleted:
+    """Every segment of message ``msg_id`` to ``peer`` was acknowledged."""
+
+    peer: int
+    msg_id: int
+
+
+@dataclass(frozen=True)
+class PeerFailed:
+    """``peer`` is unreachable; ``msg_ids`` are the sends to it that will never complete."""
+
+    peer: int
+    reason: str
+    msg_ids: tuple = ()
+
+
+@dataclass(frozen=True)
+class FrameRejected:
+    """A frame that arrived on ``rail`` was garbage and was dropped."""
+
+    rail: int
+    reason: str
+
+
+class Transmit(NamedTuple):
+    """A frame to put on the wire: on ``rail`` towards ``peer``."""
+
+    peer: int
+    rail: int
+    data: bytes
+
+
+class ProtocolError(TransportError):
+    """The caller misused the endpoint (for example, sent to a peer that failed)."""
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class _IdWindow:
+    """Which ids of 0, 1, 2, ... are done: everything below ``low``, plus ``above``."""
+
+    def __init__(self):
+        self.low = 0
+        self.above: set[int] = set()
+
+    def __contains__(self, i: int) -> bool:
+        return i < self.low or i in self.above
+
+    def add(self, i: int) -> None:
+        if i < self.low:
+            return
+        self.above.add(i)
+        while self.low in self.above:
+            self.above.remove(self.low)
+            self.low += 1
+
+
+@dataclass(eq=False)
+class _OutMessage:
+    msg_id: int
+    tag: int
+    seq: int
+    data: memoryview
+    nsegs: int
+    next_seg: int = 0
+    unacked: int = 0
+
+
+@dataclass(eq=False)
+class _Segment:
+    msg: _OutMessage
+    offset: int
+    length: int
+    rail: int
+    deadline: float = 0.0
+    retries: int = 0
+
+    @property
+    def cost(self) -> int:
+        return self.length + F.HEADER_SIZE
+
+
+@dataclass(eq=False)
+class _Reassembly:
+    msg_id: int
+    tag: int
+    seq: int
+    total: int
+    buf: memoryview
+    posted: object = None  # the caller's buffer when data lands there directly
+    starts: list = field(default_factory=list)  # sorted offsets of received segments
+    lengths: dict = field(default_factory=dict)  # offset -> length
+    received: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.total and bool(self.lengths)
+
+
+@dataclass(eq=False)
+class _Stream:
+    next_deliver: int = 0
+    next_post: int = 0
+    bound: dict = field(default_factory=dict)  # seq -> posted buffer
+    ready: dict = field(default_factory=dict)  # seq -> complete _Reassembly
+    owner: dict = field(default_factory=dict)  # seq -> msg_id, messages in progress
+
+
+@dataclass(eq=False)
+class _Peer:
+    rails: list  # alive flag per rail
+    # sending
+    next_msg_id: int = 0
+    tag_seq: dict = field(default_factory=dict)
+    queue: deque = field(default_factory=deque)  # messages with segments not yet sent
+    open: dict = field(default_factory=dict)  # msg_id -> _OutMessage, not yet completed
+    sent_done: _IdWindow = field(default_factory=_IdWindow)
+    unacked: dict = field(default_factory=dict)  # (msg_id, offset) -> _Segment
+    urgent: deque = field(default_factory=deque)  # segment keys to resend now
+    inflight: int = 0
+    rail_bytes: list = field(default_factory=list)
+    rr: int = 0
+    # receiving
+    acks_out: dict = field(default_factory=dict)  # rail the data came on -> [(msg_id, offset)]
+    recv_done: _IdWindow = field(default_factory=_IdWindow)
+    partial: dict = field(default_factory=dict)  # msg_id -> _Reassembly
+    streams: dict = field(default_factory=dict)  # tag -> _Stream
+
+    def live_rails(self) -> list:
+        return [r for r, ok in enumerate(self.rails) if ok]
+
+
+def _byte_view(buffer, writable: bool = False) -> memoryview:
+    view = memoryview(buffer)
+    if not view.contiguous:
+        raise ValueError("buffer must be contiguous")
+    view = view.cast("B")
+    if writable and view.readonly:
+        raise ValueError("buffer must be writable")
+    return view
+
+
+# ----------------------------------------------------------------------------- endpoint
+
+
+class Endpoint:
+    """One rank's end of the reliable-datagram protocol, towards every peer.
+
+    Parameters
+    ----------
+    rank, world_size : int
+        This rank and the number of ranks.
+    rails : int
+        Rails per peer (1..256).
+    segment_bytes : int
+        Payload bytes per DATA frame.
+    max_message_bytes : int
+        Largest message accepted in either direction.
+    rto : float
+        Initial retransmission timeout, in the units of ``now`` (seconds, say).
+    backoff : float
+        Factor applied to the timeout for every retry of a segment.
+    max_rto : float
+        Ceiling of the backed-off timeout.
+    max_retries : int
+        Resends of one segment before its peer is declared failed.
+    window_bytes : int
+        Unacked bytes (payload + header per segment) allowed per peer.
+    max_reassembly_bytes : int
+        Private reassembly memory for messages not yet delivered (all peers).
+    max_open_messages : int
+        Distance allowed between the oldest unfinished and the newest started message
+        per peer; must be equal on both sides.
+    crc : bool
+        Protect every frame with a CRC-32 and require it on every frame received.
+    """
+
+    def __init__(self, rank: int, world_size: int, rails: int, segment_bytes: int,
+                 max_message_bytes: int, *, rto: float = 0.2, backoff: float = 2.0,
+                 max_rto: float = 5.0, max_retries: int = 8, window_bytes: int = 4 << 20,
+                 max_reassembly_bytes: int = 64 << 20, max_open_messages: int = 4096,
+                 crc: bool = False):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of {world_size}")
+        if not 1 <= rails <= 256:
+            raise ValueError(f"rails must be 1..256, not {rails}")
+        if not 1 <= segment_bytes <= F.MAX_SEGMENT_BYTES:
+            raise ValueError(f"segment_bytes must be 1..{F.MAX_SEGMENT_BYTES}, not {segment_bytes}")
+        if rto <= 0 or backoff < 1 or max_rto < rto or max_retries < 0:
+            raise ValueError("need rto > 0, backoff >= 1, max_rto >= rto, max_retries >= 0")
+        self.rank, self.world_size, self.nrails = rank, world_size, rails
+        self.segment_bytes, self.max_message_bytes = segment_bytes, max_message_bytes
+        self.rto, self.backoff, self.max_rto, self.max_retries = rto, backoff, max_rto, max_retries
+        self.window_bytes, self.max_reassembly_bytes = window_bytes, max_reassembly_bytes
+        self.max_open_messages, self.crc = max_open_messages, crc
+        self.reassembly_bytes = 0
+        self.stats = {"sent": 0, "retransmits": 0, "duplicates": 0, "rejected": 0,
+                      "dropped_full": 0, "acks_sent": 0}
+        self._peers: dict[int, _Peer] = {}
+        self._failed: dict[int, str] = {}
+        self._dead_rails: set[int] = set()  # rails failed towards every peer
+        self._events: list = []
+
+    # ------------------------------------------------------------------ public API
+
+    def send(self, peer: int, tag: int, data) -> int:
+        """Queue message ``data`` for ``peer`` on stream ``tag``.
+
+        Parameters
+        ----------
+        peer : int
+            Destination rank (not this rank).
+        tag : int
+            Non-negative tag; messages of one ``(peer, tag)`` are delivered in send order.
+        data : bytes-like
+            The message. Not copied: keep it unchanged until ``SendCompleted``.
+
+        Returns
+        -------
+        int
+            The message id, as reported by ``SendCompleted``.
+
+        Raises
+        ------
+        ProtocolError
+            ``peer`` has failed.
+        ValueError
+            Bad peer or tag, or the message is larger than ``max_message_bytes``.
+        """
+        state = self._peer(peer)
+        if not 0 <= tag <= 0x7FFFFFFFFFFFFFFF:
+            raise ValueError(f"tag must be a non-negative 64-bit integer, not {tag!r}")
+        view = _byte_view(data)
+        if view.nbytes > self.max_message_bytes:
+            raise ValueError(f"message of {view.nbytes} bytes exceeds max_message_bytes "
+                             f"{self.max_message_bytes}")
+        seq = state.tag_seq.get(tag, 0)
+        state.tag_seq[tag] = seq + 1
+        msg = _OutMessage(state.next_msg_id, tag, seq, view,
+                          nsegs=max(1, -(-view.nbytes // self.segment_bytes)))
+        state.next_msg_id += 1
+        state.open[msg.msg_id] = msg
+        state.queue.append(msg)
+        return msg.msg_id
+
+    def post_recv(self, src: int, tag: int, buffer) -> None:
+        """Offer ``buffer`` for the next message of ``(src, tag)`` not yet delivered or matched.
+
+        Parameters
+        ----------
+        src, tag : int
+            The stream.
+        buffer : writable bytes-like
+            Where the message should land; it must hold the whole message, else the
+            message is delivered in its own ``bytearray`` (``posted=False``).
+        """
+        stream = self._stream(self._peer(src), tag)
+        view = _byte_view(buffer, writable=True)
+        position = max(stream.next_post, stream.next_deliver)
+        stream.bound[position] = view
+        stream.next_post = position + 1
+
+    def rail_failed(self, rail: int, peer: int | None = None) -> None:
+        """Stop using ``rail`` (to ``peer``, or to every peer) and resend what it carried.
+
+        The rail's unacked segments move to the peer's remaining rails at the next
+        ``poll_transmit``. A peer left without a live rail fails (``PeerFailed``).
+        """
+        if not 0 <= rail < self.nrails:
+            raise ValueError(f"no rail {rail} (rails 0..{self.nrails - 1})")
+        if peer is None:
+            self._dead_rails.add(rail)
+            peers = list(self._peers)
+        else:
+            peers = [peer]
+        for p in peers:
+            if p in self._failed:
+                continue
+            state = self._peer(p)
+            if not state.rails[rail]:
+                continue
+            state.rails[rail] = False
+            if not state.live_rails():
+                self._fail(p, f"all {self.nrails} rails to rank {p} failed")
+                continue
+            for key, seg in state.unacked.items():
+                if seg.rail == rail:
+                    state.urgent.append(key)
+
+    def receive(self, rail: int, frame_bytes, now: float) -> None:
+        """Take in one frame that arrived on ``rail``; results come out of ``events()``.
+
+        Frames may come in any order, duplicated, on any rail. Garbage produces
+        ``FrameRejected`` and changes nothing else.
+        """
+        if not 0 <= rail < self.nrails:
+            raise ValueError(f"no rail {rail} (rails 0..{self.nrails - 1})")
+        try:
+            frame = F.decode(frame_bytes, world_size=self.world_size,
+                             max_message_bytes=self.max_message_bytes, require_crc=self.crc)
+            if frame.dst != self.rank or frame.src == self.rank:
+                raise F.FrameError(f"frame from {frame.src} to {frame.dst} reached rank {self.rank}")
+        except F.FrameError as e:
+            self._reject(rail, str(e))
+            return
+        if frame.src in self._failed:
+            return
+        try:
+            state = self._peer(frame.src)
+        except ProtocolError:
+            return
+        if frame.type == F.ACK:
+            self._on_ack(frame.src, state, frame.acks)
+        else:
+            self._on_data(rail, state, frame)
+
+    def poll_transmit(self, now: float) -> list[Transmit]:
+        """Frames to send now: acks, resends (timed out or moved off a dead rail), new segments.
+
+        Parameters
+        ----------
+        now : float
+            The current time; deadlines of the frames returned are counted from it.
+
+        Returns
+        -------
+        list of Transmit
+            ``(peer, rail, data)`` for each frame, in the order to send them.
+        """
+        out: list[Transmit] = []
+        for peer in sorted(self._peers):
+            state = self._peers[peer]
+            self._flush_acks(peer, state, out)
+            if not self._resend_due(peer, state, now, out):
+                continue  # the peer just failed
+            self._send_new(peer, state, now, out)
+        return out
+
+    def events(self) -> list:
+        """Events since the last call (``MessageReceived``, ``SendCompleted``, ...), oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def next_deadline(self) -> float | None:
+        """Earliest retransmission deadline, or None: when to call ``poll_transmit`` next."""
+        deadlines = [seg.deadline for s in self._peers.values() for seg in s.unacked.values()]
+        return min(deadlines, default=None)
+
+    def inflight_bytes(self, peer: int) -> int:
+        """Unacked bytes to ``peer`` as counted against ``window_bytes``."""
+        state = self._peers.get(peer)
+        return state.inflight if state else 0
+
+    # ------------------------------------------------------------------ peers
+
+    def _peer(self, peer: int) -> _Peer:
+        if not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"bad peer {peer!r} for rank {self.rank} of {self.world_size}")
+        if peer in self._failed:
+            raise ProtocolError(f"rank {peer} failed: {self._failed[peer]}")
+        state = self._peers.get(peer)
+        if state is None:
+            rails = [r not in self._dead_rails for r in range(self.nrails)]
+            state = self._peers[peer] = _Peer(rails=rails, rail_bytes=[0] * self.nrails)
+            if not any(rails):
+                self._fail(peer, f"all {self.nrails} rails failed")
+                raise ProtocolError(f"rank {peer} failed: {self._failed[peer]}")
+        return state
+
+    def _fail(self, peer: int, reason: str) -> None:
+        state = self._peers.pop(peer)
+        self._failed[peer] = reason
+        for r in state.partial.values():
+            if r.posted is None:
+                self.reassembly_bytes -= r.total
+        for stream in state.streams.values():
+            for r in stream.ready.values():
+                if r.posted is None:
+                    self.reassembly_bytes -= r.total
+        self._events.append(PeerFailed(peer, reason, tuple(sorted(state.open))))
+
+    def _reject(self, rail: int, reason: str) -> None:
+        self.stats["rejected"] += 1
+        self._events.append(FrameRejected(rail, reason))
+
+    @staticmethod
+    def _stream(state: _Peer, tag: int) -> _Stream:
+        stream = state.streams.get(tag)
+        if stream is None:
+            stream = state.streams[tag] = _Stream()
+        return stream
+
+    # ------------------------------------------------------------------ sending
+
+    def _pick_rail(self, state: _Peer, avoid: int | None = None) -> int:
+        live = state.live_rails()
+        if avoid is not None and len(live) > 1:
+            live = [r for r in live if r != avoid]
+        n = self.nrails
+        rail = min(live, key=lambda r: (state.rail_bytes[r], (r - state.rr) % n))
+        state.rr = (rail + 1) % n
+        return rail
+
+    def _transmit(self, peer: int, seg: _Segment, now: float, out: list) -> None:
+        msg = seg.msg
+        payload = msg.data[seg.offset:seg.offset + seg.length]
+        data = F.encode(F.DATA, self.rank, peer, msg_id=msg.msg_id, tag=msg.tag, seq=msg.seq,
+                        total=msg.data.nbytes, offset=seg.offset, payload=payload,
+                        rail=seg.rail, crc=self.crc)
+        seg.deadline = now + min(self.rto * self.backoff ** seg.retries, self.max_rto)
+        self.stats["sent"] += 1
+        out.append(Transmit(peer, seg.rail, data))
+
+    def _move(self, state: _Peer, seg: _Segment, rail: int) -> None:
+        state.rail_bytes[seg.rail] -= seg.cost
+        seg.rail = rail
+        state.rail_bytes[rail] += seg.cost
+
+    def _resend_due(self, peer: int, state: _Peer, now: float, out: list) -> bool:
+        """Resend moved and timed-out segments; False if the peer failed meanwhile."""
+        resent = set()
+        while state.urgent:
+            key = state.urgent.popleft()
+            seg = state.unacked.get(key)
+            if seg is None or key in resent:
+                continue
+            if not state.rails[seg.rail]:
+                self._move(state, seg, self._pick_rail(state))
+            self._transmit(peer, seg, now, out)
+            self.stats["retransmits"] += 1
+            resent.add(key)
+        for key, seg in list(state.unacked.items()):
+            if seg.deadline > now or key in resent:
+                continue
+            if seg.retries >= self.max_retries:
+                self._fail(peer, f"rank {peer} did not acknowledge message {key[0]} "
+                                 f"(offset {key[1]}) after {seg.retries} retransmissions")
+                return False
+            seg.retries += 1
+            self._move(state, seg, self._pick_rail(state, avoid=seg.rail))
+            self._transmit(peer, seg, now, out)
+            self.stats["retransmits"] += 1
+        return True
+
+    def _window_allows(self, state: _Peer, cost: int) -> bool:
+        return state.inflight == 0 or state.inflight + cost <= self.window_bytes
+
+    def _send_new(self, peer: int, state: _Peer, now: float, out: list) -> None:
+        while state.queue:
+            msg = state.queue[0]
+            if msg.next_seg == 0 and msg.msg_id >= state.sent_done.low + self.max_open_messages:
+                return
+            offset = msg.next_seg * self.segment_bytes
+            length = min(self.segment_bytes, msg.data.nbytes - offset)
+            seg = _Segment(msg, offset, length, rail=-1)
+            if not self._window_allows(state, seg.cost):
+                return
+            seg.rail = self._pick_rail(state)
+            state.rail_bytes[seg.rail] += seg.cost
+            state.inflight += seg.cost
+            state.unacked[(msg.msg_id, offset)] = seg
+            msg.unacked += 1
+            msg.next_seg += 1
+            if msg.next_seg == msg.nsegs:
+                state.queue.popleft()
+            self._transmit(peer, seg, now, out)
+
+    def _on_ack(self, peer: int, state: _Peer, entries) -> None:
+        for key in entries:
+            seg = state.unacked.pop(key, None)
+            if seg is None:
+                continue  # a duplicate ack, or for a segment long done
+            state.inflight -= seg.cost
+            state.rail_bytes[seg.rail] -= seg.cost
+            msg = seg.msg
+            msg.unacked -= 1
+            if msg.unacked == 0 and msg.next_seg == msg.nsegs:
+                del state.open[msg.msg_id]
+                state.sent_done.add(msg.msg_id)
+                self._events.append(SendCompleted(peer, msg.msg_id))
+
+    def _flush_acks(self, peer: int, state: _Peer, out: list) -> None:
+        pending, state.acks_out = state.acks_out, {}
+        for rail, entries in sorted(pending.items()):
+            if not state.rails[rail]:
+                rail = self._pick_rail(state)
+            for i in range(0, len(entries), F.MAX_ACKS_PER_FRAME):
+                self._send_ack(peer, rail, entries[i:i + F.MAX_ACKS_PER_FRAME], out)
+
+    def _send_ack(self, peer: int, rail: int, chunk: list, out: list) -> None:
+        out.append(Transmit(peer, rail, F.encode_ack(self.rank, peer, chunk, rail=rail,
+                                                     crc=self.crc)))
+        self.stats["acks_sent"] += 1
+
+    # ------------------------------------------------------------------ receiving
+
+    def _on_data(self, rail: int, state: _Peer, frame: F.Frame) -> None:
+        if frame.msg_id in state.recv_done:
+            self.stats["duplicates"] += 1
+            state.acks_out.setdefault(rail, []).append((frame.msg_id, frame.offset))
+            return
+        if frame.msg_id >= state.recv_done.low + self.max_open_messages:
+            self._reject(rail, f"message {frame.msg_id} from rank {frame.src} is beyond the "
+                               f"open-message window (oldest open {state.recv_done.low})")
+            return
+        r = state.partial.get(frame.msg_id)
+        if r is None:
+            r = self._start(rail, state, frame)
+            if r is None:
+                return
+        elif (r.tag, r.seq, r.total) != (frame.tag, frame.seq, frame.total):
+            self._reject(rail, f"message {frame.msg_id} from rank {frame.src}: header "
+                               f"(tag {frame.tag}, seq {frame.seq}, total {frame.total}) differs "
+                               f"from its first segment ({r.tag}, {r.seq}, {r.total})")
+            return
+        if not self._place(rail, r, frame):
+            return
+        state.acks_out.setdefault(rail, []).append((frame.msg_id, frame.offset))
+        if r.complete:
+            self._finish(frame.src, state, r)
+
+    def _start(self, rail: int, state: _Peer, frame: F.Frame) -> _Reassembly | None:
+        """Open reassembly for the first segment of a message, or reject/drop the frame."""
+        stream = self._stream(state, frame.tag)
+        if frame.seq < stream.next_deliver or stream.owner.get(frame.seq, frame.msg_id) != frame.msg_id:
+            self._reject(rail, f"message {frame.msg_id} from rank {frame.src} claims position "
+                               f"{frame.seq} of tag {frame.tag}, which is taken")
+            return None
+        posted = stream.bound.get(frame.seq)
+        if posted is not None and posted.nbytes >= frame.total:
+            buf, owner = posted[:frame.total], posted
+        else:
+            due = frame.seq == stream.next_deliver
+            if not due and self.reassembly_bytes + frame.total > self.max_reassembly_bytes:
+                self.stats["dropped_full"] += 1
+                return None  # not acked: the sender retries when memory is free
+            buf, owner = memoryview(bytearray(frame.total)), None
+            self.reassembly_bytes += frame.total
+        r = _Reassembly(frame.msg_id, frame.tag, frame.seq, frame.total, buf, owner)
+        state.partial[frame.msg_id] = r
+        stream.owner[frame.seq] = frame.msg_id
+        return r
+
+    def _place(self, rail: int, r: _Reassembly, frame: F.Frame) -> bool:
+        """Copy a segment into place; False if it was a duplicate or overlapped garbage."""
+        start, length = frame.offset, len(frame.payload)
+        if r.lengths.get(start) == length:
+            self.stats["duplicates"] += 1
+            return True  # exact duplicate: ack again, copy nothing
+        i = bisect_left(r.starts, start)
+        overlaps_prev = i > 0 and r.starts[i - 1] + r.lengths[r.starts[i - 1]] > start
+        overlaps_next = i < len(r.starts) and (r.starts[i] < start + length or r.starts[i] == start)
+        if overlaps_prev or overlaps_next:
+            self._reject(rail, f"segment [{start}, {start + length}) of message {r.msg_id} "
+                               f"overlaps one already received")
+            return False
+        r.buf[start:start + length] = frame.payload
+        insort(r.starts, start)
+        r.lengths[start] = length
+        r.received += length
+        return True
+
+    def _finish(self, src: int, state: _Peer, r: _Reassembly) -> None:
+        del state.partial[r.msg_id]
+        state.recv_done.add(r.msg_id)
+        stream = self._stream(state, r.tag)
+        stream.ready[r.seq] = r
+        while stream.next_deliver in stream.ready:
+            self._deliver(src, stream, stream.ready.pop(stream.next_deliver))
+            stream.next_deliver += 1
+
+    def _deliver(self, src: int, stream: _Stream, r: _Reassembly) -> None:
+        stream.owner.pop(r.seq, None)
+        posted = stream.bound.pop(r.seq, None)
+        if r.posted is not None:
+            self._events.append(MessageReceived(src, r.tag, r.msg_id, r.buf, True))
+            return
+        self.reassembly_bytes -= r.total
+        if posted is not None and posted.nbytes >= r.total:
+            posted[:r.total] = r.buf
+            self._events.append(MessageReceived(src, r.tag, r.msg_id, posted[:r.total], True))
+            return
+        self._events.append(MessageReceived(src, r.tag, r.msg_id, r.buf.obj, False))
+
+
+__all__ = ["Endpoint", "MessageReceived", "SendCompleted", "PeerFailed", "FrameRejected",
+           "Transmit", "ProtocolError"]

@@ -196,8 +196,13 @@ class ShmChannel:
         finally:
             w[me] = 0
 
-    def check_peers(self, pending, deadline: float, next_liveness: float = 0.0) -> float:
-        """Raise if the wait for ``pending`` peers cannot succeed; returns next liveness time."""
+    def check_peers(self, pending, deadline: float, next_liveness: float = 0.0,
+                    any_suffices: bool = False) -> float:
+        """Raise if the wait for ``pending`` peers cannot succeed; returns next liveness time.
+
+        With ``any_suffices`` (a receive from any source) a dead peer only matters once
+        every pending peer is dead.
+        """
         if self._closed:
             raise ChannelClosed("the process group was destroyed or aborted while waiting")
         for k in self._others:
@@ -206,10 +211,10 @@ class ShmChannel:
                 raise PeerAborted(k, self.abort_reason(k), kind)
         now = time.monotonic()
         if now >= next_liveness:
-            for k in pending:
-                pid = self._peer_pid(k)
-                if pid and not _pid_alive(pid):
-                    raise PeerDied(k, pid)
+            dead = [(k, pid) for k in pending
+                    if (pid := self._peer_pid(k)) and not _pid_alive(pid)]
+            if dead and (not any_suffices or len(dead) == len(pending)):
+                raise PeerDied(*dead[0])
             next_liveness = now + LIVENESS_PERIOD
         if now > deadline:
             raise PeerTimeout(pending, 0.0)

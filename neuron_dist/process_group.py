@@ -317,13 +317,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.AllgatherOptions()
         inp = checks.single(input_tensors, "allgather input")
-        if len(output_tensors) != 1:
-            raise ValueError("allgather: expected one output list per input tensor")
-        outs = output_tensors[0]
-        checks.length(outs, self._size, "allgather output list")
-        for k, o in enumerate(outs):
-            checks.tensor(o, f"allgather output {k}")
-            checks.same_dtype(o, inp, f"allgather output {k}")
+        outs = self._rank_list(output_tensors, inp, "allgather output")
         checks.numel(inp, outs[self._rank].numel(), "allgather input (vs output[rank])")
         fi = _Flat(inp)
         fo = [_Flat(o, read=False) for o in outs]
@@ -371,13 +365,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         out = checks.single(output_tensors, "reduce_scatter output")
-        if len(input_tensors) != 1:
-            raise ValueError("reduce_scatter: expected one input list per output tensor")
-        ins = input_tensors[0]
-        checks.length(ins, self._size, "reduce_scatter input list")
-        for k, t in enumerate(ins):
-            checks.tensor(t, f"reduce_scatter input {k}")
-            checks.same_dtype(t, out, f"reduce_scatter input {k}")
+        ins = self._rank_list(input_tensors, out, "reduce_scatter input")
         checks.numel(out, ins[self._rank].numel(), "reduce_scatter output (vs input[rank])")
         spec = reduce_spec(opts.reduceOp)
         check_supported(spec, out.dtype)
@@ -444,21 +432,26 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                             [t], opts, t.numel() * t.element_size(),
                             [f] if self._rank == root else [])
 
+    def _rank_list(self, lists, like, what: str, equal_numel: bool = False) -> list:
+        """c10d's ``[[one tensor per rank]]`` argument, checked against ``like``."""
+        if len(lists) != 1:
+            raise ValueError(f"{what}: expected exactly one list of tensors, got {len(lists)}")
+        tensors = lists[0]
+        checks.length(tensors, self._size, f"{what} list")
+        for k, t in enumerate(tensors):
+            checks.tensor(t, f"{what} tensor {k}")
+            checks.same_dtype(t, like, f"{what} tensor {k}")
+            if equal_numel:
+                checks.numel(t, like.numel(), f"{what} tensor {k}")
+        return tensors
+
     def _root_list(self, lists, like, root: int, what: str, read: bool) -> list:
         """The root's list of one tensor per rank, checked and flattened; others pass none."""
         if self._rank != root:
             if lists and any(len(x) for x in lists):
                 raise ValueError(f"{what}: only the root (rank {root}) may pass a tensor list")
             return []
-        if len(lists) != 1:
-            raise ValueError(f"{what}: the root needs exactly one tensor list")
-        tensors = lists[0]
-        checks.length(tensors, self._size, f"{what} list")
-        for k, t in enumerate(tensors):
-            checks.tensor(t, f"{what} tensor {k}")
-            checks.same_dtype(t, like, f"{what} tensor {k}")
-            checks.numel(t, like.numel(), f"{what} tensor {k}")
-        return [_Flat(t, read=read) for t in tensors]
+        return [_Flat(t, read=read) for t in self._rank_list(lists, like, what, equal_numel=True)]
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()

@@ -16,9 +16,11 @@ def overlap(rank, world):
     x = torch.ones(1_000_000)
     a = torch.randn(300, 300)
 
+    reps = [30]
+
     def compute():
         y = a
-        for _ in range(30):
+        for _ in range(reps[0]):
             y = torch.tanh(a @ y)
         return y
 
@@ -27,7 +29,16 @@ def overlap(rank, world):
     t0 = time.perf_counter()
     compute()
     t_compute = time.perf_counter() - t0
-    late = max(0.2, t_compute)
+    # ~0.2 s of compute, the same on both ranks (rank 0 decides), and a peer that is late by
+    # as much: synchronous ~ late + compute, asynchronous ~ max(late, compute)
+    scale = torch.tensor([max(1.0, 0.2 / t_compute)])
+    dist.broadcast(scale, 0)
+    reps[0] = int(reps[0] * scale.item())
+    t0 = time.perf_counter()
+    compute()
+    late = time.perf_counter() - t0
+    dist.broadcast(lateness := torch.tensor([late]), 0)
+    late = lateness.item()
     timings = {}
     for mode in ("sync", "async"):
         dist.barrier()

@@ -48,9 +48,10 @@ class Context:
         if self._checked:
             self.channel.step(self.deadline)
             return
-        self.channel.step(self.deadline, self.call.words(self.seq))
+        epoch = self.channel.epoch + 1
+        self.channel.step(self.deadline, self.call.words(self.seq) + (epoch,))
         self._checked = True
-        check_all_match(self.channel, self.call, self.seq)
+        check_all_match(self.channel, self.call, self.seq, epoch)
 
     def finish(self) -> None:
         """Guarantee the call made at least one (checked) step."""

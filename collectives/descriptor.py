@@ -87,16 +87,29 @@ class Call:
         return f"{self.op}({', '.join(parts)})"
 
 
-def check_all_match(channel, call: Call, seq: int) -> None:
-    """Compare every peer's descriptor of this step with ours; raise CollectiveMismatch."""
+def check_all_match(channel, call: Call, seq: int, epoch: int) -> None:
+    """Compare every peer's descriptor of this step with ours; raise CollectiveMismatch.
+
+    ``epoch`` is the channel step this call started at: equal calls must also start at the
+    same step, or an earlier collective took a different number of steps on two ranks (a
+    backend bug, reported as such instead of silently reading the wrong step's data).
+    """
     mine = call.words(seq)
-    bad = {}
+    bad, epochs = {}, {}
     for k in range(channel.size):
         if k == channel.rank:
             continue
-        theirs = channel.peer_descriptor(k, seq, NWORDS)
-        if theirs != mine:
+        theirs = channel.peer_descriptor(k, seq, NWORDS + 1)
+        if theirs[:NWORDS] != mine:
             bad[k] = Call.from_words(theirs)
+        elif theirs[NWORDS] != epoch:
+            epochs[k] = theirs[NWORDS]
+    if not bad and epochs:
+        detail = "; ".join(f"rank {k} at step {s}" for k, s in sorted(epochs.items()))
+        raise CollectiveMismatch(
+            f"internal error: #{seq} {call.describe()} started at channel step {epoch} on rank "
+            f"{channel.rank} but {detail}: an earlier collective took a different number of "
+            "steps on these ranks (please report this with the flight-recorder dumps)", call, {})
     if not bad:
         return
     lines = [f"rank {channel.rank} called #{seq} {call.describe()}"]

@@ -42,8 +42,10 @@ class StepChannel(Protocol):
     def peer_slot(self, rank: int, dtype=None):
         """Tensor (uint8, or viewed as ``dtype``) of ``rank``'s slot for the step just completed."""
 
-    def peer_descriptor(self, rank: int) -> tuple[int, ...]:
-        """Descriptor ``rank`` posted with the current collective's first step."""
+    epoch: int  # steps this rank has completed
+
+    def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
+        """Descriptor ``rank`` posted with collective ``seq``'s first step."""
 
     def abort(self, reason: str) -> None:
         """Tell every peer the group failed, so their waits end with ``PeerAborted``."""

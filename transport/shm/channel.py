@@ -138,6 +138,11 @@ class ShmChannel:
         self._wait_step(e, deadline)
         self._epoch = e
 
+    @property
+    def epoch(self) -> int:
+        """Steps this rank has completed on this channel."""
+        return self._epoch
+
     def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
         off = self._desc_word[rank] * 8 + (seq & 1) * L.DESC_WORDS * 8
         return struct.unpack_from(f"{nwords}q", self.segment.map, off)

@@ -27,10 +27,13 @@ class Context:
     scratch : Scratch
     small_bytes : int
         Messages up to this size take single-step algorithms.
+
+    In a group that spans nodes, ``channel`` joins this node's ranks only (``rank`` and
+    ``size`` are local) and ``net`` carries the inter-node part (see twolevel.py).
     """
 
     __slots__ = ("channel", "call", "seq", "deadline", "scratch", "small_bytes", "_checked",
-                 "rank", "size")
+                 "rank", "size", "net")
 
     def __init__(self, channel, call: Call, seq: int, deadline: float, scratch: Scratch,
                  small_bytes: int):
@@ -43,6 +46,7 @@ class Context:
         self.rank = channel.rank
         self.size = channel.size
         self._checked = False
+        self.net = None  # twolevel.Net when the group spans nodes (channel = this node only)
 
     def step(self) -> None:
         if self._checked:

@@ -31,6 +31,12 @@ class Settings:
     shm_dir: str
     node_name: str | None
     debug: str
+    rails: int = 4
+    net_segment_bytes: int = 1 << 20
+    socket_ifname: str | None = None
+    auth_key: str | None = None
+    net_crc: bool = False
+    algo: str = "auto"
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -43,6 +49,15 @@ class Settings:
         NEURON_DIST_SHM_DIR            /dev/shm
         NEURON_DIST_NODE_NAME          hostname+boot id: ranks with equal names share memory
         NEURON_DIST_DEBUG              WARN  WARN, INFO or TRACE
+        NEURON_DIST_RAILS              4     TCP connections ("rails") per pair of ranks on
+                                             different nodes; messages are sprayed over all
+        NEURON_DIST_NET_SEGMENT_BYTES  1M    largest piece of a message on one rail
+        NEURON_DIST_SOCKET_IFNAME      auto  interface for inter-node traffic (default: the
+                                             one that routes to the rendezvous host)
+        NEURON_DIST_AUTH_KEY           -     job secret for rail authentication (default: a
+                                             random key shared through the c10d store)
+        NEURON_DIST_NET_CRC            0     1: CRC-32 on every inter-node frame
+        NEURON_DIST_ALGO               auto  multi-node groups: auto, hierarchical or leader
 
         The flight recorder reads NEURON_DIST_FR_SIZE (2000) and NEURON_DIST_FR_DIR (.)
         itself (neuron_dist/flight_recorder.py): it is process-wide, not per group.
@@ -56,7 +71,18 @@ class Settings:
             shm_dir=_env("NEURON_DIST_SHM_DIR", "/dev/shm"),
             node_name=os.environ.get("NEURON_DIST_NODE_NAME") or None,
             debug=_env("NEURON_DIST_DEBUG", "WARN").upper(),
+            rails=int(_env("NEURON_DIST_RAILS", "4")),
+            net_segment_bytes=parse_bytes(_env("NEURON_DIST_NET_SEGMENT_BYTES", "1M")),
+            socket_ifname=os.environ.get("NEURON_DIST_SOCKET_IFNAME") or None,
+            auth_key=os.environ.get("NEURON_DIST_AUTH_KEY") or None,
+            net_crc=_env("NEURON_DIST_NET_CRC", "0") not in ("0", "", "false", "no"),
+            algo=_env("NEURON_DIST_ALGO", "auto").lower(),
         )
+        if not 1 <= settings.rails <= 64:
+            raise ValueError(f"NEURON_DIST_RAILS must be 1..64, got {settings.rails}")
+        if settings.algo not in ("auto", "hierarchical", "leader"):
+            raise ValueError(f"NEURON_DIST_ALGO must be auto, hierarchical or leader, got "
+                             f"{settings.algo!r}")
         for name in ("slot_bytes", "mailbox_bytes"):
             value = getattr(settings, name)
             if value < 4096 or value % 4096:

@@ -10,6 +10,7 @@ group's P2P engine instead, so they never queue behind collectives.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -17,13 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.autograd import profiler as _profiler
 
-from .collectives import alltoall, allgather, allreduce, barrier, broadcast, reduce_scatter, rooted
+from types import SimpleNamespace
+
+from .collectives import (alltoall, allgather, allreduce, barrier, broadcast, reduce_scatter,
+                          rooted, twolevel)
 from .collectives.descriptor import Call, CollectiveMismatch, digest
 from .collectives.p2p import P2P, P2PError, Request
 from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
 from .transport.shm.futex import available as futex_available
-from .transport.errors import (ABORTED, ABORTED_PEER_DIED, ABORTED_TIMEOUT, ChannelClosed, PeerAborted,
-                               PeerDied, PeerTimeout)
+from .transport.errors import (ABORTED, ABORTED_MISMATCH, ABORTED_PEER_DIED, ABORTED_TIMEOUT,
+                               ChannelClosed, PeerAborted, PeerDied, PeerTimeout)
 from . import checks, stats
 from .config import Settings
 from .engine import CollectiveEngine
@@ -31,10 +35,19 @@ from .flight_recorder import install_signal_handler
 from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
                      PeerTimeoutError)
 from .p2p_engine import P2PEngine
-from .rendezvous import open_group_channel
+from .rendezvous import open_group
 from .work import NeuronWork
 
 log = logging.getLogger("neuron_dist")
+
+# The algorithms of a group on one node; a group spanning nodes uses twolevel's, which have
+# the same names and signatures.
+FLAT = SimpleNamespace(
+    all_reduce=allreduce.all_reduce, all_gather=allgather.all_gather,
+    reduce_scatter=reduce_scatter.reduce_scatter, broadcast=broadcast.broadcast,
+    reduce=rooted.reduce, gather=rooted.gather, scatter=rooted.scatter,
+    all_to_all=alltoall.all_to_all, barrier=barrier.barrier)
+P2P_TAG_BASE = 1 << 32  # network tags of send/recv (collectives use twolevel.COLLECTIVE_TAG)
 _UNSET = timedelta(milliseconds=-1)
 
 
@@ -110,7 +123,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self.settings = settings or Settings.from_env()
-        self._channel = open_group_channel(store, rank, size, self.settings, timeout)
+        links = open_group(store, rank, size, self.settings, timeout, f"rank {rank}/{size}")
+        self._channel, self._topo, self._net = links.channel, links.topo, links.net
+        self._algos = FLAT if self._net is None else twolevel
         self._scratch = Scratch()
         self._calls = {}
         self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size)
@@ -207,9 +222,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         work = NeuronWork(outputs, name)
         channel, scratch, small = self._channel, self._scratch, self.settings.small_bytes
 
+        net, topo, algo_name = self._net, self._topo, self.settings.algo
+
         def run(seq: int) -> None:
             from .collectives.context import Context
-            ctx = Context(channel, call, seq, time.monotonic() + seconds, scratch, small)
+            deadline = time.monotonic() + seconds
+            ctx = Context(channel, call, seq, deadline, scratch, small)
+            if net is not None:
+                ctx.net = twolevel.Net(net, topo, call, seq, deadline, algo_name)
             algo(ctx)
             for f in flats:
                 f.finish()
@@ -224,20 +244,28 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _on_error(self, exc: BaseException, what: str):
         """Translate a failure into the user-facing error; say whether it is fatal."""
         if isinstance(exc, CollectiveMismatch):
-            return CollectiveMismatchError(f"{what}: {exc}"), False
+            error = CollectiveMismatchError(f"{what}: {exc}")
+            if self._net is None:  # every rank saw every call: the group stays aligned
+                return error, False
+            # Across nodes, messages of the mismatched calls may be left in flight, and the
+            # ranks of this node that exchanged nothing with the culprit must hear of it.
+            self._channel.abort(str(error), ABORTED_MISMATCH)
+            return error, True
         kind = ABORTED
         if isinstance(exc, PeerTimeout):
-            detail = self._describe_laggards(exc.ranks)
+            detail = str(exc) if getattr(exc, "network", False) else \
+                self._describe_laggards(exc.ranks)
             error = PeerTimeoutError(
                 f"{what} timed out after {self._timeout_text()}: {detail}")
             kind = ABORTED_TIMEOUT
         elif isinstance(exc, PeerDied):
-            error = PeerDiedError(f"{what}: rank {exc.rank} (pid {exc.pid}) died")
+            error = PeerDiedError(f"{what}: rank {self._peer(exc.rank)} (pid {exc.pid}) died"
+                                  if exc.pid else f"{what}: {exc}")
             kind = ABORTED_PEER_DIED
         elif isinstance(exc, PeerAborted):
-            cls = {ABORTED_TIMEOUT: PeerTimeoutError,
-                   ABORTED_PEER_DIED: PeerDiedError}.get(exc.kind, GroupAbortedError)
-            return cls(f"{what}: {exc}"), True
+            cls = {ABORTED_TIMEOUT: PeerTimeoutError, ABORTED_PEER_DIED: PeerDiedError,
+                   ABORTED_MISMATCH: CollectiveMismatchError}.get(exc.kind, GroupAbortedError)
+            return cls(f"{what}: rank {self._peer(exc.rank)} aborted the group: {exc.reason}"), True
         elif isinstance(exc, ChannelClosed):
             return GroupAbortedError(f"{what}: {exc}"), True
         elif isinstance(exc, (ValueError, TypeError, P2PError)):
@@ -248,12 +276,21 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             error = NeuronDistError(f"{what} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
         self._channel.abort(str(error), kind)
+        if self._net is not None:  # peers on other nodes see every rail to us fail at once
+            self._net.close(error)
         return error, True
+
+    def _peer(self, k: int) -> int:
+        """Group rank of the shared-memory channel's rank ``k`` (its node-local index)."""
+        return self._topo.local[k] if self._net is not None else k
 
     def _timeout_text(self) -> str:
         return f"{self._timeout.total_seconds():g} s"
 
     def _describe_laggards(self, ranks) -> str:
+        if self._net is not None:  # ranks are local indices of this node's channel
+            return "; ".join(f"rank {self._topo.local[k]} (same node) never arrived"
+                             for k in ranks) or "peers did not arrive"
         parts = []
         for k in ranks:
             seq, call = Call.from_words(self._channel.peer_descriptor(k, self._engine.seq - 1, 7))
@@ -272,11 +309,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if t.is_contiguous():
             x = t.detach() if t.requires_grad else t
             return self._submit("all_reduce", call,
-                                lambda ctx: allreduce.all_reduce(ctx, x, x, spec),
+                                lambda ctx: self._algos.all_reduce(ctx, x, x, spec),
                                 [t], opts, t.numel() * t.element_size())
         f = _Flat(t)
         return self._submit("all_reduce", call,
-                            lambda ctx: allreduce.all_reduce(ctx, f.flat, f.flat, spec),
+                            lambda ctx: self._algos.all_reduce(ctx, f.flat, f.flat, spec),
                             [t], opts, t.numel() * t.element_size(), [f])
 
     def _call(self, op, dtype, count, reduce=None) -> Call:
@@ -304,7 +341,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         def algo(ctx):
             flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else \
                 torch.empty(0, dtype=dtype)
-            allreduce.all_reduce(ctx, flat, flat, spec)
+            self._algos.all_reduce(ctx, flat, flat, spec)
             o = 0
             for t in tensors:
                 t.detach().copy_(flat[o:o + t.numel()].view(t.shape))
@@ -325,7 +362,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         call = Call("all_gather", inp.dtype, sum(sizes), extra=digest(sizes))
         return self._submit(
             "all_gather", call,
-            lambda ctx: allgather.all_gather(ctx, [f.bytes for f in fo], fi.bytes),
+            lambda ctx: self._algos.all_gather(ctx, [f.bytes for f in fo], fi.bytes),
             [list(outs)], opts, inp.numel() * inp.element_size(), fo)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
@@ -346,7 +383,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         def algo(ctx):
             ob = fo.bytes
-            allgather.all_gather(ctx, [ob[k * n:(k + 1) * n] for k in range(self._size)], fi.bytes)
+            self._algos.all_gather(ctx, [ob[k * n:(k + 1) * n] for k in range(self._size)], fi.bytes)
 
         call = Call("all_gather", input.dtype, output.numel())
         return self._submit("all_gather_into_tensor", call, algo, [output], opts, n, [fo])
@@ -375,7 +412,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         call = Call("reduce_scatter", out.dtype, sum(sizes), reduce=spec.kind, extra=digest(sizes))
         return self._submit(
             "reduce_scatter", call,
-            lambda ctx: reduce_scatter.reduce_scatter(ctx, fo.flat, [f.flat for f in fis], spec),
+            lambda ctx: self._algos.reduce_scatter(ctx, fo.flat, [f.flat for f in fis], spec),
             [out], opts, sum(sizes) * out.element_size(), [fo])
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -392,7 +429,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         def algo(ctx):
             ins = [fi.flat[k * n:(k + 1) * n] for k in range(self._size)]
-            reduce_scatter.reduce_scatter(ctx, fo.flat, ins, spec)
+            self._algos.reduce_scatter(ctx, fo.flat, ins, spec)
 
         call = Call("reduce_scatter", output.dtype, input.numel(), reduce=spec.kind)
         return self._submit("reduce_scatter_tensor", call, algo, [output], opts,
@@ -416,7 +453,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         f = _Flat(t)
         call = Call("broadcast", t.dtype, t.numel(), root=root)
         return self._submit("broadcast", call,
-                            lambda ctx: broadcast.broadcast(ctx, f.bytes, root),
+                            lambda ctx: self._algos.broadcast(ctx, f.bytes, root),
                             [t], opts, t.numel() * t.element_size(), [f])
 
     def reduce(self, tensors, opts=None):
@@ -428,7 +465,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         f = _Flat(t)
         call = Call("reduce", t.dtype, t.numel(), root=root, reduce=spec.kind)
         return self._submit("reduce", call,
-                            lambda ctx: rooted.reduce(ctx, f.flat, f.flat, spec, root),
+                            lambda ctx: self._algos.reduce(ctx, f.flat, f.flat, spec, root),
                             [t], opts, t.numel() * t.element_size(),
                             [f] if self._rank == root else [])
 
@@ -461,7 +498,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         fi = _Flat(inp)
         call = Call("gather", inp.dtype, inp.numel(), root=root)
         return self._submit("gather", call,
-                            lambda ctx: rooted.gather(ctx, [f.bytes for f in fo], fi.bytes, root),
+                            lambda ctx: self._algos.gather(ctx, [f.bytes for f in fo], fi.bytes, root),
                             output_tensors, opts, inp.numel() * inp.element_size(), fo)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -472,7 +509,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         fo = _Flat(out, read=False)
         call = Call("scatter", out.dtype, out.numel(), root=root)
         return self._submit("scatter", call,
-                            lambda ctx: rooted.scatter(ctx, fo.bytes, [f.bytes for f in fis], root),
+                            lambda ctx: self._algos.scatter(ctx, fo.bytes, [f.bytes for f in fis], root),
                             [out], opts, out.numel() * out.element_size(), [fo])
 
     # -------------------------------------------------------------- all-to-all
@@ -493,7 +530,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         call = Call("all_to_all", dtype, 0)
         return self._submit(
             "all_to_all", call,
-            lambda ctx: alltoall.all_to_all(ctx, [f.bytes for f in fo], [f.bytes for f in fi], es),
+            lambda ctx: self._algos.all_to_all(ctx, [f.bytes for f in fo], [f.bytes for f in fi], es),
             list(output_tensors), opts, sum(t.numel() * es for t in input_tensors), fo)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -507,7 +544,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         es = input.element_size()
 
         def algo(ctx):
-            alltoall.all_to_all(ctx, _cut(fo.bytes, out_splits, es), _cut(fi.bytes, in_splits, es), es)
+            self._algos.all_to_all(ctx, _cut(fo.bytes, out_splits, es), _cut(fi.bytes, in_splits, es), es)
 
         call = Call("all_to_all", input.dtype, 0)
         return self._submit("all_to_all_single", call, algo, [output], opts,
@@ -532,7 +569,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
-        return self._submit("barrier", Call("barrier"), barrier.barrier, [], opts, 0)
+        return self._submit("barrier", Call("barrier"), self._algos.barrier, [], opts, 0)
 
     # --------------------------------------------------------------- send/recv
     def _p2p_engine(self) -> P2PEngine:
@@ -554,6 +591,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _post_now(self, t, peer, tag: int, is_send: bool, name: str):
         if self._closed:
             raise GroupAbortedError(f"{name}: the group was destroyed")
+        if self._net is not None:
+            return self._post_net(t, peer, tag, is_send, name)
         f = _Flat(t, read=is_send)
         req = Request(peer, int(tag), f.bytes, is_send,
                       time.monotonic() + self._timeout.total_seconds())
@@ -569,6 +608,64 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         work.driver = lambda deadline: engine.drive(req, deadline)
         stats.add_call(f.bytes.numel())
         engine.post(req)
+        return work
+
+    def _post_net(self, t, peer, tag: int, is_send: bool, name: str):
+        """Send/recv in a group that spans nodes: straight over the rdm transport."""
+        if peer is None:
+            raise NotImplementedError(
+                f"{name} from any source is not supported yet in a group that spans nodes "
+                f"({self._topo.describe()}); name the source rank")
+        if tag < 0:
+            raise ValueError(f"{name}: tag must be >= 0, not {tag}")
+        f = _Flat(t, read=is_send)
+        what = (f"{name} {'to' if is_send else 'from'} rank {peer} (tag {tag}, "
+                f"{f.bytes.numel()} bytes) in group {self._label()}")
+        work = NeuronWork([t], what)
+        seconds = self._timeout.total_seconds()
+        op_deadline = time.monotonic() + seconds
+        lock = threading.Lock()
+        done = []
+
+        def finish(req):
+            with lock:
+                if done:
+                    return
+                done.append(True)
+            error = req.error
+            if error is not None:
+                error = self._on_error(error, what)[0]
+            elif not is_send:
+                f.finish()
+            work._complete(error, peer)
+
+        buf = twolevel.as_bytes(f.bytes)
+        post = self._net.isend if is_send else self._net.irecv
+        try:
+            req = post(peer, P2P_TAG_BASE + int(tag), buf, finish)
+        except (PeerDied, ChannelClosed) as e:
+            raise self._on_error(e, what)[0] from None
+
+        def drive(deadline):
+            try:
+                req.wait(min(deadline, op_deadline))
+            except PeerTimeout:
+                if deadline < op_deadline:
+                    raise PeerTimeoutError(f"{what}: Work.wait timed out") from None
+                with lock:
+                    if done:
+                        return
+                    done.append(True)
+                work._complete(PeerTimeoutError(
+                    f"{what} timed out after {self._timeout_text()}: rank {peer} did not "
+                    f"{'receive' if is_send else 'send'} it"), peer)
+                return
+            except Exception:  # noqa: BLE001 - finish() reports it
+                pass
+            finish(req)
+
+        work.driver = drive
+        stats.add_call(f.bytes.numel())
         return work
 
     def send(self, tensors, dst: int, tag: int = 0):
@@ -610,6 +707,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._engine.stop(error)
         if self._p2p is not None:
             self._p2p.stop(error)
+        if self._net is not None:
+            self._net.close(error)
         self._channel.close()
 
     def __del__(self):

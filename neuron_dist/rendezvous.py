@@ -1,11 +1,15 @@
-"""Set-up of a group's shared memory through the c10d store.
+"""Set-up of a group through the c10d store: who shares a node, shared memory, network rails.
 
-1. Every rank publishes its node identity; all must match (one node per group until the
-   inter-node transport lands), otherwise a clear error names the differing ranks.
-2. Group rank 0 sweeps leftover segments of dead jobs, creates the segment and publishes
-   its (unguessable) name; the others attach.
-3. Every rank counts itself in; rank 0 waits for the count and unlinks the name, so the
-   memory disappears with the last process even after SIGKILL.
+1. Every rank publishes its node identity (topology.node_identity); ranks with equal
+   identities form a node (collectives.twolevel.Topology).
+2. Per node, the node's first rank sweeps leftover segments of dead jobs, creates the
+   node's segment and publishes its (unguessable) name; the node's other ranks attach.
+   Every rank counts itself in; the creator waits for the count and unlinks the name, so
+   the memory disappears with the last process even after SIGKILL.
+3. If the group spans nodes, every rank also opens an rdm transport: it listens on the
+   chosen interface (topology.choose_address), publishes ``host:port``, and connects
+   ``NEURON_DIST_RAILS`` authenticated rails to every other rank. The job key is
+   ``NEURON_DIST_AUTH_KEY`` or 32 random bytes group rank 0 puts in the store.
 
 Keys carry a generation number drawn from a store counter, so re-initialising a group on
 the same store (after destroy_process_group) never reads a previous generation's keys.
@@ -13,28 +17,58 @@ the same store (after destroy_process_group) never reads a previous generation's
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
+from .collectives.twolevel import Topology
+from .transport.rdm.driver import RdmTransport
+from .transport.rdm.handshake import derive_key
 from .transport.shm.backoff import default_spin
 from .transport.shm.channel import ShmChannel
 from .transport.shm.layout import Layout
 from .transport.shm.segment import Segment, new_segment_name, sweep_leftovers
-from .topology import node_identity
+from .topology import choose_address, node_identity
+
+log = logging.getLogger("neuron_dist")
 
 
-def open_group_channel(store, rank: int, size: int, settings, timeout: timedelta) -> ShmChannel:
-    """Create (rank 0) or attach (others) the group's segment; return its channel."""
+@dataclass
+class GroupLinks:
+    """What a group talks through: this node's shared memory and, across nodes, the network."""
+
+    channel: ShmChannel
+    topo: Topology
+    net: RdmTransport | None
+
+
+def open_group(store, rank: int, size: int, settings, timeout: timedelta,
+               label: str = "") -> GroupLinks:
+    """Rendezvous through ``store``; return the group's channel, topology and transport."""
     gen = (store.add("neuron/generation", 1) - 1) // size
     key = f"neuron/{gen}"
-    me = node_identity(settings.node_name)
-    store.set(f"{key}/node/{rank}", me)
-    nodes = [store.get(f"{key}/node/{k}").decode() for k in range(size)]
-    others = [k for k, n in enumerate(nodes) if n != me]
-    if others:
-        raise NotImplementedError(
-            f"ranks {others} run on another node than rank {rank} ({nodes[others[0]]!r} vs "
-            f"{me!r}); this neuron build only connects ranks that share memory on one node")
+    store.set(f"{key}/node/{rank}", node_identity(settings.node_name))
+    names = [store.get(f"{key}/node/{k}").decode() for k in range(size)]
+    topo = Topology.from_names(rank, names)
+    local = topo.local
+    channel = _open_node_channel(store, f"{key}/n{topo.my_node}", local.index(rank), len(local),
+                                 settings, timeout)
+    if len(topo.nodes) == 1:
+        return GroupLinks(channel, topo, None)
+    try:
+        net = _open_network(store, key, rank, size, settings, timeout, label)
+    except BaseException:
+        channel.close()
+        raise
+    log.info("neuron: group rank %d/%d spans %d nodes (%s); %d rail(s) per peer from %s",
+             rank, size, len(topo.nodes), topo.describe(), settings.rails, net.address)
+    return GroupLinks(channel, topo, net)
+
+
+def _open_node_channel(store, key: str, rank: int, size: int, settings,
+                       timeout: timedelta) -> ShmChannel:
     layout = Layout(size, settings.slot_bytes, settings.mailbox_bytes)
     if rank == 0:
         sweep_leftovers()
@@ -55,3 +89,28 @@ def open_group_channel(store, rank: int, size: int, settings, timeout: timedelta
             time.sleep(0.001)
         segment.unlink()
     return channel
+
+
+def _open_network(store, key: str, rank: int, size: int, settings, timeout: timedelta,
+                  label: str) -> RdmTransport:
+    if settings.auth_key:
+        job_key = derive_key(settings.auth_key)
+    else:
+        if rank == 0:
+            store.set(f"{key}/secret", secrets.token_bytes(32))
+        job_key = store.get(f"{key}/secret")
+    if rank == 0:
+        store.set(f"{key}/nonce", secrets.token_hex(16))
+    group = f"{key}/{store.get(f'{key}/nonce').decode()}".encode()
+    net = RdmTransport(rank, size, host=choose_address(settings.socket_ifname, store),
+                       rails=settings.rails, key=job_key, group=group,
+                       segment_bytes=settings.net_segment_bytes, crc=settings.net_crc,
+                       label=label or f"rank {rank}")
+    try:
+        store.set(f"{key}/addr/{rank}", net.address)
+        peers = {k: store.get(f"{key}/addr/{k}").decode() for k in range(size) if k != rank}
+        net.connect(peers, time.monotonic() + timeout.total_seconds())
+    except BaseException:
+        net.close()
+        raise
+    return net

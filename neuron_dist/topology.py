@@ -26,3 +26,55 @@ def node_identity(override: str | None = None) -> str:
     except OSError:
         shm = "?"
     return f"{socket.gethostname()}/{boot}/{shm}"
+
+
+def choose_address(ifname: str | None, store=None) -> str:
+    """The local address inter-node traffic should use.
+
+    ``ifname`` (``NEURON_DIST_SOCKET_IFNAME``) names an interface whose IPv4 address is
+    taken. Otherwise: the address of the interface that routes to the rendezvous host
+    (the TCPStore's host or ``MASTER_ADDR``), found by connecting a UDP socket, which
+    sends nothing. Our own hostname is never resolved, so hosts whose name does not
+    resolve work. With no rendezvous host known, loopback.
+    """
+    if ifname:
+        return interface_address(ifname)
+    host = _store_host(store) or os.environ.get("MASTER_ADDR")
+    if not host:
+        return "127.0.0.1"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+    except OSError:
+        return "127.0.0.1"
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(addr)
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def interface_address(ifname: str) -> str:
+    """IPv4 address of interface ``ifname`` (ValueError naming the interfaces if unknown)."""
+    import fcntl
+    import struct
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", ifname.encode()[:15]))
+        except OSError:
+            names = [n for _, n in socket.if_nameindex()]
+            raise ValueError(f"NEURON_DIST_SOCKET_IFNAME={ifname!r}: no IPv4 address on such an "
+                             f"interface (interfaces here: {', '.join(names)})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _store_host(store) -> str | None:
+    seen = 0
+    while store is not None and seen < 8:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+        seen += 1
+    return None

@@ -35,7 +35,7 @@ class RankFailure(AssertionError):
 
 
 def _entry(fn, rank, world, ports, queue, args, env, pg_timeout, init, timeout):
-    os.environ.update(env)
+    os.environ.update(env(rank) if callable(env) else env)
     port = ports.get()
     # If this rank hangs, show where before the test kills it.
     faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
@@ -62,6 +62,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, env: dict | None = N
               hooks=None):
     """Run ``fn(rank, world, *args)`` on ``world`` forked ranks; return {rank: value}.
 
+    ``env`` is a dict of environment variables for every rank, or ``env(rank) -> dict``.
     With ``expect_errors`` the raw per-rank results are returned instead of raising.
     ``hooks(procs)`` is called right after start (e.g. to kill a rank).
     """

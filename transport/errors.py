@@ -31,7 +31,7 @@ class PeerDied(TransportError):
         super().__init__(detail or f"rank {rank} (pid {pid}) is no longer running")
 
 
-ABORTED, ABORTED_TIMEOUT, ABORTED_PEER_DIED = 1, 2, 3
+ABORTED, ABORTED_TIMEOUT, ABORTED_PEER_DIED, ABORTED_MISMATCH = 1, 2, 3, 4
 
 
 class PeerAborted(TransportError):
@@ -46,3 +46,10 @@ class PeerAborted(TransportError):
 
 class ChannelClosed(TransportError):
     """The local endpoint was closed (destroy_process_group or abort) while in use."""
+
+
+class PeerUnreachable(PeerDied):
+    """Every network path to a peer failed (its process died, or the network between us)."""
+
+    def __init__(self, rank, detail):
+        super().__init__(rank, None, detail)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAGIC = b"NR"
 VERSION = 1
@@ -114,7 +115,7 @@ def _check_range(name: str, value: int, lo: int, hi: int) -> None:
 def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq: int = 0,
            total: int | None = None, offset: int = 0, payload=b"", rail: int = 0,
            crc: bool = False) -> bytes:
-    """Build one frame.
+    """Build one frame: ``encode_header(...) + payload``.
 
     Parameters
     ----------
@@ -141,6 +142,19 @@ def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq:
     ValueError
         A field does not fit its wire width or the frame would be inconsistent.
     """
+    header = encode_header(type, src, dst, msg_id=msg_id, tag=tag, seq=seq, total=total,
+                           offset=offset, payload=payload, rail=rail, crc=crc)
+    return header + bytes(payload)
+
+
+def encode_header(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq: int = 0,
+                  total: int | None = None, offset: int = 0, payload=b"", rail: int = 0,
+                  crc: bool = False) -> bytes:
+    """The 64-byte header of the frame ``encode`` would build, without copying ``payload``.
+
+    A driver writes the header and then the payload (a view of the caller's buffer) with
+    one scatter-gather send. Parameters and errors as for ``encode``.
+    """
     if type not in FRAME_TYPES:
         raise ValueError(f"unknown frame type {type!r}")
     length = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
@@ -158,7 +172,7 @@ def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq:
     if crc:
         value = zlib.crc32(payload, zlib.crc32(header))
         header = header[:_CRC_OFFSET] + value.to_bytes(4, "big")
-    return header + bytes(payload)
+    return header
 
 
 def encode_ack(src: int, dst: int, entries, *, rail: int = 0, crc: bool = False) -> bytes:
@@ -193,9 +207,9 @@ def _header_fields(view: memoryview) -> tuple:
     return fields
 
 
-def _check_lengths(view: memoryview, ftype: int, tag: int, total: int, offset: int, length: int,
-                   max_message_bytes: int | None) -> None:
-    if length != view.nbytes - HEADER_SIZE:
+def _check_lengths(view: memoryview | None, ftype: int, tag: int, total: int, offset: int,
+                   length: int, max_message_bytes: int | None) -> None:
+    if view is not None and length != view.nbytes - HEADER_SIZE:
         raise FrameError(f"length field says {length} payload bytes, the frame carries "
                          f"{view.nbytes - HEADER_SIZE}")
     if offset + length > total:
@@ -226,6 +240,65 @@ def _check_crc(view: memoryview, flags: int, stored: int, require_crc: bool) -> 
     value = zlib.crc32(view[HEADER_SIZE:], value)
     if value != stored:
         raise FrameError(f"CRC mismatch (computed 0x{value:08x}, frame says 0x{stored:08x})")
+
+
+class Header(NamedTuple):
+    """A validated header whose payload has not been read yet (see ``decode_header``)."""
+
+    type: int
+    flags: int
+    rail: int
+    src: int
+    dst: int
+    msg_id: int
+    tag: int
+    seq: int
+    total: int
+    offset: int
+    length: int
+    crc: int
+
+
+def decode_header(buf, *, world_size: int | None = None, max_message_bytes: int | None = None,
+                  max_payload: int | None = None, require_crc: bool = False) -> Header:
+    """Parse and validate the 64-byte header of a frame arriving on a byte stream.
+
+    Everything ``decode`` checks that does not need the payload is checked here, plus
+    ``length <= max_payload``, so a driver can size (or place) the payload read safely.
+    ``check_payload`` finishes the job once the payload is in.
+
+    Raises
+    ------
+    FrameError
+        The header is not well-formed under these limits.
+    """
+    view = memoryview(buf).cast("B")
+    if view.nbytes != HEADER_SIZE:
+        raise FrameError(f"a header is {HEADER_SIZE} bytes, not {view.nbytes}")
+    fields = _header_fields(view)
+    (_, _, ftype, flags, rail, _, src, dst, msg_id, tag, seq, total, offset, length, crc) = fields
+    if max_payload is not None and length > max_payload:
+        raise FrameError(f"payload of {length} bytes exceeds the maximum {max_payload}")
+    _check_lengths(None, ftype, tag, total, offset, length, max_message_bytes)
+    if world_size is not None and not (src < world_size and dst < world_size):
+        raise FrameError(f"rank out of range: src {src}, dst {dst}, world size {world_size}")
+    if not flags & FLAG_CRC:
+        if require_crc:
+            raise FrameError("frame has no CRC but this endpoint requires one")
+        if crc:
+            raise FrameError(f"CRC field is 0x{crc:08x} but FLAG_CRC is not set")
+    return Header(ftype, flags, rail, src, dst, msg_id, tag, seq, total, offset, length, crc)
+
+
+def check_payload(header_bytes, header: Header, payload) -> None:
+    """Verify the CRC of a frame read as header + payload (no-op without ``FLAG_CRC``)."""
+    if not header.flags & FLAG_CRC:
+        return
+    value = zlib.crc32(memoryview(header_bytes)[:_CRC_OFFSET])
+    value = zlib.crc32(b"\0\0\0\0", value)
+    value = zlib.crc32(payload, value)
+    if value != header.crc:
+        raise FrameError(f"CRC mismatch (computed 0x{value:08x}, frame says 0x{header.crc:08x})")
 
 
 def decode(buf, *, world_size: int | None = None, max_message_bytes: int | None = None,

@@ -16,7 +16,8 @@ SRD / libfabric RDM.
 Sending
     ``send(peer, tag, data)`` numbers the message (``msg_id``: 0, 1, 2, ... per peer) and
     gives it the next ``seq`` of its ``(peer, tag)`` stream. ``poll_transmit`` cuts it into
-    segments of ``segment_bytes`` (a 0-byte message is one empty segment), one DATA frame
+    segments of at most ``segment_bytes``, and small enough that every rail gets one when
+    that keeps them >= 64 KiB (a 0-byte message is one empty segment), one DATA frame
     each (see ``frames``), and sprays them over the peer's live rails, least-loaded rail
     first (by unacknowledged bytes; ties go round-robin). ``data`` is not copied: keep it
     unchanged until ``SendCompleted``.
@@ -95,6 +96,8 @@ from typing import NamedTuple
 from ..errors import TransportError
 from . import frames as F
 
+MIN_SPRAY_BYTES = 64 << 10
+
 # ----------------------------------------------------------------------------- events
 
 
@@ -148,11 +151,21 @@ class FrameRejected:
 
 
 class Transmit(NamedTuple):
-    """A frame to put on the wire: on ``rail`` towards ``peer``."""
+    """A frame to put on the wire: on ``rail`` towards ``peer``, ``header`` then ``payload``.
+
+    ``payload`` is a view of the sender's buffer (not copied); a stream driver writes both
+    with one scatter-gather send, a datagram driver sends ``data``.
+    """
 
     peer: int
     rail: int
-    data: bytes
+    header: bytes
+    payload: object = b""
+
+    @property
+    def data(self) -> bytes:
+        """The whole frame as one bytes object (a copy of the payload)."""
+        return self.header + bytes(self.payload)
 
 
 class ProtocolError(TransportError):
@@ -187,6 +200,7 @@ class _OutMessage:
     tag: int
     seq: int
     data: memoryview
+    seg_bytes: int
     nsegs: int
     next_seg: int = 0
     unacked: int = 0
@@ -362,8 +376,12 @@ class Endpoint:
                              f"{self.max_message_bytes}")
         seq = state.tag_seq.get(tag, 0)
         state.tag_seq[tag] = seq + 1
-        msg = _OutMessage(state.next_msg_id, tag, seq, view,
-                          nsegs=max(1, -(-view.nbytes // self.segment_bytes)))
+        # Cut into at least one segment per rail (when segments stay >= MIN_SPRAY_BYTES),
+        # so a mid-sized message is sprayed over every rail instead of riding one.
+        seg_bytes = min(self.segment_bytes,
+                        max(MIN_SPRAY_BYTES, -(-view.nbytes // self.nrails)))
+        msg = _OutMessage(state.next_msg_id, tag, seq, view, seg_bytes,
+                          nsegs=max(1, -(-view.nbytes // seg_bytes)))
         state.next_msg_id += 1
         state.open[msg.msg_id] = msg
         state.queue.append(msg)
@@ -439,6 +457,75 @@ class Endpoint:
             self._on_ack(frame.src, state, frame.acks)
         else:
             self._on_data(rail, state, frame)
+
+    def data_target(self, rail: int, header: F.Header):
+        """Where a DATA segment announced by ``header`` may be read straight into, or None.
+
+        For stream drivers (TCP rails): after reading a frame's header (``F.decode_header``),
+        the driver asks for the segment's place in its message (the posted receive buffer
+        or the reassembly buffer) and reads the payload there, then calls ``data_landed``.
+        None means "read the payload aside and hand the whole frame to ``receive``": ACKs,
+        duplicates, garbage and every other case take that path. Nothing changes here until
+        ``data_landed``; bytes read into the returned view but never landed are overwritten
+        by the retransmission.
+        """
+        if header.type != F.DATA or header.dst != self.rank or header.src == self.rank:
+            return None
+        if header.src in self._failed or header.length == 0:
+            return None
+        state = self._peers.get(header.src)
+        if state is None or header.msg_id in state.recv_done:
+            return None
+        if header.msg_id >= state.recv_done.low + self.max_open_messages:
+            return None
+        r = state.partial.get(header.msg_id)
+        if r is None:
+            stream = state.streams.get(header.tag)
+            if stream is None or header.seq < stream.next_deliver:
+                return None
+            if stream.owner.get(header.seq, header.msg_id) != header.msg_id:
+                return None
+            posted = stream.bound.get(header.seq)
+            if posted is None or posted.nbytes < header.total:
+                return None  # private reassembly: let receive() decide (memory limits)
+            return posted[header.offset:header.offset + header.length]
+        if (r.tag, r.seq, r.total) != (header.tag, header.seq, header.total):
+            return None
+        start, length = header.offset, header.length
+        if start in r.lengths:
+            return None
+        i = bisect_left(r.starts, start)
+        if i > 0 and r.starts[i - 1] + r.lengths[r.starts[i - 1]] > start:
+            return None
+        if i < len(r.starts) and r.starts[i] < start + length:
+            return None
+        return r.buf[start:start + length]
+
+    def data_landed(self, rail: int, header_bytes, header: F.Header, now: float) -> None:
+        """The payload of ``header`` was read into the view ``data_target`` returned."""
+        state = self._peers.get(header.src)
+        if state is None:
+            return  # the peer failed while the payload was being read
+        r = state.partial.get(header.msg_id)
+        if r is None:
+            r = self._start(rail, state, header)
+            if r is None:
+                return
+        view = r.buf[header.offset:header.offset + header.length]
+        try:
+            F.check_payload(header_bytes, header, view)
+        except F.FrameError as e:
+            self._reject(rail, str(e))
+            return
+        if header.offset in r.lengths:  # the same segment landed twice (two rails): ack again
+            state.acks_out.setdefault(rail, []).append((header.msg_id, header.offset))
+            return
+        insort(r.starts, header.offset)
+        r.lengths[header.offset] = header.length
+        r.received += header.length
+        state.acks_out.setdefault(rail, []).append((header.msg_id, header.offset))
+        if r.complete:
+            self._finish(header.src, state, r)
 
     def poll_transmit(self, now: float) -> list[Transmit]:
         """Frames to send now: acks, resends (timed out or moved off a dead rail), new segments.
@@ -530,12 +617,12 @@ class Endpoint:
     def _transmit(self, peer: int, seg: _Segment, now: float, out: list) -> None:
         msg = seg.msg
         payload = msg.data[seg.offset:seg.offset + seg.length]
-        data = F.encode(F.DATA, self.rank, peer, msg_id=msg.msg_id, tag=msg.tag, seq=msg.seq,
-                        total=msg.data.nbytes, offset=seg.offset, payload=payload,
-                        rail=seg.rail, crc=self.crc)
+        header = F.encode_header(F.DATA, self.rank, peer, msg_id=msg.msg_id, tag=msg.tag,
+                                 seq=msg.seq, total=msg.data.nbytes, offset=seg.offset,
+                                 payload=payload, rail=seg.rail, crc=self.crc)
         seg.deadline = now + min(self.rto * self.backoff ** seg.retries, self.max_rto)
         self.stats["sent"] += 1
-        out.append(Transmit(peer, seg.rail, data))
+        out.append(Transmit(peer, seg.rail, header, payload))
 
     def _move(self, state: _Peer, seg: _Segment, rail: int) -> None:
         state.rail_bytes[seg.rail] -= seg.cost
@@ -576,8 +663,8 @@ class Endpoint:
             msg = state.queue[0]
             if msg.next_seg == 0 and msg.msg_id >= state.sent_done.low + self.max_open_messages:
                 return
-            offset = msg.next_seg * self.segment_bytes
-            length = min(self.segment_bytes, msg.data.nbytes - offset)
+            offset = msg.next_seg * msg.seg_bytes
+            length = min(msg.seg_bytes, msg.data.nbytes - offset)
             seg = _Segment(msg, offset, length, rail=-1)
             if not self._window_allows(state, seg.cost):
                 return

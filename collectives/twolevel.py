@@ -1,0 +1,406 @@
+"""Collectives of a group that spans several nodes: shared memory inside, network between.
+
+The group's ranks are split into nodes (``Topology``). Every algorithm here is a schedule
+of *local* phases, run by the single-node algorithms over the node's step channel (the
+``Context`` passed in, whose ranks are the node's local indices), and *network* phases over
+the rdm transport (``ctx.net``, a ``Net``, addressed by group rank):
+
+all_reduce, nodes of equal size (hierarchical)
+    local reduce-scatter (local rank j owns slice j) -> each local rank all-reduces its
+    slice with the ranks of the same local index on the other nodes -> local all-gather.
+    Every local rank drives its own share of the network traffic, in parallel.
+all_reduce, uneven nodes (leader)
+    local all-reduce -> node leaders (local index 0) exchange and reduce -> local broadcast.
+broadcast
+    the root sends to every other node's leader -> local broadcast from root / leader.
+reduce
+    local reduce to the node's root (the root itself, or the leader) -> node roots send to
+    the root, which reduces in node order.
+all_gather, reduce_scatter
+    local phase -> leaders exchange whole node blocks -> local broadcast of what came in.
+gather, scatter, all_to_all
+    direct: ranks on other nodes send to / receive from each other over the network, ranks
+    of one node use the local algorithm among themselves.
+barrier
+    local step -> leaders exchange empty messages -> local step.
+
+Network phases between two nodes exchange full buffers and every receiver reduces in node
+order, so all ranks compute bit-identical results. AVG runs as SUM and divides by the group
+size once at the end; PREMUL_SUM scales in the first (local) phase and sums afterwards.
+Every network exchange between two ranks within one collective starts with both sides'
+call descriptors, so ranks on different nodes that call different collectives fail with
+``CollectiveMismatch`` naming both calls.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs, rooted
+from . import alltoall
+from .context import Context, partition
+from .descriptor import NWORDS, Call, CollectiveMismatch
+from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_into
+
+COLLECTIVE_TAG = 1
+ALIGN_BYTES = 64
+_DESC = struct.Struct(f"!{NWORDS + 1}q")
+_SUM = ReduceSpec(SUM)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How a group's ranks sit on nodes.
+
+    Attributes
+    ----------
+    rank : int
+        This process's group rank.
+    nodes : tuple of tuple of int
+        Group ranks of each node, nodes ordered by their lowest rank.
+    """
+
+    rank: int
+    nodes: tuple
+
+    @classmethod
+    def from_names(cls, rank: int, names: list) -> "Topology":
+        order: dict = {}
+        for k, name in enumerate(names):
+            order.setdefault(name, []).append(k)
+        return cls(rank, tuple(tuple(v) for v in order.values()))
+
+    @property
+    def size(self) -> int:
+        return sum(len(n) for n in self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        for i, ranks in enumerate(self.nodes):
+            if rank in ranks:
+                return i
+        raise ValueError(f"rank {rank} is in no node")
+
+    @property
+    def my_node(self) -> int:
+        return self.node_of(self.rank)
+
+    @property
+    def local(self) -> tuple:
+        """Group ranks of this node, in local-index order."""
+        return self.nodes[self.my_node]
+
+    def local_index(self, rank: int) -> int:
+        return self.nodes[self.node_of(rank)].index(rank)
+
+    @property
+    def even(self) -> bool:
+        return len({len(n) for n in self.nodes}) == 1
+
+    def leader(self, node: int) -> int:
+        return self.nodes[node][0]
+
+    def describe(self) -> str:
+        return " | ".join(f"node {i}: ranks {list(r)}" for i, r in enumerate(self.nodes))
+
+
+class Net:
+    """The network half of one collective call: descriptor-checked sends and receives."""
+
+    def __init__(self, transport, topo: Topology, call: Call, seq: int, deadline: float,
+                 algo: str = "auto"):
+        self.transport, self.topo, self.call, self.seq = transport, topo, call, seq
+        self.algo = algo
+        self.deadline = deadline
+        self._desc_in: dict = {}
+        self._pending: list = []
+
+    def _words(self) -> bytes:
+        return _DESC.pack(*self.call.words(self.seq), 0)
+
+    def _meet(self, peer: int) -> None:
+        """First contact with ``peer`` in this call: swap call descriptors both ways."""
+        if peer in self._desc_in:
+            return
+        box = bytearray(_DESC.size)
+        self._desc_in[peer] = (box, self.transport.irecv(peer, COLLECTIVE_TAG, box))
+        self._pending.append(self.transport.isend(peer, COLLECTIVE_TAG, self._words()))
+
+    def send(self, peer: int, buf) -> None:
+        self._meet(peer)
+        self._pending.append(self.transport.isend(peer, COLLECTIVE_TAG, as_bytes(buf)))
+
+    def recv(self, peer: int, buf) -> None:
+        self._meet(peer)
+        self._pending.append(self.transport.irecv(peer, COLLECTIVE_TAG, as_bytes(buf)))
+
+    def wait(self) -> None:
+        """Wait for everything posted; check the peers' descriptors first."""
+        for peer, (box, req) in sorted(self._desc_in.items()):
+            if box is None:
+                continue
+            req.wait(self.deadline)
+            theirs = _DESC.unpack(bytes(box))[:NWORDS]
+            if theirs != self.call.words(self.seq):
+                their_seq, their_call = Call.from_words(theirs)
+                raise CollectiveMismatch(
+                    f"collective mismatch: rank {self.topo.rank} called #{self.seq} "
+                    f"{self.call.describe()}; rank {peer} called #{their_seq} "
+                    f"{their_call.describe()}", self.call, {peer: their_call})
+            self._desc_in[peer] = (None, req)
+        pending, self._pending = self._pending, []
+        for req in pending:
+            req.wait(self.deadline)
+
+
+def as_bytes(t):
+    """A writable byte view of a contiguous tensor (or a bytes-like object)."""
+    if isinstance(t, torch.Tensor):
+        return t.view(torch.uint8).numpy() if t.numel() else bytearray(0)
+    return t
+
+
+def _split_spec(spec: ReduceSpec) -> tuple:
+    """(spec of the first, local phase; spec of the later phases)."""
+    if spec.kind == AVG:
+        return _SUM, _SUM
+    if spec.kind == PREMUL_SUM:
+        return spec, _SUM
+    return spec, spec
+
+
+def _finish(out, spec: ReduceSpec, size: int) -> None:
+    if spec.kind == AVG:
+        _finish_avg(out, size)
+
+
+def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+    """All-reduce typed ``buf`` among ``peers`` (group ranks, node order) over the network."""
+    net, me = ctx.net, ctx.net.topo.rank
+    others = [p for p in peers if p != me]
+    if not others:
+        return
+    got = {p: torch.empty_like(buf) for p in others}
+    for p in others:
+        net.recv(p, got[p])
+    for p in others:
+        net.send(p, buf)
+    net.wait()
+    views = [buf if p == me else got[p] for p in peers]
+    acc = torch.empty_like(buf)
+    reduce_into(acc, views, spec, len(peers), ctx.scratch)
+    buf.copy_(acc)
+
+
+# ---------------------------------------------------------------------- all-reduce
+
+def all_reduce(ctx: Context, out, inp, spec) -> None:
+    """Reduce flat typed ``inp`` over the whole group into ``out`` (may alias)."""
+    topo = ctx.net.topo
+    first, later = _split_spec(spec)
+    n = inp.numel()
+    out, inp = out.view(-1), inp.view(-1)
+    if topo.even and ctx.net.algo != "leader" and n >= ctx.size * 64:
+        _hierarchical(ctx, out, inp, first, later)
+    else:
+        allreduce.all_reduce(ctx, out, inp, first)
+        if ctx.rank == 0:
+            _exchange_reduce(ctx, out, [topo.leader(b) for b in range(len(topo.nodes))], later)
+        bcast.broadcast(ctx, out.view(torch.uint8), 0)
+    _finish(out, spec, topo.size)
+
+
+def _hierarchical(ctx, out, inp, first, later) -> None:
+    topo = ctx.net.topo
+    align = max(1, ALIGN_BYTES // inp.element_size())
+    slices = partition(inp.numel(), ctx.size, align)
+    rs.reduce_scatter(ctx, out[slices[ctx.rank][0]:sum(slices[ctx.rank])],
+                      [inp[s:s + m] for s, m in slices], first)
+    s, m = slices[ctx.rank]
+    column = [node[ctx.rank] for node in topo.nodes]
+    if m:
+        _exchange_reduce(ctx, out[s:s + m], column, later)
+    else:
+        ctx.net.wait()
+    b = out.view(torch.uint8)
+    es = out.element_size()
+    allgather.all_gather(ctx, [b[s * es:(s + m) * es] for s, m in slices],
+                         b[s * es:(s + m) * es].clone())
+
+
+# ---------------------------------------------------------------------- broadcast
+
+def _node_root(topo: Topology, root: int) -> int:
+    """Local index of the rank that speaks for this node in a rooted collective."""
+    if topo.node_of(root) == topo.my_node:
+        return topo.local.index(root)
+    return 0
+
+
+def broadcast(ctx: Context, buf, root: int) -> None:
+    """Make uint8 ``buf`` equal to the root's everywhere."""
+    topo, net = ctx.net.topo, ctx.net
+    root_node = topo.node_of(root)
+    if topo.rank == root:
+        for b in range(len(topo.nodes)):
+            if b != root_node:
+                net.send(topo.leader(b), buf)
+    elif topo.my_node != root_node and ctx.rank == 0:
+        net.recv(root, buf)
+        net.wait()
+    bcast.broadcast(ctx, buf, _node_root(topo, root))
+    net.wait()
+
+
+def reduce(ctx: Context, out, inp, spec, root: int) -> None:
+    """Reduce flat typed ``inp`` into ``out`` on ``root`` only (others' ``out`` untouched)."""
+    topo, net = ctx.net.topo, ctx.net
+    first, later = _split_spec(spec)
+    here = _node_root(topo, root)
+    part = torch.empty_like(inp) if ctx.rank == here else inp
+    rooted.reduce(ctx, part, inp, first, here)
+    root_node = topo.node_of(root)
+    if ctx.rank == here and topo.rank != root:
+        net.send(root, part)
+        net.wait()
+    elif topo.rank == root:
+        senders = {b: topo.leader(b) for b in range(len(topo.nodes)) if b != root_node}
+        got = {b: torch.empty_like(inp) for b in senders}
+        for b, p in senders.items():
+            net.recv(p, got[b])
+        net.wait()
+        views = [part if b == root_node else got[b] for b in range(len(topo.nodes))]
+        reduce_into(out, views, later, len(views), ctx.scratch)
+        _finish(out, spec, topo.size)
+
+
+# ---------------------------------------------------------------------- gather family
+
+def _pack(blocks) -> torch.Tensor:
+    return torch.cat([b.view(-1) for b in blocks]) if blocks else torch.empty(0, dtype=torch.uint8)
+
+
+def _unpack(flat, blocks) -> None:
+    o = 0
+    for b in blocks:
+        b.copy_(flat[o:o + b.numel()])
+        o += b.numel()
+
+
+def all_gather(ctx: Context, outs: list, inp) -> None:
+    """Every rank gets every rank's uint8 ``inp`` in ``outs[rank]``."""
+    topo, net = ctx.net.topo, ctx.net
+    allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
+    remote = [g for b, node in enumerate(topo.nodes) if b != topo.my_node for g in node]
+    if ctx.rank == 0:
+        for b in range(len(topo.nodes)):
+            if b != topo.my_node:
+                for g in topo.local:
+                    net.send(topo.leader(b), outs[g])
+                for g in topo.nodes[b]:
+                    net.recv(topo.leader(b), outs[g])
+        net.wait()
+        packed = _pack([outs[g] for g in remote])
+    else:
+        packed = torch.empty(sum(outs[g].numel() for g in remote), dtype=torch.uint8)
+    bcast.broadcast(ctx, packed, 0)
+    if ctx.rank != 0:
+        _unpack(packed, [outs[g] for g in remote])
+
+
+def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+    """``out`` = reduction over all ranks of their ``inputs[rank]`` (flat typed)."""
+    topo, net = ctx.net.topo, ctx.net
+    first, later = _split_spec(spec)
+    order = [g for node in topo.nodes for g in node]  # node-major
+    full = torch.cat([inputs[g] for g in order]) if order else out[:0]
+    part = torch.empty_like(full) if ctx.rank == 0 else full
+    rooted.reduce(ctx, part, full, first, 0)
+    sizes = [inputs[g].numel() for g in range(topo.size)]
+    starts, o = {}, 0
+    for b, node in enumerate(topo.nodes):
+        starts[b] = o
+        o += sum(sizes[g] for g in node)
+    mine_n = sum(sizes[g] for g in topo.local)
+    mine = part[starts[topo.my_node]:starts[topo.my_node] + mine_n]
+    if ctx.rank == 0:
+        got = {}
+        for b in range(len(topo.nodes)):
+            if b != topo.my_node:
+                n_b = sum(sizes[g] for g in topo.nodes[b])
+                net.send(topo.leader(b), part[starts[b]:starts[b] + n_b])
+                got[b] = torch.empty(mine_n, dtype=out.dtype)
+                net.recv(topo.leader(b), got[b])
+        net.wait()
+        result = torch.empty(mine_n, dtype=out.dtype)
+        views = [mine if b == topo.my_node else got[b] for b in range(len(topo.nodes))]
+        reduce_into(result, views, later, len(views), ctx.scratch)
+    else:
+        result = torch.empty(mine_n, dtype=out.dtype)
+    bcast.broadcast(ctx, result.view(torch.uint8), 0)
+    o = sum(sizes[g] for g in topo.local[:ctx.rank])
+    out.copy_(result[o:o + out.numel()])
+    _finish(out, spec, topo.size)
+
+
+def gather(ctx: Context, outs: list, inp, root: int) -> None:
+    """The root gets every rank's uint8 ``inp`` in ``outs[rank]``."""
+    topo, net = ctx.net.topo, ctx.net
+    if topo.node_of(root) != topo.my_node:
+        net.send(root, inp)
+        ctx.finish()
+        net.wait()
+        return
+    if topo.rank == root:
+        for g in range(topo.size):
+            if topo.node_of(g) != topo.my_node:
+                net.recv(g, outs[g])
+    rooted.gather(ctx, [outs[g] for g in topo.local] if topo.rank == root else [], inp,
+                  topo.local.index(root))
+    net.wait()
+
+
+def scatter(ctx: Context, out, ins: list, root: int) -> None:
+    """Rank k gets the root's uint8 ``ins[k]`` in ``out``."""
+    topo, net = ctx.net.topo, ctx.net
+    if topo.node_of(root) != topo.my_node:
+        net.recv(root, out)
+        ctx.finish()
+        net.wait()
+        return
+    if topo.rank == root:
+        for g in range(topo.size):
+            if topo.node_of(g) != topo.my_node:
+                net.send(g, ins[g])
+    rooted.scatter(ctx, out, [ins[g] for g in topo.local] if topo.rank == root else [],
+                   topo.local.index(root))
+    net.wait()
+
+
+def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
+    """Send uint8 ``ins[k]`` to rank k and receive rank k's block into ``outs[k]``."""
+    topo, net = ctx.net.topo, ctx.net
+    remote = [g for g in range(topo.size) if topo.node_of(g) != topo.my_node]
+    for g in remote:
+        net.recv(g, outs[g])
+    for g in remote:
+        net.send(g, ins[g])
+    alltoall.all_to_all(ctx, [outs[g] for g in topo.local], [ins[g] for g in topo.local],
+                        element_size)
+    net.wait()
+
+
+def barrier(ctx: Context) -> None:
+    """Nobody leaves before everybody arrived."""
+    topo, net = ctx.net.topo, ctx.net
+    ctx.finish()
+    if ctx.rank == 0:
+        empty = bytearray(0)
+        for b in range(len(topo.nodes)):
+            if b != topo.my_node:
+                net.recv(topo.leader(b), empty)
+                net.send(topo.leader(b), b"")
+        net.wait()
+    ctx.step()

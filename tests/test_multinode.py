@@ -1,0 +1,89 @@
+"""Groups that span virtual nodes: every collective across nodes, even and uneven layouts.
+
+Ranks get ``NEURON_DIST_NODE_NAME`` per rank, so one machine holds several "nodes": shared
+memory joins the ranks of a node only, everything between nodes goes over the rdm transport
+(TCP rails on loopback). The same matrices as test_collectives run, so multi-node results
+are checked against the same exact references. Network-namespace isolation (where shared
+memory *cannot* cross nodes) is tested with the virtual-node launcher (test_vnodes.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from test_collectives import (SMALL_SLOTS, all_reduce_matrix, alltoall_matrix, big_all_reduce,
+                              gather_family_matrix, reduce_family_matrix)
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "2+1": ["a", "a", "b"],
+    "3-nodes-interleaved": ["a", "b", "c", "a", "b"],
+}
+
+
+def _env(names, **extra):
+    def env(rank):
+        return {**SMALL_SLOTS, "NEURON_DIST_NODE_NAME": names[rank],
+                "NEURON_DIST_NET_SEGMENT_BYTES": "64K", **extra}
+    return env
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("matrix", [all_reduce_matrix, gather_family_matrix,
+                                    reduce_family_matrix, alltoall_matrix],
+                         ids=["all_reduce", "gather_family", "reduce_family", "alltoall"])
+def test_matrix_across_nodes(layout, matrix):
+    names = LAYOUTS[layout]
+    results = run_ranks(matrix, len(names), env=_env(names), timeout=240)
+    fails = {r: f for r, f in results.items() if f}
+    assert not fails, fails
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["hierarchical", "leader"])
+def test_big_all_reduce_across_nodes(algo):
+    names = LAYOUTS["2x2"]
+    results = run_ranks(big_all_reduce, 4, env=_env(names, NEURON_DIST_ALGO=algo,
+                                                    NEURON_DIST_RAILS="3"), timeout=100)
+    assert not any(results.values()), results
+
+
+def _p2p_and_mismatch(rank, world):
+    out = {}
+    # send/recv across and within nodes, several tags, sizes that need many segments
+    peer = (rank + 2) % world
+    big = torch.arange(300_000, dtype=torch.float32) + rank
+    got = torch.empty_like(big)
+    reqs = [dist.isend(big, peer, tag=5), dist.irecv(got, (rank - 2) % world, tag=5)]
+    small_in = torch.empty(3)
+    reqs += [dist.isend(torch.full((3,), float(rank)), (rank + 1) % world, tag=9),
+             dist.irecv(small_in, (rank - 1) % world, tag=9)]
+    for r in reqs:
+        r.wait()
+    out["p2p"] = torch.equal(got, torch.arange(300_000, dtype=torch.float32) + (rank - 2) % world) \
+        and small_in[0].item() == (rank - 1) % world
+    # ranks on node b call a different collective than node a
+    try:
+        if rank < 2:
+            dist.all_reduce(torch.ones(10))
+        else:
+            dist.broadcast(torch.ones(10), 0)
+        out["mismatch"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_p2p_and_mismatch_across_nodes():
+    results = run_ranks(_p2p_and_mismatch, 4, env=_env(LAYOUTS["2x2"]), timeout=100,
+                        pg_timeout=20)
+    for rank, out in results.items():
+        assert out["p2p"], (rank, out)
+        assert "CollectiveMismatchError" in out["mismatch"], (rank, out)
+        assert "collective mismatch" in out["mismatch"], (rank, out)
+        assert "all_reduce" in out["mismatch"] and "broadcast" in out["mismatch"], out

@@ -1,0 +1,218 @@
+"""The rdm socket driver: real TCP rails on loopback, between two transports in one process.
+
+Transfers of every size, a rail cut mid-transfer (nothing lost, the answer intact), all
+rails cut (an error naming the peer, promptly), and strangers at the listener: garbage,
+a wrong key, a silent connection, a malformed frame from an authenticated peer. None of
+them may hurt the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from neuron_dist.transport.errors import PeerUnreachable
+from neuron_dist.transport.rdm import frames as F
+from neuron_dist.transport.rdm import handshake
+from neuron_dist.transport.rdm.driver import RdmTransport
+
+pytestmark = pytest.mark.timeout(60)
+KEY, GROUP = os.urandom(32), b"test-group"
+
+
+def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2):
+    ts = [RdmTransport(r, world, host="127.0.0.1", rails=rails, key=KEY, group=GROUP,
+                       segment_bytes=segment_bytes, crc=crc, rto=0.5) for r in range(world)]
+    addrs = {r: t.address for r, t in enumerate(ts)}
+    threads = [threading.Thread(target=t.connect, args=(addrs, time.monotonic() + 10)) for t in ts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return ts
+
+
+@pytest.fixture
+def pair():
+    ts = _pair()
+    yield ts
+    for t in ts:
+        t.close()
+
+
+def _transfer(ts, n, tag=1, seed=0):
+    src = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    r = ts[1].irecv(0, tag, dst)
+    s = ts[0].isend(1, tag, src)
+    return src, dst, r, s
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 1 << 20, 20_000_003])
+def test_transfer_sizes(pair, n):
+    src, dst, r, s = _transfer(pair, n)
+    r.wait(time.monotonic() + 30)
+    s.wait(time.monotonic() + 30)
+    assert np.array_equal(src, dst)
+
+
+def test_order_per_tag_and_early_messages(pair):
+    a, b = pair
+    for i in range(5):  # sent before any receive is posted: kept until asked for
+        a.isend(1, 7, np.full(10 + i, i, np.uint8))
+    a.isend(1, 8, np.full(3, 99, np.uint8))
+    time.sleep(0.2)
+    got = []
+    for i in range(5):
+        buf = np.zeros(10 + i, np.uint8)
+        b.irecv(0, 7, buf).wait(time.monotonic() + 5)
+        got.append(int(buf[0]))
+    assert got == list(range(5))
+    buf = np.zeros(3, np.uint8)
+    b.irecv(0, 8, buf).wait(time.monotonic() + 5)
+    assert buf[0] == 99
+    wrong = b.irecv(0, 7, np.zeros(4, np.uint8))
+    a.isend(1, 7, np.zeros(5, np.uint8))
+    with pytest.raises(ValueError, match="sent 5 bytes, the receive expects 4"):
+        wrong.wait(time.monotonic() + 5)
+
+
+def test_rail_cut_mid_transfer_loses_nothing(pair):
+    a, b = pair
+    src, dst, r, s = _transfer(pair, 64 << 20, seed=1)
+    time.sleep(0.02)
+    a._rails[1][1].sock.shutdown(socket.SHUT_RDWR)  # the connection resets under the transfer
+    r.wait(time.monotonic() + 30)
+    s.wait(time.monotonic() + 30)
+    assert np.array_equal(src, dst)
+    # the pair keeps working on the remaining rails
+    src, dst, r, s = _transfer(pair, 5 << 20, seed=2)
+    r.wait(time.monotonic() + 30)
+    assert np.array_equal(src, dst)
+    assert not a._rails[1][1].alive and a._rails[1][0].alive
+
+
+def test_all_rails_cut_fails_naming_the_peer(pair):
+    a, b = pair
+    src, dst, r, s = _transfer(pair, 64 << 20)
+    started = time.monotonic()
+    for rail in a._rails[1]:
+        rail.sock.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(PeerUnreachable, match="rank 1 is unreachable: all 3 rails"):
+        s.wait(time.monotonic() + 20)
+    with pytest.raises(PeerUnreachable, match="rank 0 is unreachable"):
+        r.wait(time.monotonic() + 20)
+    assert time.monotonic() - started < 5
+    with pytest.raises(PeerUnreachable):
+        a.isend(1, 1, b"late")
+
+
+def test_crc_frames_roundtrip():
+    ts = _pair(rails=2, crc=True)
+    try:
+        src, dst, r, s = _transfer(ts, 3_000_000)
+        r.wait(time.monotonic() + 30)
+        assert np.array_equal(src, dst)
+    finally:
+        for t in ts:
+            t.close()
+
+
+def _host_port(t):
+    host, _, port = t.address.rpartition(":")
+    return host, int(port)
+
+
+def test_strangers_are_refused_and_the_job_goes_on(pair, caplog):
+    a, b = pair
+    caplog.set_level(logging.WARNING, logger="neuron_dist.rdm")
+    addr = _host_port(a)
+    silent = socket.create_connection(addr)  # connects and says nothing (handshake stalls)
+    with socket.create_connection(addr) as junk:  # garbage instead of the handshake
+        junk.recv(36)
+        junk.sendall(os.urandom(200))
+        try:
+            assert junk.recv(10) == b""  # dropped
+        except ConnectionResetError:
+            pass  # dropped with unread bytes: a reset
+    with socket.create_connection(addr) as wrong:  # speaks the protocol, wrong key
+        wrong.settimeout(5)
+        with pytest.raises(handshake.HandshakeError):
+            handshake.dial(wrong, os.urandom(32), GROUP, 1, 0, 0)
+    with socket.create_connection(addr) as replay:  # right key, other group
+        replay.settimeout(5)
+        with pytest.raises(handshake.HandshakeError):
+            handshake.dial(replay, KEY, b"another group", 1, 0, 0)
+    with socket.create_connection(addr) as dup:  # right key, a rail that exists already
+        dup.settimeout(5)
+        with pytest.raises(handshake.HandshakeError):
+            handshake.dial(dup, KEY, GROUP, 1, 0, 0)
+    src, dst, r, s = _transfer(pair, 2_000_000)
+    r.wait(time.monotonic() + 10)
+    assert np.array_equal(src, dst)
+    silent.close()
+    time.sleep(0.1)
+    refused = [rec.getMessage() for rec in caplog.records if "refused a connection" in rec.getMessage()]
+    assert len(refused) >= 4, refused
+    assert any("authentication failed" in m for m in refused)
+
+
+def test_malformed_frame_closes_only_that_rail(caplog):
+    """A peer that authenticates and then sends garbage loses that rail, nothing else."""
+    caplog.set_level(logging.ERROR, logger="neuron_dist.rdm")
+    ts = [RdmTransport(r, 3, host="127.0.0.1", rails=2, key=KEY, group=GROUP) for r in range(2)]
+    try:
+        addrs = {0: ts[0].address, 1: ts[1].address}
+        ts[0]._expected = {1}
+        threads = [threading.Thread(target=t.connect, args=(addrs, time.monotonic() + 10)) for t in ts]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        rogue = socket.create_connection(_host_port(ts[0]))  # rank 2 of the job, misbehaving
+        rogue.settimeout(5)
+        handshake.dial(rogue, KEY, GROUP, 2, 0, 0)
+        header = bytearray(F.encode(F.DATA, 2, 0, payload=b"x" * 8))
+        struct.pack_into("!I", header, 56, 1 << 31)  # length far beyond any segment
+        rogue.sendall(bytes(header[:F.HEADER_SIZE]))
+        try:
+            assert rogue.recv(10) == b""  # the rail is closed
+        except ConnectionResetError:
+            pass
+        rogue.close()
+        src, dst, r, s = _transfer(ts, 1_000_000)
+        r.wait(time.monotonic() + 10)
+        assert np.array_equal(src, dst)
+        assert any("malformed frame" in rec.getMessage() for rec in caplog.records)
+    finally:
+        for t in ts:
+            t.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=F.HEADER_SIZE, max_size=F.HEADER_SIZE))
+def test_header_decoder_rejects_garbage_cleanly(raw):
+    try:
+        h = F.decode_header(raw, world_size=4, max_message_bytes=1 << 30, max_payload=1 << 20)
+    except F.FrameError:
+        return
+    assert h.length <= 1 << 20 and h.offset + h.length <= h.total <= 1 << 30
+    assert h.src < 4 and h.dst < 4 and h.tag >= 0
+
+
+def test_no_threads_or_sockets_left():
+    before = {t.name for t in threading.enumerate()}
+    ts = _pair(rails=2)
+    for t in ts:
+        t.close()
+    time.sleep(0.1)
+    left = {t.name for t in threading.enumerate()} - before
+    assert not [n for n in left if n.startswith("neuron-rdm")], left

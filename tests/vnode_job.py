@@ -1,0 +1,96 @@
+"""A tiny multi-node job for tests/test_vnodes.py (run under torchrun by launch/vnodes.py).
+
+Each rank initialises the process group (``--backend``, gloo by default: the neuron
+backend cannot span nodes yet), checks its rank and world against torchrun's environment,
+runs an all_reduce, finds out which other ranks can see its files in ``/dev/shm``, and
+prints one line::
+
+    VNODE_JOB {"rank": 0, "world": 4, "hostname": ..., "node_name": "vnode0",
+               "shm_dev": 40, "ip": "10.12.0.1", "shm_peers": [0, 1], ...}
+
+``--fail-rank R --fail-code C`` makes rank R exit with code C right after initialisation
+(its peers then block in the all_reduce until the launcher stops them).
+``--tag T`` is a marker that tests look for in /proc to find leftover processes.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def local_ip(master_addr: str, master_port: int) -> str:
+    """The source address this host uses to reach the master (UDP connect: no packet sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_addr, master_port))
+        return s.getsockname()[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-code", type=int, default=3)
+    p.add_argument("--latency-iters", type=int, default=0,
+                   help="time this many 1-element all_reduces after the check")
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(args.backend)
+    assert dist.get_rank() == rank and dist.get_world_size() == world, (
+        dist.get_rank(), rank, dist.get_world_size(), world)
+
+    if rank == args.fail_rank:
+        print(f"rank {rank} failing on purpose with code {args.fail_code}", flush=True)
+        os._exit(args.fail_code)
+
+    # Which ranks share this rank's /dev/shm? Each rank drops a file, then looks.
+    shm_name = f"/dev/shm/vnodejob-{os.environ['MASTER_PORT']}-{rank}"
+    with open(shm_name, "w") as f:
+        f.write(str(rank))
+    try:
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)  # also a barrier: every rank has written its file
+        expected = world * (world + 1) / 2
+        assert t.item() == expected, (t.item(), expected)
+        prefix = f"vnodejob-{os.environ['MASTER_PORT']}-"
+        shm_peers = sorted(int(n[len(prefix):]) for n in os.listdir("/dev/shm")
+                           if n.startswith(prefix))
+        dist.barrier()  # nobody removes its file before everyone has looked
+    finally:
+        os.unlink(shm_name)
+
+    latency = None
+    if args.latency_iters:
+        x = torch.zeros(1)
+        dist.all_reduce(x)
+        start = time.perf_counter()
+        for _ in range(args.latency_iters):
+            dist.all_reduce(x)
+        latency = (time.perf_counter() - start) / args.latency_iters
+
+    report = {
+        "rank": rank, "world": world, "local_rank": int(os.environ["LOCAL_RANK"]),
+        "group_rank": int(os.environ["GROUP_RANK"]), "sum": t.item(),
+        "hostname": socket.gethostname(),
+        "node_name": os.environ.get("NEURON_DIST_NODE_NAME"),
+        "socket_ifname": os.environ.get("NEURON_DIST_SOCKET_IFNAME"),
+        "shm_dev": os.stat("/dev/shm").st_dev, "shm_peers": shm_peers,
+        "ip": local_ip(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+        "master_addr": os.environ["MASTER_ADDR"], "allreduce_s": latency,
+    }
+    # One write() per line (< PIPE_BUF, so atomic): ranks of a node share one pipe.
+    sys.stdout.write("VNODE_JOB " + json.dumps(report) + "\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,577 @@
+"""Socket driver of the rdm transport: N authenticated TCP rails per pair of ranks.
+
+How it works
+------------
+Every rank listens on one TCP socket bound to the chosen interface's address (port 0)
+and publishes ``host:port``. For each pair of ranks that must talk, the higher rank dials
+the lower one ``rails`` times; each connection is authenticated (handshake.py) and
+becomes rail ``i`` of that pair at both ends. All protocol logic lives in the sans-I/O
+``protocol.Endpoint``; this module only moves its frames, under one lock:
+
+* one **writer** thread per rail drains that rail's queue of ``Transmit``s with one
+  scatter-gather ``sendmsg`` (header + a view of the user's buffer: no copy);
+* one **reader** thread per rail reads a 64-byte header (validated before anything else
+  is read: ``frames.decode_header``), asks the endpoint where the segment belongs
+  (``data_target``: the posted receive buffer or the message's reassembly buffer) and
+  reads the payload straight there with ``recv_into``, so large messages are copied once,
+  by the kernel. ACKs, duplicates and odd frames are read aside and go through
+  ``Endpoint.receive``. A header that fails validation means the byte stream cannot be
+  trusted any more: the rail is closed (and logged); its unacknowledged segments are
+  resent on the other rails;
+* a **timer** thread calls ``poll_transmit`` at the endpoint's next retransmission
+  deadline.
+
+Threads block in system calls with the GIL released, one syscall per segment, so the
+Python cost is per segment (<= ``segment_bytes``), not per byte. A rail whose connection
+breaks is reported to the endpoint (``rail_failed``): nothing is lost while one rail to the
+peer is left; when the last one goes, every request to or from that peer fails with
+``PeerUnreachable`` naming it.
+
+Requests: ``isend``/``irecv`` return a ``Request``; ``wait(deadline)`` raises
+``PeerTimeout`` naming the peer when the deadline passes. Receives match sends per
+``(peer, tag)`` in order; a message that arrives before its receive is posted is kept
+until it is. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import deque
+
+from ..errors import ChannelClosed, PeerTimeout, PeerUnreachable
+from . import frames as F
+from . import handshake
+from .protocol import Endpoint, FrameRejected, MessageReceived, PeerFailed, SendCompleted
+
+log = logging.getLogger("neuron_dist.rdm")
+
+_IOV_MAX = 512
+_CLEAN_EOF = "connection closed by the peer (0 of"
+_HANDSHAKE_TIMEOUT = 10.0
+
+
+class Request:
+    """A pending ``isend`` or ``irecv``; completed by the driver's threads."""
+
+    __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "_event",
+                 "_sink")
+
+    def __init__(self, peer: int, tag: int, buf, is_send: bool, sink=None):
+        self.peer, self.tag, self.buf, self.is_send = peer, tag, buf, is_send
+        self.nbytes = buf.nbytes
+        self.error = None
+        self.callback = None  # run on the transport's callback thread once complete
+        self._event = threading.Event()
+        self._sink = sink
+
+    def _finish(self, error=None) -> None:
+        if not self._event.is_set():
+            self.error = error
+            self._event.set()
+            if self.callback is not None and self._sink is not None:
+                self._sink.put(self)
+
+    def test(self) -> bool:
+        """True once complete (raises its error if it failed)."""
+        if self._event.is_set():
+            if self.error is not None:
+                raise self.error
+            return True
+        return False
+
+    def wait(self, deadline: float) -> None:
+        """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure."""
+        remaining = deadline - time.monotonic()
+        if not self._event.wait(max(0.0, remaining)):
+            what = "send to" if self.is_send else "receive from"
+            error = PeerTimeout([self.peer], max(0.0, remaining),
+                                f"{what} rank {self.peer} ({self.nbytes} bytes) over the "
+                                f"network did not complete in time")
+            error.network = True
+            raise error
+        if self.error is not None:
+            raise self.error
+
+
+class _Rail:
+    __slots__ = ("sock", "peer", "index", "out", "cond", "alive", "busy")
+
+    def __init__(self, sock, peer, index):
+        self.sock, self.peer, self.index = sock, peer, index
+        self.out = deque()
+        self.cond = threading.Condition(threading.Lock())
+        self.alive = True
+        self.busy = False  # the writer is sending a batch
+
+    @property
+    def idle(self) -> bool:
+        return not self.alive or (not self.out and not self.busy)
+
+    def push(self, tx) -> None:
+        with self.cond:
+            self.out.append(tx)
+            self.cond.notify()
+
+
+class RdmTransport:
+    """Reliable tagged messages to the other ranks of a group, over N TCP rails per peer.
+
+    Parameters
+    ----------
+    rank, world_size : int
+        This rank and the group size (ranks are group ranks).
+    host : str
+        Address to listen on (the chosen interface's; never a wildcard).
+    rails : int
+        Connections per peer.
+    key, group : bytes
+        Job secret and group nonce for the handshake.
+    segment_bytes, window_bytes : int
+        Largest DATA payload, unacknowledged bytes allowed per peer.
+    crc : bool
+        CRC-32 on every frame (end-to-end check on top of TCP's).
+    label : str
+        Names the group in log messages.
+    """
+
+    def __init__(self, rank: int, world_size: int, *, host: str, rails: int, key: bytes,
+                 group: bytes, segment_bytes: int = 1 << 20, window_bytes: int = 32 << 20,
+                 crc: bool = False, rto: float = 5.0, label: str = ""):
+        self.rank, self.world_size, self.nrails = rank, world_size, rails
+        self.segment_bytes = segment_bytes
+        self._key, self._group, self._label = key, group, label or f"rank {rank}"
+        self.ep = Endpoint(rank, world_size, rails, segment_bytes, 1 << 48, rto=rto,
+                           max_rto=max(rto, 30.0), max_retries=6, window_bytes=window_bytes,
+                           max_reassembly_bytes=1 << 30, crc=crc)
+        self._lock = threading.Lock()
+        self._rails: dict[int, list] = {}
+        self._expected: set[int] = set()
+        self._connected = threading.Condition(self._lock)
+        self._sends: dict = {}
+        self._recvs: dict = {}  # (peer, tag) -> deque of posted Requests
+        self._unexpected: dict = {}  # (peer, tag) -> deque of bytearrays
+        self._failed: dict[int, Exception] = {}
+        self._closed = False
+        self._timer = threading.Condition(self._lock)
+        # Completion callbacks run here, never under the lock: they may post new requests.
+        self._callbacks = queue.SimpleQueue()
+        self._listener = socket.create_server((host, 0), backlog=128,
+                                              family=_family(host))
+        self.address = f"{_bracket(host)}:{self._listener.getsockname()[1]}"
+        self._threads = [threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"neuron-rdm-accept-{rank}"),
+                         threading.Thread(target=self._timer_loop, daemon=True,
+                                          name=f"neuron-rdm-timer-{rank}"),
+                         threading.Thread(target=self._callback_loop, daemon=True,
+                                          name=f"neuron-rdm-callbacks-{rank}")]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ set-up
+
+    def connect(self, peers: dict, deadline: float) -> None:
+        """Open ``rails`` authenticated connections to each of ``peers`` ({rank: "host:port"}).
+
+        Ranks dial the lower-numbered peers and accept the higher-numbered ones; returns
+        when every rail to every peer is up.
+
+        Raises
+        ------
+        PeerTimeout
+            Some peers were not connected by ``deadline``.
+        """
+        with self._lock:
+            self._expected = set(peers) - {self.rank}
+        for peer in sorted(p for p in self._expected if p < self.rank):
+            host, port = _split(peers[peer])
+            for rail in range(self.nrails):
+                self._dial(peer, host, port, rail, deadline)
+        with self._lock:
+            while not self._closed:
+                missing = [p for p in sorted(self._expected)
+                           if None in self._rails.get(p, [None])]
+                if not missing:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PeerTimeout(missing, 0.0, f"rank(s) {missing} did not open their "
+                                                    f"{self.nrails} rail(s) to rank {self.rank} in time")
+                self._connected.wait(min(remaining, 0.5))
+        raise ChannelClosed("transport closed while connecting")
+
+    def _dial(self, peer: int, host: str, port: int, rail: int, deadline: float) -> None:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerTimeout([peer], 0.0, f"could not connect rail {rail} to rank {peer} "
+                                               f"at {host}:{port}")
+            try:
+                sock = socket.create_connection((host, port), timeout=min(remaining, _HANDSHAKE_TIMEOUT))
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        try:
+            handshake.dial(sock, self._key, self._group, self.rank, rail, peer)
+        except BaseException:
+            sock.close()
+            raise
+        self._add_rail(sock, peer, rail)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._accept_one, args=(conn, addr), daemon=True,
+                             name=f"neuron-rdm-handshake-{self.rank}").start()
+
+    def _accept_one(self, conn, addr) -> None:
+        def may_dial(rank, rail):
+            with self._lock:
+                return (self.rank < rank < self.world_size and rail < self.nrails
+                        and self._rails.get(rank, [None] * self.nrails)[rail] is None)
+        try:
+            conn.settimeout(_HANDSHAKE_TIMEOUT)
+            peer, rail = handshake.accept(conn, self._key, self._group, self.rank, may_dial)
+        except Exception as e:  # noqa: BLE001 - a stranger must never hurt the job
+            log.warning("neuron %s: refused a connection from %s: %s", self._label, addr, e)
+            conn.close()
+            return
+        self._add_rail(conn, peer, rail)
+
+    def _add_rail(self, sock, peer: int, index: int) -> None:
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rail = _Rail(sock, peer, index)
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            rails = self._rails.setdefault(peer, [None] * self.nrails)
+            rails[index] = rail
+            self._rails[peer] = rails
+            self._connected.notify_all()
+        for target, name in ((self._write_loop, "w"), (self._read_loop, "r")):
+            t = threading.Thread(target=target, args=(rail,), daemon=True,
+                                 name=f"neuron-rdm-{name}{self.rank}-{peer}.{index}")
+            t.start()
+            self._threads.append(t)
+
+    # ------------------------------------------------------------------ requests
+
+    def isend(self, peer: int, tag: int, buf, callback=None) -> Request:
+        """Send the bytes of ``buf`` (kept unchanged until the request completes).
+
+        ``callback(request)``, if given, runs on the transport's callback thread when the
+        request completes (successfully or not).
+        """
+        view = memoryview(buf).cast("B")
+        req = Request(peer, tag, view, True, self._callbacks)
+        req.callback = callback
+        with self._lock:
+            self._check_usable(peer)
+            msg_id = self.ep.send(peer, tag, view)
+            self._sends[(peer, msg_id)] = req
+            self._pump()
+        return req
+
+    def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
+        """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size)."""
+        view = memoryview(buf).cast("B")
+        req = Request(peer, tag, view, False, self._callbacks)
+        req.callback = callback
+        with self._lock:
+            self._check_usable(peer)
+            early = self._unexpected.get((peer, tag))
+            if early:
+                self._complete_recv(req, early.popleft())
+                return req
+            self.ep.post_recv(peer, tag, view)
+            self._recvs.setdefault((peer, tag), deque()).append(req)
+        return req
+
+    def _check_usable(self, peer: int) -> None:
+        if self._closed:
+            raise ChannelClosed(f"rdm transport of {self._label} is closed")
+        if peer in self._failed:
+            raise self._failed[peer]
+        if peer not in self._rails:
+            raise ValueError(f"rank {peer} is not connected to rank {self.rank}")
+
+    def _complete_recv(self, req: Request, data) -> None:
+        n = len(data) if not isinstance(data, memoryview) else data.nbytes
+        if n != req.nbytes:
+            req._finish(ValueError(f"rank {req.peer} sent {n} bytes, the receive expects "
+                                   f"{req.nbytes} (tag {req.tag})"))
+            return
+        if not (isinstance(data, memoryview) and data.obj is req.buf.obj):
+            req.buf[:n] = data
+        req._finish()
+
+    # ------------------------------------------------------------------ engine
+
+    def _pump(self) -> None:
+        """Under the lock: hand frames to the writers, act on the endpoint's events."""
+        out = self.ep.poll_transmit(time.monotonic())
+        for tx in out:
+            rails = self._rails.get(tx.peer)
+            rail = rails[tx.rail] if rails else None
+            if rail is not None and rail.alive:
+                rail.push(tx)
+        for ev in self.ep.events():
+            if isinstance(ev, SendCompleted):
+                req = self._sends.pop((ev.peer, ev.msg_id), None)
+                if req is not None:
+                    req._finish()
+            elif isinstance(ev, MessageReceived):
+                self._on_message(ev)
+            elif isinstance(ev, PeerFailed):
+                self._on_peer_failed(ev)
+            elif isinstance(ev, FrameRejected):
+                log.error("neuron %s: rejected a frame on rail %d: %s", self._label, ev.rail,
+                          ev.reason)
+        self._timer.notify()
+
+    def _on_message(self, ev: MessageReceived) -> None:
+        waiting = self._recvs.get((ev.src, ev.tag))
+        if waiting:
+            req = waiting.popleft()
+            if ev.posted:
+                self._complete_recv(req, ev.data)
+            else:
+                req._finish(ValueError(f"rank {ev.src} sent {len(ev.data)} bytes, the receive "
+                                       f"expects {req.nbytes} (tag {ev.tag})"))
+            return
+        self._unexpected.setdefault((ev.src, ev.tag), deque()).append(ev.data)
+
+    def _on_peer_failed(self, ev: PeerFailed) -> None:
+        error = PeerUnreachable(ev.peer, f"rank {ev.peer} is unreachable: {ev.reason}")
+        self._failed[ev.peer] = error
+        busy = any(k[0] == ev.peer for k in self._sends) or any(
+            k[0] == ev.peer and q for k, q in self._recvs.items())
+        # A peer that closes its end while nothing is pending is usually just done.
+        (log.error if busy else log.info)("neuron %s: %s", self._label, error)
+        for key in [k for k in self._sends if k[0] == ev.peer]:
+            self._sends.pop(key)._finish(error)
+        for key in [k for k in self._recvs if k[0] == ev.peer]:
+            for req in self._recvs.pop(key):
+                req._finish(error)
+        for rail in self._rails.get(ev.peer, ()):
+            if rail is not None:
+                self._drop(rail)
+
+    def _drop(self, rail: _Rail) -> None:
+        # Shut down first: that wakes the reader blocked in recv (closing the fd would not);
+        # the reader closes the socket on its way out.
+        try:
+            rail.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        rail.alive = False
+        with rail.cond:
+            rail.out.clear()
+            rail.cond.notify()
+
+    def _rail_down(self, rail: _Rail, reason: str) -> None:
+        with self._lock:
+            if not rail.alive or self._closed:
+                return
+            log.log(logging.INFO if reason.startswith(_CLEAN_EOF) else logging.WARNING,
+                    "neuron %s: rail %d to rank %d failed: %s", self._label, rail.index,
+                    rail.peer, reason)
+            self._drop(rail)
+            if rail.peer not in self._failed:
+                self.ep.rail_failed(rail.index, rail.peer)
+                self._pump()
+
+    def _write_loop(self, rail: _Rail) -> None:
+        sock = rail.sock
+        while True:
+            with rail.cond:
+                while not rail.out and rail.alive:
+                    rail.cond.wait()
+                if not rail.alive:
+                    break
+                batch = list(rail.out)
+                rail.out.clear()
+                rail.busy = True
+            buffers = []
+            for tx in batch:
+                buffers.append(tx.header)
+                if len(tx.payload):
+                    buffers.append(tx.payload)
+            try:
+                _send_all(sock, buffers)
+            except OSError as e:
+                rail.busy = False
+                self._rail_down(rail, f"send failed: {e}")
+                break
+            rail.busy = False
+
+    def _read_loop(self, rail: _Rail) -> None:
+        sock, ep = rail.sock, self.ep
+        hbuf = bytearray(F.HEADER_SIZE)
+        hview = memoryview(hbuf)
+        max_payload = max(self.segment_bytes, F.MAX_ACKS_PER_FRAME * F.ACK_ENTRY.size)
+        try:
+            while rail.alive:
+                _recv_exact(sock, hview)
+                try:
+                    h = F.decode_header(hbuf, world_size=self.world_size,
+                                        max_message_bytes=ep.max_message_bytes,
+                                        max_payload=max_payload, require_crc=ep.crc)
+                    if h.src != rail.peer or h.dst != self.rank:
+                        raise F.FrameError(f"frame from rank {h.src} to {h.dst} on a rail "
+                                           f"between ranks {rail.peer} and {self.rank}")
+                except F.FrameError as e:
+                    log.error("neuron %s: closing rail %d to rank %d after a malformed frame: %s",
+                              self._label, rail.index, rail.peer, e)
+                    self._rail_down(rail, f"malformed frame: {e}")
+                    return
+                with self._lock:
+                    target = ep.data_target(rail.index, h)
+                if target is not None:
+                    _recv_exact(sock, target)
+                    with self._lock:
+                        ep.data_landed(rail.index, hbuf, h, time.monotonic())
+                        self._pump()
+                    continue
+                frame = bytearray(F.HEADER_SIZE + h.length)
+                frame[:F.HEADER_SIZE] = hbuf
+                _recv_exact(sock, memoryview(frame)[F.HEADER_SIZE:])
+                with self._lock:
+                    ep.receive(rail.index, frame, time.monotonic())
+                    self._pump()
+        except (OSError, ConnectionError) as e:
+            self._rail_down(rail, str(e) or type(e).__name__)
+        finally:
+            if not rail.alive or self._closed:
+                rail.sock.close()
+
+    def _timer_loop(self) -> None:
+        with self._lock:
+            while not self._closed:
+                deadline = self.ep.next_deadline()
+                wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+                if wait > 0:
+                    self._timer.wait(wait)
+                if self._closed:
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._pump()
+
+    def _callback_loop(self) -> None:
+        while True:
+            req = self._callbacks.get()
+            if req is None:
+                return
+            try:
+                req.callback(req)
+            except Exception:  # noqa: BLE001 - a callback's failure is its own business
+                log.exception("neuron %s: completion callback failed", self._label)
+
+    # ------------------------------------------------------------------ teardown
+
+    def stats(self) -> dict:
+        """Protocol counters (segments sent, retransmits, duplicates, rejected frames...)."""
+        with self._lock:
+            return dict(self.ep.stats)
+
+    def close(self, error: Exception | None = None) -> None:
+        """Close every rail and the listener; pending requests fail with ``error``.
+
+        Without ``error`` (a normal shutdown) the close is graceful: frames already queued
+        (acknowledgements of what we received, above all) are written first and each rail
+        is half-closed, so a peer still waiting for those acks completes normally.
+        """
+        if error is None:
+            self._drain(time.monotonic() + 2.0)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            error = error or ChannelClosed(f"rdm transport of {self._label} was closed")
+            for req in self._sends.values():
+                req._finish(error)
+            for q in self._recvs.values():
+                for req in q:
+                    req._finish(error)
+            self._sends.clear()
+            self._recvs.clear()
+            self._unexpected.clear()
+            for rails in self._rails.values():
+                for rail in rails:
+                    if rail is not None:
+                        self._drop(rail)
+            self._timer.notify_all()
+            self._connected.notify_all()
+        self._callbacks.put(None)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in it
+        except OSError:
+            pass
+        self._listener.close()
+        me = threading.current_thread()
+        for t in list(self._threads):
+            if t is not me:
+                t.join(timeout=2.0)
+
+
+    def _drain(self, deadline: float) -> None:
+        with self._lock:
+            rails = [r for rails in self._rails.values() for r in rails if r is not None]
+        while time.monotonic() < deadline and not all(r.idle for r in rails):
+            time.sleep(0.001)
+        for r in rails:
+            try:
+                r.sock.shutdown(socket.SHUT_WR)  # FIN after the queued bytes
+            except OSError:
+                pass
+        # Let the peers see our FIN and answer theirs, so no socket closes with unread
+        # bytes (which would send a reset that can destroy data the peer has not read yet).
+        end = min(deadline, time.monotonic() + 0.2)
+        readers = [t for t in self._threads if t.name.startswith(f"neuron-rdm-r{self.rank}-")]
+        for t in readers:
+            t.join(timeout=max(0.0, end - time.monotonic()))
+
+
+def _send_all(sock: socket.socket, buffers: list) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    i = 0
+    while i < len(views):
+        chunk = views[i:i + _IOV_MAX]
+        sent = sock.sendmsg(chunk)
+        for v in chunk:
+            if sent >= v.nbytes:
+                sent -= v.nbytes
+                i += 1
+            else:
+                views[i] = v[sent:]
+                break
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    n, got = view.nbytes, 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError(f"connection closed by the peer ({got} of {n} bytes read)")
+        got += k
+
+
+def _family(host: str):
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)

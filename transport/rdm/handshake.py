@@ -1,0 +1,107 @@
+"""Mutual challenge-response authentication of a new rail connection.
+
+Only processes of the same job may open rails to a listener. Both ends know a per-job
+secret ``key`` (32 random bytes that group rank 0 puts in the c10d store, or derived from
+``NEURON_DIST_AUTH_KEY`` when the store is not trusted) and a public ``group`` nonce that
+names the group, so a rail of one group is never accepted by another.
+
+    acceptor -> dialer   HELLO  b"NRH1" | challenge_a (32 random bytes)
+    dialer   -> acceptor PROOF  b"NRH1" | rank u32 | rail u16 | dst u32 | challenge_d (32)
+                                | HMAC-SHA256(key, b"dial" | group | challenge_a | rank | rail | dst)
+    acceptor -> dialer   OK     b"NROK" | HMAC-SHA256(key, b"accept" | group | challenge_d | dst)
+
+The acceptor checks the proof (constant-time), that ``dst`` is itself and that the
+claimed rank may dial it; the dialer checks the acceptor's answer, so neither end talks
+to an impostor. Fresh challenges on both sides defeat replay. A peer that fails, stalls
+(every read has a timeout) or sends garbage gets its connection closed and nothing else:
+the caller logs it and goes on accepting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import socket
+import struct
+
+MAGIC = b"NRH1"
+OK = b"NROK"
+_PROOF = struct.Struct("!4sIHI32s32s")
+_HELLO_SIZE = 4 + 32
+_OK_SIZE = 4 + 32
+
+
+class HandshakeError(ConnectionError):
+    """A connection failed authentication or spoke something else than the handshake."""
+
+
+def derive_key(secret: str | bytes) -> bytes:
+    """A 32-byte key from a user-supplied secret (``NEURON_DIST_AUTH_KEY``)."""
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return hashlib.sha256(b"neuron-dist auth key\0" + secret).digest()
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise HandshakeError(f"connection closed after {got} of {n} handshake bytes")
+        got += k
+    return bytes(buf)
+
+
+def accept(sock: socket.socket, key: bytes, group: bytes, my_rank: int, may_dial) -> tuple[int, int]:
+    """Authenticate a dialer on the accepted ``sock``; return its ``(rank, rail)``.
+
+    ``may_dial(rank, rail)`` says whether that rank may open that rail to us now (a rank
+    of this group, a rail not yet connected). ``sock`` must have a timeout set.
+
+    Raises
+    ------
+    HandshakeError
+        Authentication failed, or the peer misbehaved; close the socket.
+    """
+    challenge = secrets.token_bytes(32)
+    sock.sendall(MAGIC + challenge)
+    magic, rank, rail, dst, their_challenge, proof = _PROOF.unpack(_read_exact(sock, _PROOF.size))
+    if magic != MAGIC:
+        raise HandshakeError(f"not a neuron rail (magic {magic!r})")
+    expect = _mac(key, b"dial", group, challenge, struct.pack("!IHI", rank, rail, dst))
+    if not hmac.compare_digest(proof, expect):
+        raise HandshakeError("authentication failed (wrong job key or group)")
+    if dst != my_rank:
+        raise HandshakeError(f"rank {rank} dialled rank {dst}, but this is rank {my_rank}")
+    if not may_dial(rank, rail):
+        raise HandshakeError(f"rank {rank} may not open rail {rail} here (unknown or duplicate)")
+    sock.sendall(OK + _mac(key, b"accept", group, their_challenge, struct.pack("!I", my_rank)))
+    return rank, rail
+
+
+def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int, dst: int) -> None:
+    """Authenticate to the acceptor ``dst`` on the connected ``sock`` (timeout set).
+
+    Raises
+    ------
+    HandshakeError
+        The other end is not ``dst`` of this job, or refused us.
+    """
+    hello = _read_exact(sock, _HELLO_SIZE)
+    if hello[:4] != MAGIC:
+        raise HandshakeError(f"the listener at {sock.getpeername()} is not a neuron rail")
+    challenge = secrets.token_bytes(32)
+    ids = struct.pack("!IHI", my_rank, rail, dst)
+    sock.sendall(_PROOF.pack(MAGIC, my_rank, rail, dst, challenge,
+                             _mac(key, b"dial", group, hello[4:], ids)))
+    answer = _read_exact(sock, _OK_SIZE)
+    expect = _mac(key, b"accept", group, challenge, struct.pack("!I", dst))
+    if answer[:4] != OK or not hmac.compare_digest(answer[4:], expect):
+        raise HandshakeError(f"rank {dst} at {sock.getpeername()} did not prove the job key")

@@ -821,6 +821,11 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     if rank == 0:
         print(f"neuron-dist train: backend={dist.get_backend()} world={world} "
               f"dp={dp} tp={tp} comm-share source={source}", flush=True)
+        if blocked_reader:
+            import neuron_dist
+            for dim in ("dp", "tp"):
+                print(f"  {dim} group of rank 0: {neuron_dist.layout(mesh.get_group(dim))}",
+                      flush=True)
     losses, rates, shares = [], [], []
     for step in range(1, cfg.steps + 1):
         batch = local_batch(cfg, step - 1, successors, dp_rank, dp)

@@ -15,8 +15,20 @@ from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError
 from .process_group import ProcessGroupNeuron
 from .stats import comm_stats
 
+
+def layout(group=None) -> str | None:
+    """How a neuron group (default: the world) spans nodes; None for other backends."""
+    import torch.distributed as dist
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, ProcessGroupNeuron):
+        try:
+            pg = pg._get_backend(torch.device("cpu"))
+        except Exception:  # noqa: BLE001 - not ours
+            return None
+    return pg.layout() if isinstance(pg, ProcessGroupNeuron) else None
+
 __version__ = "0.1.0"
-__all__ = ["ProcessGroupNeuron", "register", "comm_stats", "NeuronDistError",
+__all__ = ["ProcessGroupNeuron", "register", "comm_stats", "layout", "NeuronDistError",
            "CollectiveMismatchError", "PeerTimeoutError", "PeerDiedError", "GroupAbortedError"]
 
 register()

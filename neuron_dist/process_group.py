@@ -204,6 +204,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def __repr__(self):
         return f"ProcessGroupNeuron({self._label()})"
 
+    def layout(self) -> str:
+        """Where the group's ranks sit and what joins them, e.g. for a training log."""
+        if self._net is None:
+            return f"1 node, {self._size} rank(s) over shared memory"
+        return (f"{len(self._topo.nodes)} nodes ({self._topo.describe()}); shared memory inside "
+                f"a node, {self.settings.rails} rdm rail(s) per peer between nodes")
+
     # ------------------------------------------------------------- machinery
     def _deadline_seconds(self, opts) -> float:
         t = getattr(opts, "timeout", _UNSET)

@@ -4,6 +4,11 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${NEURON_DIST_VENV:-$repo/.venv}"
+# Virtual nodes in network namespaces (tests, the main job) need iproute2's `ip` and `tc`.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 &&
+    apt-get install -y -q iproute2 >/dev/null 2>&1; }) || echo "could not install iproute2" >&2
+fi
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi

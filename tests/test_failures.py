@@ -168,3 +168,41 @@ def destroyed_while_pending(rank, world):
 def test_destroy_unblocks_pending_work():
     res = run_ranks(destroyed_while_pending, 2, timeout=60, pg_timeout=30)
     assert res[0] and ("GroupAbortedError" in res[0] or "destroyed" in res[0]), res[0]
+
+
+def stopped_peer(rank, world, victim):
+    time.sleep(1.0)  # the victim is SIGSTOPped meanwhile
+    t0 = time.monotonic()
+    err = _try(lambda: dist.all_reduce(torch.ones(1000)))
+    return err, time.monotonic() - t0
+
+
+def _stop_then_kill(victim, timeout):
+    def hook(procs):
+        import threading
+
+        def act():
+            time.sleep(0.5)
+            os.kill(procs[victim].pid, signal.SIGSTOP)
+            time.sleep(timeout)
+            os.kill(procs[victim].pid, signal.SIGKILL)
+        threading.Thread(target=act, daemon=True).start()
+    return hook
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
+def test_sigstopped_peer_is_reported_as_stalled_by_the_timeout(nodes):
+    world, victim, pg_timeout = 4, 2, 2.0
+    env = (lambda r: {"NEURON_DIST_NODE_NAME": "ab"[r // 2]}) if nodes == 2 else None
+    res = run_ranks(stopped_peer, world, victim, timeout=60, pg_timeout=pg_timeout, env=env,
+                    expect_errors=True, hooks=_stop_then_kill(victim, pg_timeout + 8))
+    for rank in range(world):
+        if rank == victim:
+            continue
+        status, (err, took) = res[rank]
+        assert status == "ok" and err and "PeerTimeoutError" in err, (rank, err)
+        # Across nodes, a rank may wait on a peer that itself waits for the stopped rank:
+        # it names that peer (the flight recorder's analysis then finds the culprit).
+        named = {2} if nodes == 1 or rank // 2 == 1 else {2, 3}
+        assert any(f"rank {k} " in err for k in named), (rank, err)
+        assert took < pg_timeout + 3, (rank, took)

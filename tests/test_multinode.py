@@ -9,6 +9,8 @@ memory *cannot* cross nodes) is tested with the virtual-node launcher (test_vnod
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,3 +89,38 @@ def test_p2p_and_mismatch_across_nodes():
         assert "CollectiveMismatchError" in out["mismatch"], (rank, out)
         assert "collective mismatch" in out["mismatch"], (rank, out)
         assert "all_reduce" in out["mismatch"] and "broadcast" in out["mismatch"], out
+
+
+def _cut_a_rail_mid_all_reduce(rank, world):
+    import socket
+    import threading
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    peer = (rank + 2) % world  # same local index on the other node: the hierarchical partner
+    n = 8_000_000
+    t = torch.arange(n, dtype=torch.float32).remainder_(101) * (rank + 1)
+    if rank == 0:
+        def cut():  # as soon as data to the peer is in flight: mid-transfer
+            end = time.monotonic() + 10
+            while pg._net.ep.inflight_bytes(peer) < (1 << 20) and time.monotonic() < end:
+                time.sleep(0.0005)
+            pg._net._rails[peer][1].sock.shutdown(socket.SHUT_RDWR)
+        threading.Thread(target=cut, daemon=True).start()
+    import time as _t
+    started = _t.monotonic()
+    dist.all_reduce(t)
+    ref = torch.arange(n, dtype=torch.float32).remainder_(101) * (world * (world + 1) / 2)
+    dist.all_reduce(torch.ones(1000))  # the group goes on
+    alive = [r.alive for r in pg._net._rails[peer]]
+    return {"ok": torch.equal(t, ref), "alive": alive, "seconds": _t.monotonic() - started,
+            "retransmits": pg._net.stats()["retransmits"]}
+
+
+@pytest.mark.timeout(120)
+def test_losing_a_rail_mid_collective_loses_nothing():
+    results = run_ranks(_cut_a_rail_mid_all_reduce, 4,
+                        env=lambda r: {"NEURON_DIST_NODE_NAME": "ab"[r // 2]}, timeout=100)
+    for rank, out in results.items():
+        assert out["ok"], (rank, out)
+    assert results[0]["alive"] == [True, False, True, True], results[0]
+    assert results[0]["retransmits"] + results[2]["retransmits"] >= 1, results
+    assert results[2]["alive"][1] is False, results[2]

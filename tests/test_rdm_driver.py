@@ -216,3 +216,82 @@ def test_no_threads_or_sockets_left():
     time.sleep(0.1)
     left = {t.name for t in threading.enumerate()} - before
     assert not [n for n in left if n.startswith("neuron-rdm")], left
+
+
+class _CorruptingProxy:
+    """Forwards TCP connections to ``target``; flips one byte of the first connection's
+    dialer -> listener stream at offset ``at`` (corruption that TCP's checksum missed)."""
+
+    def __init__(self, target, at):
+        self.target, self.at = target, at
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.socks, self.count = [], 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                a, _ = self.server.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self.target)
+            self.socks += [a, b]
+            corrupt_at = self.at if self.count == 0 else None
+            self.count += 1
+            threading.Thread(target=self._pump, args=(a, b, corrupt_at), daemon=True).start()
+            threading.Thread(target=self._pump, args=(b, a, None), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, corrupt_at):
+        seen = 0
+        try:
+            while True:
+                data = bytearray(src.recv(1 << 16))
+                if not data:
+                    break
+                if corrupt_at is not None and seen <= corrupt_at < seen + len(data):
+                    data[corrupt_at - seen] ^= 0xFF
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.server.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_crc_catches_corruption_and_the_rail_is_dropped(caplog):
+    caplog.set_level(logging.WARNING, logger="neuron_dist.rdm")
+    ts = [RdmTransport(r, 2, host="127.0.0.1", rails=2, key=KEY, group=GROUP,
+                       segment_bytes=256 << 10, crc=True, rto=0.5) for r in range(2)]
+    # rank 1 dials rank 0 through the proxy; byte 78 + 64 + 1000 is inside the payload of the
+    # first DATA frame on rail 0 (after the 78-byte handshake proof and the frame header)
+    proxy = _CorruptingProxy(_host_port(ts[0]), at=78 + 64 + 1000)
+    try:
+        addrs = {0: proxy.address, 1: ts[1].address}
+        threads = [threading.Thread(target=t.connect, args=(addrs, time.monotonic() + 10)) for t in ts]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        src = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        r = ts[0].irecv(1, 1, dst)
+        s = ts[1].isend(0, 1, src)
+        r.wait(time.monotonic() + 20)
+        s.wait(time.monotonic() + 20)
+        assert np.array_equal(src, dst)
+        assert ts[0].stats()["rejected"] >= 1
+        assert any("CRC mismatch" in rec.getMessage() for rec in caplog.records)
+    finally:
+        for t in ts:
+            t.close()
+        proxy.close()

@@ -445,8 +445,13 @@ class RdmTransport:
                 frame[:F.HEADER_SIZE] = hbuf
                 _recv_exact(sock, memoryview(frame)[F.HEADER_SIZE:])
                 with self._lock:
+                    rejected = ep.stats["rejected"]
                     ep.receive(rail.index, frame, time.monotonic())
+                    corrupt = ep.stats["rejected"] > rejected
                     self._pump()
+                if corrupt:  # a path that corrupts data (past TCP's checksum) is not used again
+                    self._rail_down(rail, "corrupted frame (CRC mismatch)")
+                    return
         except (OSError, ConnectionError) as e:
             self._rail_down(rail, str(e) or type(e).__name__)
         finally:

@@ -467,9 +467,10 @@ class Endpoint:
         None means "read the payload aside and hand the whole frame to ``receive``": ACKs,
         duplicates, garbage and every other case take that path. Nothing changes here until
         ``data_landed``; bytes read into the returned view but never landed are overwritten
-        by the retransmission.
+        by the retransmission. With ``crc`` it is always None: a frame is verified before
+        any byte of it is placed, so a corrupted header cannot aim its payload anywhere.
         """
-        if header.type != F.DATA or header.dst != self.rank or header.src == self.rank:
+        if self.crc or header.type != F.DATA or header.dst != self.rank or header.src == self.rank:
             return None
         if header.src in self._failed or header.length == 0:
             return None

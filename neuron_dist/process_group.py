@@ -257,6 +257,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             # Across nodes, messages of the mismatched calls may be left in flight, and the
             # ranks of this node that exchanged nothing with the culprit must hear of it.
             self._channel.abort(str(error), ABORTED_MISMATCH)
+            self._net.abort(str(error), ABORTED_MISMATCH)
             return error, True
         kind = ABORTED
         if isinstance(exc, PeerTimeout):
@@ -272,6 +273,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         elif isinstance(exc, PeerAborted):
             cls = {ABORTED_TIMEOUT: PeerTimeoutError, ABORTED_PEER_DIED: PeerDiedError,
                    ABORTED_MISMATCH: CollectiveMismatchError}.get(exc.kind, GroupAbortedError)
+            if getattr(exc, "network", False):  # from another node: tell this node's ranks
+                error = cls(f"{what}: rank {exc.rank} aborted the group: {exc.reason}")
+                self._channel.abort(str(error), exc.kind)
+                return error, True
             return cls(f"{what}: rank {self._peer(exc.rank)} aborted the group: {exc.reason}"), True
         elif isinstance(exc, ChannelClosed):
             return GroupAbortedError(f"{what}: {exc}"), True
@@ -283,8 +288,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             error = NeuronDistError(f"{what} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
         self._channel.abort(str(error), kind)
-        if self._net is not None:  # peers on other nodes see every rail to us fail at once
-            self._net.close(error)
+        if self._net is not None:  # ranks on other nodes get the same error class and reason
+            self._net.abort(str(error), kind)
         return error, True
 
     def _peer(self, k: int) -> int:
@@ -710,6 +715,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._closed = True
         if abort_peers:
             self._channel.abort(str(error))
+            if self._net is not None:
+                self._net.abort(str(error))
         self._channel.interrupt()
         self._engine.stop(error)
         if self._p2p is not None:

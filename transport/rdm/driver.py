@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 
-from ..errors import ChannelClosed, PeerTimeout, PeerUnreachable
+from ..errors import ABORTED, ChannelClosed, PeerAborted, PeerTimeout, PeerUnreachable
 from . import frames as F
 from . import handshake
 from .protocol import Endpoint, FrameRejected, MessageReceived, PeerFailed, SendCompleted
@@ -50,6 +50,8 @@ from .protocol import Endpoint, FrameRejected, MessageReceived, PeerFailed, Send
 log = logging.getLogger("neuron_dist.rdm")
 
 _IOV_MAX = 512
+TIMEOUT_GRACE = 0.5
+ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
 _CLEAN_EOF = "connection closed by the peer (0 of"
 _HANDSHAKE_TIMEOUT = 10.0
 
@@ -86,7 +88,9 @@ class Request:
     def wait(self, deadline: float) -> None:
         """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure."""
         remaining = deadline - time.monotonic()
-        if not self._event.wait(max(0.0, remaining)):
+        # After the deadline, a short grace: a peer that timed out at the same moment, on
+        # whatever it waited for, may be about to tell us why (its abort notice).
+        if not self._event.wait(max(0.0, remaining)) and not self._event.wait(TIMEOUT_GRACE):
             what = "send to" if self.is_send else "receive from"
             error = PeerTimeout([self.peer], max(0.0, remaining),
                                 f"{what} rank {self.peer} ({self.nbytes} bytes) over the "
@@ -338,6 +342,9 @@ class RdmTransport:
         self._timer.notify()
 
     def _on_message(self, ev: MessageReceived) -> None:
+        if ev.tag == ABORT_TAG:
+            self._on_abort(ev.src, bytes(ev.data))
+            return
         waiting = self._recvs.get((ev.src, ev.tag))
         if waiting:
             req = waiting.popleft()
@@ -349,18 +356,61 @@ class RdmTransport:
             return
         self._unexpected.setdefault((ev.src, ev.tag), deque()).append(ev.data)
 
+    def _on_abort(self, peer: int, data: bytes) -> None:
+        kind = data[0] if data else ABORTED
+        error = PeerAborted(peer, data[1:].decode("utf-8", "replace"), kind)
+        error.network = True
+        self._failed[peer] = error
+        log.info("neuron %s: %s", self._label, error)
+        self._fail_peer_requests(peer, error)
+
+    def _fail_peer_requests(self, peer: int, error: Exception) -> None:
+        for key in [k for k in self._sends if k[0] == peer]:
+            self._sends.pop(key)._finish(error)
+        for key in [k for k in self._recvs if k[0] == peer]:
+            for req in self._recvs.pop(key):
+                req._finish(error)
+
+    def abort(self, reason: str, kind: int = ABORTED, grace: float = 0.5) -> None:
+        """Tell every connected peer that this rank failed the group, then close.
+
+        Peers' pending and later requests to or from this rank fail with ``PeerAborted``
+        carrying ``reason`` and ``kind`` (so every rank can raise the same error class).
+        Waits at most ``grace`` seconds for the notices to be acknowledged.
+        """
+        payload = bytes([kind]) + reason.encode("utf-8", "replace")[:4000]
+        reqs = []
+        with self._lock:
+            if self._closed:
+                return
+            for peer in list(self._rails):
+                if peer not in self._failed:
+                    try:
+                        msg_id = self.ep.send(peer, ABORT_TAG, payload)
+                    except Exception:  # noqa: BLE001 - the peer is gone already
+                        continue
+                    req = Request(peer, ABORT_TAG, memoryview(payload), True)
+                    self._sends[(peer, msg_id)] = req
+                    reqs.append(req)
+            self._pump()
+        deadline = time.monotonic() + grace
+        for req in reqs:
+            try:
+                req.wait(deadline)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        self.close(PeerAborted(self.rank, reason, kind))
+
     def _on_peer_failed(self, ev: PeerFailed) -> None:
         error = PeerUnreachable(ev.peer, f"rank {ev.peer} is unreachable: {ev.reason}")
+        if isinstance(self._failed.get(ev.peer), PeerAborted):
+            return  # it told us why before its rails went
         self._failed[ev.peer] = error
         busy = any(k[0] == ev.peer for k in self._sends) or any(
             k[0] == ev.peer and q for k, q in self._recvs.items())
         # A peer that closes its end while nothing is pending is usually just done.
         (log.error if busy else log.info)("neuron %s: %s", self._label, error)
-        for key in [k for k in self._sends if k[0] == ev.peer]:
-            self._sends.pop(key)._finish(error)
-        for key in [k for k in self._recvs if k[0] == ev.peer]:
-            for req in self._recvs.pop(key):
-                req._finish(error)
+        self._fail_peer_requests(ev.peer, error)
         for rail in self._rails.get(ev.peer, ()):
             if rail is not None:
                 self._drop(rail)

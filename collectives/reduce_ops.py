@@ -86,7 +86,8 @@ def reduce_into(out: torch.Tensor, inputs: list, spec: ReduceSpec, nranks: int,
                 scratch: Scratch) -> None:
     """``out = inputs[0] op inputs[1] op ...`` (already-staged inputs, in rank order).
 
-    ``out`` may alias none of ``inputs``. AVG divides by ``nranks`` at the end.
+    ``out`` may alias ``inputs[0]`` or ``inputs[1]`` (the kernels are elementwise and those
+    are read before ``out`` is written), no later input. AVG divides by ``nranks`` at the end.
     """
     n = out.numel()
     if n == 0:

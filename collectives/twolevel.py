@@ -136,6 +136,16 @@ class Net:
         self._meet(peer)
         self._pending.append(self.transport.irecv(peer, COLLECTIVE_TAG, as_bytes(buf)))
 
+    def buffer(self, key: str, numel: int, dtype) -> torch.Tensor:
+        """A scratch tensor kept across calls (allocating fresh pages every call costs more
+        than the network: the kernel zero-fills each one)."""
+        pool = self.transport.__dict__.setdefault("scratch_pool", {})
+        nbytes = numel * dtype.itemsize
+        buf = pool.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = pool[key] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+        return buf[:nbytes].view(dtype)
+
     def wait(self) -> None:
         """Wait for everything posted; check the peers' descriptors first."""
         for peer, (box, req) in sorted(self._desc_in.items()):
@@ -182,14 +192,17 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     others = [p for p in peers if p != me]
     if not others:
         return
-    got = {p: torch.empty_like(buf) for p in others}
+    got = {p: net.buffer(f"got{i}", buf.numel(), buf.dtype) for i, p in enumerate(others)}
     for p in others:
         net.recv(p, got[p])
     for p in others:
         net.send(p, buf)
     net.wait()
     views = [buf if p == me else got[p] for p in peers]
-    acc = torch.empty_like(buf)
+    if len(views) == 2:  # elementwise, so buf may be the output while being an input
+        reduce_into(buf, views, spec, 2, ctx.scratch)
+        return
+    acc = net.buffer("acc", buf.numel(), buf.dtype)
     reduce_into(acc, views, spec, len(peers), ctx.scratch)
     buf.copy_(acc)
 
@@ -202,7 +215,14 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     first, later = _split_spec(spec)
     n = inp.numel()
     out, inp = out.view(-1), inp.view(-1)
-    if topo.even and ctx.net.algo != "leader" and n >= ctx.size * 64:
+    if len(topo.local) == 1:  # alone on this node: straight to the network
+        if first.kind == PREMUL_SUM:
+            torch.mul(inp, first.factor, out=out)
+        elif out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        _exchange_reduce(ctx, out, [node[0] for node in topo.nodes], later)
+        ctx.finish()
+    elif topo.even and ctx.net.algo != "leader" and n >= ctx.size * 64:
         _hierarchical(ctx, out, inp, first, later)
     else:
         allreduce.all_reduce(ctx, out, inp, first)
@@ -226,8 +246,9 @@ def _hierarchical(ctx, out, inp, first, later) -> None:
         ctx.net.wait()
     b = out.view(torch.uint8)
     es = out.element_size()
-    allgather.all_gather(ctx, [b[s * es:(s + m) * es] for s, m in slices],
-                         b[s * es:(s + m) * es].clone())
+    mine = ctx.net.buffer("mine", m * es, torch.uint8)
+    mine.copy_(b[s * es:(s + m) * es])
+    allgather.all_gather(ctx, [b[s * es:(s + m) * es] for s, m in slices], mine)
 
 
 # ---------------------------------------------------------------------- broadcast

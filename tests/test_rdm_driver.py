@@ -295,3 +295,60 @@ def test_crc_catches_corruption_and_the_rail_is_dropped(caplog):
         for t in ts:
             t.close()
         proxy.close()
+
+
+_FIELDS = st.fixed_dictionaries({
+    "type": st.sampled_from([F.DATA, F.DATA, F.DATA, F.ACK]),
+    "msg_id": st.integers(0, 5000), "tag": st.integers(0, 3), "seq": st.integers(0, 3),
+    "total": st.integers(0, 1 << 21), "offset": st.integers(0, 1 << 21),
+    "payload": st.binary(max_size=300), "flip": st.none() | st.integers(0, 363),
+})
+
+
+def _rogue_frame(f) -> bytes:
+    total = max(f["total"], f["offset"] + len(f["payload"]))
+    if f["type"] == F.ACK:
+        n = max(1, len(f["payload"]) // 16)
+        frame = bytearray(F.encode_ack(2, 0, [(f["msg_id"] + i, f["offset"]) for i in range(n)]))
+    else:
+        frame = bytearray(F.encode(F.DATA, 2, 0, msg_id=f["msg_id"], tag=f["tag"], seq=f["seq"],
+                                   total=total, offset=f["offset"], payload=f["payload"]))
+    if f["flip"] is not None and f["flip"] < len(frame):
+        frame[f["flip"]] ^= 0x5A
+    return bytes(frame)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(_FIELDS, min_size=1, max_size=30))
+def test_live_driver_survives_a_fuzzing_peer(frames):
+    """An authenticated but hostile rank 2 sends arbitrary frames: rank 0 never crashes,
+    never mixes them into other ranks' messages, and keeps serving rank 1."""
+    ts = [RdmTransport(r, 3, host="127.0.0.1", rails=1, key=KEY, group=GROUP) for r in range(2)]
+    rogue = None
+    try:
+        addrs = {0: ts[0].address, 1: ts[1].address}
+        threads = [threading.Thread(target=t.connect, args=(addrs, time.monotonic() + 10)) for t in ts]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        posted = np.zeros(100, np.uint8)  # a receive from rank 1 on the tag rank 2 also uses
+        r0 = ts[0].irecv(1, 1, posted)
+        rogue = socket.create_connection(_host_port(ts[0]))
+        rogue.settimeout(5)
+        handshake.dial(rogue, KEY, GROUP, 2, 0, 0)
+        try:
+            rogue.sendall(b"".join(_rogue_frame(f) for f in frames))
+        except OSError:
+            pass  # rank 0 may close the rail while we still write
+        src, dst, r, s = _transfer(ts, 200_000, tag=3)
+        r.wait(time.monotonic() + 10)
+        assert np.array_equal(src, dst)
+        ts[1].isend(0, 1, np.arange(100, dtype=np.uint8))
+        r0.wait(time.monotonic() + 10)
+        assert np.array_equal(posted, np.arange(100, dtype=np.uint8))
+    finally:
+        if rogue is not None:
+            rogue.close()
+        for t in ts:
+            t.close()

@@ -624,14 +624,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def _post_net(self, t, peer, tag: int, is_send: bool, name: str):
         """Send/recv in a group that spans nodes: straight over the rdm transport."""
-        if peer is None:
-            raise NotImplementedError(
-                f"{name} from any source is not supported yet in a group that spans nodes "
-                f"({self._topo.describe()}); name the source rank")
         if tag < 0:
             raise ValueError(f"{name}: tag must be >= 0, not {tag}")
         f = _Flat(t, read=is_send)
-        what = (f"{name} {'to' if is_send else 'from'} rank {peer} (tag {tag}, "
+        who = f"rank {peer}" if peer is not None else "any rank"
+        what = (f"{name} {'to' if is_send else 'from'} {who} (tag {tag}, "
                 f"{f.bytes.numel()} bytes) in group {self._label()}")
         work = NeuronWork([t], what)
         seconds = self._timeout.total_seconds()
@@ -649,13 +646,16 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 error = self._on_error(error, what)[0]
             elif not is_send:
                 f.finish()
-            work._complete(error, peer)
+            work._complete(error, req.source if req.source is not None else -1)
 
         buf = twolevel.as_bytes(f.bytes)
-        post = self._net.isend if is_send else self._net.irecv
         try:
-            req = post(peer, P2P_TAG_BASE + int(tag), buf, finish)
-        except (PeerDied, ChannelClosed) as e:
+            if peer is None:
+                req = self._net.irecv_any(P2P_TAG_BASE + int(tag), buf, finish)
+            else:
+                post = self._net.isend if is_send else self._net.irecv
+                req = post(peer, P2P_TAG_BASE + int(tag), buf, finish)
+        except (PeerDied, PeerAborted, ChannelClosed) as e:
             raise self._on_error(e, what)[0] from None
 
         def drive(deadline):
@@ -669,8 +669,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                         return
                     done.append(True)
                 work._complete(PeerTimeoutError(
-                    f"{what} timed out after {self._timeout_text()}: rank {peer} did not "
-                    f"{'receive' if is_send else 'send'} it"), peer)
+                    f"{what} timed out after {self._timeout_text()}: {who} did not "
+                    f"{'receive' if is_send else 'send'} it"), -1)
                 return
             except Exception:  # noqa: BLE001 - finish() reports it
                 pass

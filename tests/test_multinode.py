@@ -68,6 +68,19 @@ def _p2p_and_mismatch(rank, world):
         r.wait()
     out["p2p"] = torch.equal(got, torch.arange(300_000, dtype=torch.float32) + (rank - 2) % world) \
         and small_in[0].item() == (rank - 1) % world
+    # receive from any source: rank 0 collects one message from each other rank, whichever
+    # node it is on, and learns who sent each
+    if rank == 0:
+        sources = []
+        for _ in range(world - 1):
+            buf = torch.empty(2)
+            w = dist.irecv(buf)
+            w.wait()
+            sources.append((w._source_rank(), buf[0].item()))
+        out["any"] = sorted(sources) == [(k, float(k)) for k in range(1, world)]
+    else:
+        dist.send(torch.full((2,), float(rank)), 0)
+        out["any"] = True
     # ranks on node b call a different collective than node a
     try:
         if rank < 2:
@@ -85,7 +98,7 @@ def test_p2p_and_mismatch_across_nodes():
     results = run_ranks(_p2p_and_mismatch, 4, env=_env(LAYOUTS["2x2"]), timeout=100,
                         pg_timeout=20)
     for rank, out in results.items():
-        assert out["p2p"], (rank, out)
+        assert out["p2p"] and out["any"], (rank, out)
         assert "CollectiveMismatchError" in out["mismatch"], (rank, out)
         assert "collective mismatch" in out["mismatch"], (rank, out)
         assert "all_reduce" in out["mismatch"] and "broadcast" in out["mismatch"], out

@@ -352,3 +352,26 @@ def test_live_driver_survives_a_fuzzing_peer(frames):
             rogue.close()
         for t in ts:
             t.close()
+
+
+def test_receive_from_any_source():
+    ts = _pair(rails=2, world=3)
+    try:
+        early = ts[0].irecv_any(4, np.zeros(3, np.uint8))  # posted before anything arrives
+        ts[2].isend(0, 4, np.full(3, 2, np.uint8)).wait(time.monotonic() + 5)
+        early.wait(time.monotonic() + 5)
+        assert early.source == 2 and early.buf.tolist() == [2, 2, 2]
+        ts[1].isend(0, 4, np.full(3, 1, np.uint8)).wait(time.monotonic() + 5)
+        ts[2].isend(0, 4, np.full(3, 9, np.uint8)).wait(time.monotonic() + 5)
+        got = []
+        for _ in range(2):  # kept while nobody asked: handed out in arrival order
+            r = ts[0].irecv_any(4, np.zeros(3, np.uint8))
+            r.wait(time.monotonic() + 5)
+            got.append((r.source, r.buf.tolist()[0]))
+        assert got == [(1, 1), (2, 9)]
+        lonely = ts[0].irecv_any(4, np.zeros(3, np.uint8))
+        with pytest.raises(Exception, match="any rank"):
+            lonely.wait(time.monotonic() + 0.2)
+    finally:
+        for t in ts:
+            t.close()

@@ -59,14 +59,15 @@ _HANDSHAKE_TIMEOUT = 10.0
 class Request:
     """A pending ``isend`` or ``irecv``; completed by the driver's threads."""
 
-    __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "_event",
-                 "_sink")
+    __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "source",
+                 "_event", "_sink")
 
     def __init__(self, peer: int, tag: int, buf, is_send: bool, sink=None):
         self.peer, self.tag, self.buf, self.is_send = peer, tag, buf, is_send
         self.nbytes = buf.nbytes
         self.error = None
         self.callback = None  # run on the transport's callback thread once complete
+        self.source = peer
         self._event = threading.Event()
         self._sink = sink
 
@@ -92,9 +93,10 @@ class Request:
         # whatever it waited for, may be about to tell us why (its abort notice).
         if not self._event.wait(max(0.0, remaining)) and not self._event.wait(TIMEOUT_GRACE):
             what = "send to" if self.is_send else "receive from"
-            error = PeerTimeout([self.peer], max(0.0, remaining),
-                                f"{what} rank {self.peer} ({self.nbytes} bytes) over the "
-                                f"network did not complete in time")
+            who = f"rank {self.peer}" if self.peer is not None else "any rank"
+            error = PeerTimeout([self.peer] if self.peer is not None else [],
+                                max(0.0, remaining), f"{what} {who} ({self.nbytes} bytes) over "
+                                f"the network did not complete in time")
             error.network = True
             raise error
         if self.error is not None:
@@ -176,7 +178,9 @@ class RdmTransport:
         self._connected = threading.Condition(self._lock)
         self._sends: dict = {}
         self._recvs: dict = {}  # (peer, tag) -> deque of posted Requests
-        self._unexpected: dict = {}  # (peer, tag) -> deque of bytearrays
+        self._unexpected: dict = {}  # (peer, tag) -> deque of (arrival number, bytearray)
+        self._arrivals = 0
+        self._any: dict = {}  # tag -> deque of receives from any source
         self._failed: dict[int, Exception] = {}
         self._closed = False
         self._timer = threading.Condition(self._lock)
@@ -312,10 +316,37 @@ class RdmTransport:
             self._check_usable(peer)
             early = self._unexpected.get((peer, tag))
             if early:
-                self._complete_recv(req, early.popleft())
+                self._complete_recv(req, early.popleft()[1])
                 return req
             self.ep.post_recv(peer, tag, view)
             self._recvs.setdefault((peer, tag), deque()).append(req)
+        return req
+
+    def irecv_any(self, tag: int, buf, callback=None) -> Request:
+        """Receive the next message of ``tag`` from whichever rank sends one first.
+
+        The source is in ``request.source`` once complete. Messages go to receives naming
+        their source first; a receive from any source takes the earliest message that no
+        such receive was waiting for.
+        """
+        view = memoryview(buf).cast("B")
+        req = Request(None, tag, view, False, self._callbacks)
+        req.callback = callback
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed(f"rdm transport of {self._label} is closed")
+            best = None
+            for (src, t), q in self._unexpected.items():
+                if t == tag and q and (best is None or q[0][0] < best[1][0][0]):
+                    best = (src, q)
+            if best is not None:
+                req.source = best[0]
+                self._complete_recv(req, best[1].popleft()[1])
+                return req
+            alive = [p for p in self._rails if p not in self._failed]
+            if not alive:
+                raise next(iter(self._failed.values()), ValueError("no peer connected"))
+            self._any.setdefault(tag, deque()).append(req)
         return req
 
     def _check_usable(self, peer: int) -> None:
@@ -373,7 +404,14 @@ class RdmTransport:
                 req._finish(ValueError(f"rank {ev.src} sent {len(ev.data)} bytes, the receive "
                                        f"expects {req.nbytes} (tag {ev.tag})"))
             return
-        self._unexpected.setdefault((ev.src, ev.tag), deque()).append(ev.data)
+        anyone = self._any.get(ev.tag)
+        if anyone:
+            req = anyone.popleft()
+            req.source = ev.src
+            self._complete_recv(req, ev.data)
+            return
+        self._arrivals += 1
+        self._unexpected.setdefault((ev.src, ev.tag), deque()).append((self._arrivals, ev.data))
 
     def _on_abort(self, peer: int, data: bytes) -> None:
         kind = data[0] if data else ABORTED
@@ -384,6 +422,11 @@ class RdmTransport:
         self._fail_peer_requests(peer, error)
 
     def _fail_peer_requests(self, peer: int, error: Exception) -> None:
+        if all(p in self._failed for p in self._rails):  # nobody left to send to us
+            for q in self._any.values():
+                for req in q:
+                    req._finish(error)
+            self._any.clear()
         for key in [k for k in self._sends if k[0] == peer]:
             self._sends.pop(key)._finish(error)
         for key in [k for k in self._recvs if k[0] == peer]:
@@ -570,8 +613,12 @@ class RdmTransport:
             for q in self._recvs.values():
                 for req in q:
                     req._finish(error)
+            for q in self._any.values():
+                for req in q:
+                    req._finish(error)
             self._sends.clear()
             self._recvs.clear()
+            self._any.clear()
             self._unexpected.clear()
             for rails in self._rails.values():
                 for rail in rails:

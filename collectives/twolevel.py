@@ -27,9 +27,9 @@ barrier
 Network phases between two nodes exchange full buffers and every receiver reduces in node
 order, so all ranks compute bit-identical results. AVG runs as SUM and divides by the group
 size once at the end; PREMUL_SUM scales in the first (local) phase and sums afterwards.
-Every network exchange between two ranks within one collective starts with both sides'
-call descriptors, so ranks on different nodes that call different collectives fail with
-``CollectiveMismatch`` naming both calls.
+The first message between two ranks within one collective carries the sender's call
+descriptor (see ``Net``), so ranks on different nodes that call different collectives fail
+with ``CollectiveMismatch`` naming both calls; the failing rank's abort notice tells the rest.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from .descriptor import NWORDS, Call, CollectiveMismatch
 from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_into
 
 COLLECTIVE_TAG = 1
+PIGGYBACK_BYTES = 64 << 10  # data up to this size travels in one message with the descriptor
 ALIGN_BYTES = 64
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
 _SUM = ReduceSpec(SUM)
@@ -107,34 +108,51 @@ class Topology:
 
 
 class Net:
-    """The network half of one collective call: descriptor-checked sends and receives."""
+    """The network half of one collective call: descriptor-checked sends and receives.
+
+    The first message of a call from one rank to another carries the sender's call
+    descriptor: in front of the data in the same message when the data is small (one
+    message, one acknowledgement: the latency path), as a message of its own before large
+    data (which then travels without a copy). Both sides make the same choice from the
+    message size, which they agree on when they made the same call; when they did not,
+    the receiver still reads the descriptor (sizes differ, so the transport hands over
+    the message it refused) and raises ``CollectiveMismatch`` naming both calls.
+    """
 
     def __init__(self, transport, topo: Topology, call: Call, seq: int, deadline: float,
                  algo: str = "auto"):
         self.transport, self.topo, self.call, self.seq = transport, topo, call, seq
         self.algo = algo
         self.deadline = deadline
-        self._desc_in: dict = {}
+        self._told: set = set()  # peers that got our descriptor in this call
+        self._heard: dict = {}  # peer -> (descriptor box, request, data dest or None)
         self._pending: list = []
 
     def _words(self) -> bytes:
         return _DESC.pack(*self.call.words(self.seq), 0)
 
-    def _meet(self, peer: int) -> None:
-        """First contact with ``peer`` in this call: swap call descriptors both ways."""
-        if peer in self._desc_in:
-            return
-        box = bytearray(_DESC.size)
-        self._desc_in[peer] = (box, self.transport.irecv(peer, COLLECTIVE_TAG, box))
-        self._pending.append(self.transport.isend(peer, COLLECTIVE_TAG, self._words()))
-
     def send(self, peer: int, buf) -> None:
-        self._meet(peer)
-        self._pending.append(self.transport.isend(peer, COLLECTIVE_TAG, as_bytes(buf)))
+        data = as_bytes(buf)
+        if peer not in self._told:
+            self._told.add(peer)
+            if _nbytes(data) <= PIGGYBACK_BYTES:
+                self._pending.append(self.transport.isend(
+                    peer, COLLECTIVE_TAG, self._words() + bytes(memoryview(data).cast("B"))))
+                return
+            self._pending.append(self.transport.isend(peer, COLLECTIVE_TAG, self._words()))
+        self._pending.append(self.transport.isend(peer, COLLECTIVE_TAG, data))
 
     def recv(self, peer: int, buf) -> None:
-        self._meet(peer)
-        self._pending.append(self.transport.irecv(peer, COLLECTIVE_TAG, as_bytes(buf)))
+        data = as_bytes(buf)
+        if peer not in self._heard:
+            n = _nbytes(data)
+            if n <= PIGGYBACK_BYTES:
+                box = bytearray(_DESC.size + n)
+                self._heard[peer] = (box, self.transport.irecv(peer, COLLECTIVE_TAG, box), data)
+                return
+            box = bytearray(_DESC.size)
+            self._heard[peer] = (box, self.transport.irecv(peer, COLLECTIVE_TAG, box), None)
+        self._pending.append(self.transport.irecv(peer, COLLECTIVE_TAG, data))
 
     def buffer(self, key: str, numel: int, dtype) -> torch.Tensor:
         """A scratch tensor kept across calls (allocating fresh pages every call costs more
@@ -148,21 +166,38 @@ class Net:
 
     def wait(self) -> None:
         """Wait for everything posted; check the peers' descriptors first."""
-        for peer, (box, req) in sorted(self._desc_in.items()):
+        for peer, (box, req, dest) in sorted(self._heard.items()):
             if box is None:
                 continue
-            req.wait(self.deadline)
-            theirs = _DESC.unpack(bytes(box))[:NWORDS]
-            if theirs != self.call.words(self.seq):
-                their_seq, their_call = Call.from_words(theirs)
-                raise CollectiveMismatch(
-                    f"collective mismatch: rank {self.topo.rank} called #{self.seq} "
-                    f"{self.call.describe()}; rank {peer} called #{their_seq} "
-                    f"{their_call.describe()}", self.call, {peer: their_call})
-            self._desc_in[peer] = (None, req)
+            try:
+                req.wait(self.deadline)
+                words = bytes(box[:_DESC.size])
+            except ValueError as e:  # a message of another size: another call?
+                words = bytes(getattr(e, "data", b""))[:_DESC.size]
+                if len(words) < _DESC.size:
+                    raise
+                self._check(peer, words)
+                raise
+            self._check(peer, words)
+            if dest is not None:
+                memoryview(dest).cast("B")[:] = memoryview(box)[_DESC.size:]
+            self._heard[peer] = (None, req, None)
         pending, self._pending = self._pending, []
         for req in pending:
             req.wait(self.deadline)
+
+    def _check(self, peer: int, words: bytes) -> None:
+        theirs = _DESC.unpack(words)[:NWORDS]
+        if theirs != self.call.words(self.seq):
+            their_seq, their_call = Call.from_words(theirs)
+            raise CollectiveMismatch(
+                f"collective mismatch: rank {self.topo.rank} called #{self.seq} "
+                f"{self.call.describe()}; rank {peer} called #{their_seq} "
+                f"{their_call.describe()}", self.call, {peer: their_call})
+
+
+def _nbytes(data) -> int:
+    return data.nbytes if hasattr(data, "nbytes") else len(data)
 
 
 def as_bytes(t):

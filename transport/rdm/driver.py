@@ -360,8 +360,10 @@ class RdmTransport:
     def _complete_recv(self, req: Request, data) -> None:
         n = len(data) if not isinstance(data, memoryview) else data.nbytes
         if n != req.nbytes:
-            req._finish(ValueError(f"rank {req.peer} sent {n} bytes, the receive expects "
-                                   f"{req.nbytes} (tag {req.tag})"))
+            error = ValueError(f"rank {req.source} sent {n} bytes, the receive expects "
+                               f"{req.nbytes} (tag {req.tag})")
+            error.data = data
+            req._finish(error)
             return
         if not (isinstance(data, memoryview) and data.obj is req.buf.obj):
             req.buf[:n] = data
@@ -401,8 +403,10 @@ class RdmTransport:
             if ev.posted:
                 self._complete_recv(req, ev.data)
             else:
-                req._finish(ValueError(f"rank {ev.src} sent {len(ev.data)} bytes, the receive "
-                                       f"expects {req.nbytes} (tag {ev.tag})"))
+                error = ValueError(f"rank {ev.src} sent {len(ev.data)} bytes, the receive "
+                                   f"expects {req.nbytes} (tag {ev.tag})")
+                error.data = ev.data  # the refused message, for the caller's diagnosis
+                req._finish(error)
             return
         anyone = self._any.get(ev.tag)
         if anyone:

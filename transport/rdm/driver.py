@@ -50,6 +50,7 @@ from .protocol import Endpoint, FrameRejected, MessageReceived, PeerFailed, Send
 log = logging.getLogger("neuron_dist.rdm")
 
 _IOV_MAX = 512
+EAGER_BYTES = 64 << 10
 TIMEOUT_GRACE = 0.5
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
 _CLEAN_EOF = "connection closed by the peer (0 of"
@@ -294,16 +295,23 @@ class RdmTransport:
     def isend(self, peer: int, tag: int, buf, callback=None) -> Request:
         """Send the bytes of ``buf`` (kept unchanged until the request completes).
 
+        Messages up to ``EAGER_BYTES`` are copied and the request completes at once (like
+        MPI's eager protocol): the copy stays with the protocol until the peer acknowledges
+        it, so a small send costs no round trip. Larger ones complete when acknowledged.
         ``callback(request)``, if given, runs on the transport's callback thread when the
         request completes (successfully or not).
         """
         view = memoryview(buf).cast("B")
         req = Request(peer, tag, view, True, self._callbacks)
         req.callback = callback
+        eager = view.nbytes <= EAGER_BYTES
         with self._lock:
             self._check_usable(peer)
-            msg_id = self.ep.send(peer, tag, view)
-            self._sends[(peer, msg_id)] = req
+            msg_id = self.ep.send(peer, tag, bytes(view) if eager else view)
+            if eager:
+                req._finish()
+            else:
+                self._sends[(peer, msg_id)] = req
             self._pump()
         return req
 

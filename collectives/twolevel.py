@@ -9,6 +9,8 @@ all_reduce, nodes of equal size (hierarchical)
     local reduce-scatter (local rank j owns slice j) -> each local rank all-reduces its
     slice with the ranks of the same local index on the other nodes -> local all-gather.
     Every local rank drives its own share of the network traffic, in parallel.
+    Among 3+ nodes, slices of RING_BYTES and more go around a ring of those ranks instead
+    of straight to every other node (see bench/costmodel.py).
 all_reduce, uneven nodes (leader)
     local all-reduce -> node leaders (local index 0) exchange and reduce -> local broadcast.
 broadcast
@@ -46,7 +48,8 @@ from .descriptor import NWORDS, Call, CollectiveMismatch
 from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_into
 
 COLLECTIVE_TAG = 1
-PIGGYBACK_BYTES = 64 << 10  # data up to this size travels in one message with the descriptor
+PIGGYBACK_BYTES = 64 << 10
+RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct  # data up to this size travels in one message with the descriptor
 ALIGN_BYTES = 64
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
 _SUM = ReduceSpec(SUM)
@@ -227,6 +230,10 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     others = [p for p in peers if p != me]
     if not others:
         return
+    if len(peers) >= 3 and buf.numel() * buf.element_size() >= RING_BYTES \
+            and buf.numel() >= len(peers):
+        _ring_all_reduce(ctx, buf, peers, spec)
+        return
     got = {p: net.buffer(f"got{i}", buf.numel(), buf.dtype) for i, p in enumerate(others)}
     for p in others:
         net.recv(p, got[p])
@@ -240,6 +247,30 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     acc = net.buffer("acc", buf.numel(), buf.dtype)
     reduce_into(acc, views, spec, len(peers), ctx.scratch)
     buf.copy_(acc)
+
+
+def _ring_all_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+    """Ring reduce-scatter then ring all-gather among ``peers``: each rank's link carries
+    2 (P-1)/P of the buffer whatever P is, where the direct exchange carries (P-1) times
+    it (the cost model, bench/costmodel.py, puts the crossover near 4-8 MiB at 4+ nodes).
+    Each chunk is reduced along the ring and then copied everywhere, so every rank gets
+    the same bits."""
+    net, me = ctx.net, ctx.net.topo.rank
+    n, i = len(peers), peers.index(me)
+    nxt, prv = peers[(i + 1) % n], peers[(i - 1) % n]
+    chunks = partition(buf.numel(), n, max(1, ALIGN_BYTES // buf.element_size()))
+    tmp = net.buffer("ring", max(m for _, m in chunks), buf.dtype)
+    for k in range(n - 1):  # after step k, chunk (i-k-1) holds k+2 ranks' contributions
+        (so, sm), (ro, rm) = chunks[(i - k) % n], chunks[(i - k - 1) % n]
+        net.recv(prv, tmp[:rm])
+        net.send(nxt, buf[so:so + sm])
+        net.wait()
+        reduce_into(buf[ro:ro + rm], [tmp[:rm], buf[ro:ro + rm]], spec, 2, ctx.scratch)
+    for k in range(n - 1):  # chunk (i+1) is complete here: pass the results around
+        (so, sm), (ro, rm) = chunks[(i + 1 - k) % n], chunks[(i - k) % n]
+        net.recv(prv, buf[ro:ro + rm])
+        net.send(nxt, buf[so:so + sm])
+        net.wait()
 
 
 # ---------------------------------------------------------------------- all-reduce

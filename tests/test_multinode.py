@@ -46,11 +46,15 @@ def test_matrix_across_nodes(layout, matrix):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("algo", ["hierarchical", "leader"])
-def test_big_all_reduce_across_nodes(algo):
-    names = LAYOUTS["2x2"]
-    results = run_ranks(big_all_reduce, 4, env=_env(names, NEURON_DIST_ALGO=algo,
-                                                    NEURON_DIST_RAILS="3"), timeout=100)
+@pytest.mark.parametrize("algo,names", [
+    ("hierarchical", LAYOUTS["2x2"]), ("leader", LAYOUTS["2x2"]),
+    ("hierarchical", ["a", "b", "c"]),  # 12 MB among 3 nodes: the ring among nodes
+    ("leader", ["a", "b", "a", "c"]),  # leaders 0, 1, 3 in a ring, uneven nodes
+], ids=["hierarchical-2x2", "leader-2x2", "ring-3x1", "ring-leaders-2+1+1"])
+def test_big_all_reduce_across_nodes(algo, names):
+    results = run_ranks(big_all_reduce, len(names),
+                        env=_env(names, NEURON_DIST_ALGO=algo, NEURON_DIST_RAILS="3"),
+                        timeout=100)
     assert not any(results.values()), results
 
 

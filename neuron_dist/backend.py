@@ -21,6 +21,8 @@ def _create(dist_opts, pg_options=None) -> ProcessGroupNeuron:
 
 def register() -> None:
     """Register ``neuron`` with torch.distributed (idempotent)."""
+    from .mpi_launch import install_env_hook
+    install_env_hook()  # under mpiexec without torchrun, env:// learns rank/world from MPI
     if BACKEND_NAME in dist.Backend.backend_list or hasattr(dist.Backend, BACKEND_NAME.upper()):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])

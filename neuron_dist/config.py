@@ -37,6 +37,7 @@ class Settings:
     auth_key: str | None = None
     net_crc: bool = False
     algo: str = "auto"
+    transport: str = "rdm"
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -58,6 +59,8 @@ class Settings:
                                              random key shared through the c10d store)
         NEURON_DIST_NET_CRC            0     1: CRC-32 on every inter-node frame
         NEURON_DIST_ALGO               auto  multi-node groups: auto, hierarchical or leader
+        NEURON_DIST_TRANSPORT          rdm   between nodes: rdm (TCP rails) or mpi (mpi4py;
+                                             ranks started by one mpiexec)
 
         The flight recorder reads NEURON_DIST_FR_SIZE (2000) and NEURON_DIST_FR_DIR (.)
         itself (neuron_dist/flight_recorder.py): it is process-wide, not per group.
@@ -77,7 +80,10 @@ class Settings:
             auth_key=os.environ.get("NEURON_DIST_AUTH_KEY") or None,
             net_crc=_env("NEURON_DIST_NET_CRC", "0") not in ("0", "", "false", "no"),
             algo=_env("NEURON_DIST_ALGO", "auto").lower(),
+            transport=_env("NEURON_DIST_TRANSPORT", "rdm").lower(),
         )
+        if settings.transport not in ("rdm", "mpi"):
+            raise ValueError(f"NEURON_DIST_TRANSPORT must be rdm or mpi, got {settings.transport!r}")
         if not 1 <= settings.rails <= 64:
             raise ValueError(f"NEURON_DIST_RAILS must be 1..64, got {settings.rails}")
         if settings.algo not in ("auto", "hierarchical", "leader"):

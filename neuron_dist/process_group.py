@@ -208,8 +208,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         """Where the group's ranks sit and what joins them, e.g. for a training log."""
         if self._net is None:
             return f"1 node, {self._size} rank(s) over shared memory"
+        between = ("MPI" if self.settings.transport == "mpi"
+                   else f"{self.settings.rails} rdm rail(s) per peer")
         return (f"{len(self._topo.nodes)} nodes ({self._topo.describe()}); shared memory inside "
-                f"a node, {self.settings.rails} rdm rail(s) per peer between nodes")
+                f"a node, {between} between nodes")
 
     # ------------------------------------------------------------- machinery
     def _deadline_seconds(self, opts) -> float:
@@ -623,7 +625,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return work
 
     def _post_net(self, t, peer, tag: int, is_send: bool, name: str):
-        """Send/recv in a group that spans nodes: straight over the rdm transport."""
+        """Send/recv in a group that spans nodes: straight over the inter-node transport."""
         if tag < 0:
             raise ValueError(f"{name}: tag must be >= 0, not {tag}")
         f = _Flat(t, read=is_send)

@@ -6,7 +6,8 @@
    node's segment and publishes its (unguessable) name; the node's other ranks attach.
    Every rank counts itself in; the creator waits for the count and unlinks the name, so
    the memory disappears with the last process even after SIGKILL.
-3. If the group spans nodes, every rank also opens an rdm transport: it listens on the
+3. If the group spans nodes, every rank also opens an inter-node transport (the MPI one
+   with ``NEURON_DIST_TRANSPORT=mpi``, else rdm): it listens on the
    chosen interface (topology.choose_address), publishes ``host:port``, and connects
    ``NEURON_DIST_RAILS`` authenticated rails to every other rank. The job key is
    ``NEURON_DIST_AUTH_KEY`` or 32 random bytes group rank 0 puts in the store.
@@ -41,7 +42,7 @@ class GroupLinks:
 
     channel: ShmChannel
     topo: Topology
-    net: RdmTransport | None
+    net: object  # RdmTransport, MpiTransport (same interface), or None on one node
 
 
 def open_group(store, rank: int, size: int, settings, timeout: timedelta,
@@ -58,13 +59,34 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     if len(topo.nodes) == 1:
         return GroupLinks(channel, topo, None)
     try:
-        net = _open_network(store, key, rank, size, settings, timeout, label)
+        if settings.transport == "mpi":
+            net = _open_mpi(store, key, rank, size, timeout, label)
+        else:
+            net = _open_network(store, key, rank, size, settings, timeout, label)
     except BaseException:
         channel.close()
         raise
-    log.info("neuron: group rank %d/%d spans %d nodes (%s); %d rail(s) per peer from %s",
-             rank, size, len(topo.nodes), topo.describe(), settings.rails, net.address)
+    log.info("neuron: group rank %d/%d spans %d nodes (%s); %s from %s",
+             rank, size, len(topo.nodes), topo.describe(),
+             "MPI" if settings.transport == "mpi" else f"{settings.rails} rail(s) per peer",
+             net.address)
     return GroupLinks(channel, topo, net)
+
+
+def _open_mpi(store, key: str, rank: int, size: int, timeout: timedelta, label: str):
+    """The group's MPI transport: ranks publish their MPI_COMM_WORLD rank, then build the
+    group's communicator together."""
+    from .transport.mpi import MpiTransport, world_rank  # mpi4py (and MPI_Init) only here
+    store.set(f"{key}/mpi/{rank}", str(world_rank()))
+    world_ranks = [int(store.get(f"{key}/mpi/{k}")) for k in range(size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    net = MpiTransport(rank, size, world_ranks, label=label or f"rank {rank}", deadline=deadline)
+    try:
+        net.connect(range(size), deadline)
+    except BaseException:
+        net.close()
+        raise
+    return net
 
 
 def _open_node_channel(store, key: str, rank: int, size: int, settings,

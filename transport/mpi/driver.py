@@ -1,0 +1,912 @@
+"""MPI driver: the rdm transport's API (tagged, ordered, exact-size messages) over mpi4py.
+
+How it works
+------------
+*Communicator.* A transport serves one group whose rank ``k`` is rank ``world_ranks[k]`` of
+``MPI_COMM_WORLD``. The constructor builds the group's own communicator with
+``MPI_Comm_create_group``, which is collective over the group's members only (every member
+creates the transport together, as it opens the group) and gives the communicator a fresh
+context, so tags of different groups, and of the user's own MPI traffic, never meet.
+Communicator rank ``k`` is group rank ``k``: no rank translation afterwards.
+
+*Matching.* Messages are not received with ``MPI_Irecv`` but matched with ``MPI_Improbe`` and
+received with ``MPI_Imrecv``: the probe gives the message's size before a byte lands, so a
+receive whose buffer is not exactly the message's size fails with a ``ValueError`` naming
+both sizes (the message is consumed into scratch memory; MPI never reports a truncation)
+and the next receive of that ``(peer, tag)`` gets the next message. Only the head of each
+``(peer, tag)`` queue of posted receives is probed, and MPI matches messages of one
+``(source, tag, communicator)`` in send order, so receives match sends in order. A message
+sent before its receive is posted waits in MPI's own unexpected-message queue (a large one
+as a rendezvous request: its payload moves once, straight into the receive buffer).
+``irecv_any`` probes with ``MPI_ANY_SOURCE``, which yields the earliest message of the tag;
+a message whose source has a named receive waiting goes to that receive instead (named
+receives are matched first in every poll, too), as in the rdm transport.
+
+*Tags.* Transport tags are any integers in [0, 2**64) (send/recv uses tags >= 2**32); MPI's
+are ``0..MPI_TAG_UB`` (2**29 - 1 with the mpich wheel; at least 32767 anywhere). Tags below
+``D = (MPI_TAG_UB + 1) // 2`` are used as they are. A larger tag ``t`` travels on MPI tag
+``D + (t - D) % M`` (``M``: the upper half less three reserved tags), the same towards
+every peer so ``MPI_ANY_SOURCE`` works. So that two tags sharing an MPI tag can never be
+confused, the first message of a large tag to a peer is preceded by a 16-byte note
+``(tag, mpi_tag)``; a receiver takes messages of a large tag from a peer only once that
+peer's note for it is in, and fails a receive loudly (``TransportError`` naming both tags)
+if the peer announced another tag on that MPI tag. A sender refuses to use one MPI tag for
+two tags towards the same peer. Tags 2**28 - 3 apart never meet in practice.
+
+*Progress.* A poll reads the notes (and abort notices) that arrived, matches the heads of
+the posted receives (``MPI_Improbe``) and calls ``MPI_Testsome`` over the transport's active
+requests. A thread in ``Request.wait`` polls for itself, so no thread hand-off sits on a
+message's critical path: back to back with ``sched_yield`` in between for 1 ms after the
+last progress, then with sleeps growing to 0.2 ms. ``isend`` tests its request at once
+(small messages complete inline) and ``irecv`` probes once at once. A progress thread per
+transport completes what nobody waits for (async work, callbacks): it polls with sleeps
+growing to 2 ms (every 2 ms while some thread polls for itself: two threads polling in turn
+only trade the GIL), and after 50 ms with nothing pending it sleeps until a request is
+posted (no polling, no MPI calls; waking it then is the only notification a post ever
+makes: a wake-up costs ~0.1 ms on a busy machine). Completion callbacks run on a separate
+callback thread, never under the transport's lock and never on a polling thread.
+
+*Threads.* Every MPI call is made under the transport's lock. That needs
+``MPI_THREAD_MULTIPLE`` (what mpi4py asks for by default and the mpich wheel provides):
+transports of different groups, and the user's own MPI calls, run concurrently. With
+``MPI_THREAD_SERIALIZED`` all transports share one process-wide lock instead (the user must
+then make no MPI calls of their own while transports are open); with ``FUNNELED`` or
+``SINGLE`` a transport cannot work (it calls MPI from several threads) and refuses to start.
+
+*Failures.* ``Request.wait(deadline)`` raises ``PeerTimeout`` (``network=True``) naming the
+peer (none for a receive from any rank), after a 0.5 s grace in which an abort notice from
+a peer that failed at the same moment may still arrive; the request stays posted (MPI
+cannot reliably cancel a matched receive or a send). ``abort(reason, kind)`` sends every
+peer a notice; a peer's requests to or from the aborting rank then fail with
+``PeerAborted`` (``network=True``), as in the rdm transport. An MPI error on a request
+fails the peer with ``PeerUnreachable``. MPI itself does not report dead peers: with most
+MPI libraries a rank that dies takes the job down (the process manager kills the rest);
+otherwise the deadlines bound every wait. ``close(error)`` fails every pending request;
+requests MPI still owns keep their buffers alive (a module-level list) until MPI completes
+them. Closing frees the communicator (``MPI_Comm_free`` is local in MPICH and Open MPI);
+after a failure MPI may still hold messages sent on it. Open transports are closed at
+interpreter exit, before mpi4py finalizes MPI (its hook runs after Python's ``atexit``).
+
+Nothing here imports torch; mpi4py is imported (and MPI initialised, if it is not yet)
+when the first transport is created.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections import deque
+
+from ..errors import (ABORTED, ChannelClosed, PeerAborted, PeerTimeout, PeerUnreachable,
+                      TransportError)
+
+log = logging.getLogger("neuron_dist.mpi")
+
+TIMEOUT_GRACE = 0.5                  # after a deadline: time for a peer's abort notice
+_NOTE = struct.Struct("!QQ")         # a sender's note: (transport tag, MPI tag)
+_ABORT_REASON_BYTES = 1000           # notices stay small: MPI sends them eagerly
+_CREATE_TAG = 0x4E44                 # tag of MPI_Comm_create_group (any value <= 32767)
+_SPIN_SECONDS = 1e-3                 # a waiting thread polls (yielding the CPU) this long ...
+_HOT_SLEEP = 2e-4                    # ... then sleeps up to this long between polls
+_IDLE_POLLS = 4                      # the progress thread's back-to-back polls, then
+_COLD_SLEEP = 2e-3                   # sleeps growing to this between polls
+_PARK_AFTER = 0.05                   # idle this long: sleep until woken (no polling)
+_DRAIN_SECONDS = 2.0                 # graceful close: how long sends may take to finish
+
+# what an active MPI request is
+_SEND, _RECV, _NOTE_SEND, _DISCARD, _HELLO_SEND, _HELLO_RECV, _ABORT_SEND = range(7)
+_OUTGOING = (_SEND, _NOTE_SEND, _HELLO_SEND, _ABORT_SEND)
+
+_SERIALIZED_LOCK = threading.Lock()  # every transport's MPI calls, below THREAD_MULTIPLE
+_LIVE: "weakref.WeakSet[MpiTransport]" = weakref.WeakSet()
+_ORPHANS: list = []                  # [(mpi request, buffer)] MPI still owns after a failure
+_ORPHANS_LOCK = threading.Lock()
+_atexit_registered = False
+
+
+def _mpi():
+    from mpi4py import MPI  # initialises MPI (per mpi4py.rc) on first import
+
+    return MPI
+
+
+def thread_level() -> str:
+    """MPI's thread support in this process ("multiple", "serialized", ...); inits MPI."""
+    MPI = _mpi()
+    return {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+            MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "unknown")
+
+
+def world_rank() -> int:
+    """This process's rank in ``MPI_COMM_WORLD`` (what ``world_ranks`` lists); inits MPI."""
+    return _mpi().COMM_WORLD.Get_rank()
+
+
+class Request:
+    """A pending ``isend``, ``irecv`` or ``irecv_any``.
+
+    Attributes
+    ----------
+    peer : int or None
+        The rank named when posting (None: a receive from any rank).
+    source : int or None
+        The rank the message came from (set when a receive from any rank matches).
+    error : Exception or None
+        Why it failed, once complete.
+    """
+
+    __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "source",
+                 "_event", "_owner")
+
+    def __init__(self, peer, tag: int, buf, is_send: bool, owner: "MpiTransport"):
+        self.peer, self.tag, self.buf, self.is_send = peer, tag, buf, is_send
+        self.nbytes = buf.nbytes
+        self.error = None
+        self.callback = None  # run on the transport's callback thread once complete
+        self.source = peer
+        self._event = threading.Event()
+        self._owner = owner
+
+    def _finish(self, error=None) -> None:
+        if not self._event.is_set():
+            self.error = error
+            self._event.set()
+            if self.callback is not None:
+                self._owner._callbacks.put(self)
+
+    def test(self) -> bool:
+        """True once complete (raises its error if it failed)."""
+        if self._event.is_set():
+            if self.error is not None:
+                raise self.error
+            return True
+        return False
+
+    def wait(self, deadline: float) -> None:
+        """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure.
+
+        Raises
+        ------
+        PeerTimeout
+            Not complete by ``deadline`` (plus a 0.5 s grace for a peer's abort notice);
+            ``ranks`` is ``[peer]`` (``[]`` for a receive from any rank), ``network`` True.
+        """
+        if not self._event.is_set():
+            start = time.monotonic()
+            owner = self._owner
+            if (not owner._drive(self._event, deadline)
+                    and not owner._drive(self._event, time.monotonic() + TIMEOUT_GRACE)):
+                what = "send to" if self.is_send else "receive from"
+                who = f"rank {self.peer}" if self.peer is not None else "any rank"
+                error = PeerTimeout([self.peer] if self.peer is not None else [],
+                                    max(0.0, deadline - start),
+                                    f"{what} {who} ({self.nbytes} bytes, tag {self.tag}) over "
+                                    f"MPI did not complete in time")
+                error.network = True
+                raise error
+        if self.error is not None:
+            raise self.error
+
+
+class MpiTransport:
+    """Reliable tagged messages to the other ranks of a group, over MPI.
+
+    Parameters
+    ----------
+    rank, world_size : int
+        This rank and the group size (ranks are group ranks).
+    world_ranks : list of int
+        ``world_ranks[k]`` is the rank of group rank ``k`` in ``comm`` (``MPI_COMM_WORLD``).
+        Every rank of the group must construct its transport with the same list, at the
+        same point (creating the communicator is collective over the group).
+    label : str
+        Names the group in log and error messages.
+    comm : mpi4py.MPI.Comm, optional
+        Parent communicator (default ``MPI.COMM_WORLD``).
+    deadline : float, optional
+        ``time.monotonic()`` by which every member must have joined the communicator's
+        creation; ``PeerTimeout`` naming all peers otherwise. Default: wait as long as MPI does.
+
+    Raises
+    ------
+    RuntimeError
+        MPI is not initialised or is finalised, or its thread level is below SERIALIZED.
+    ValueError
+        ``world_ranks`` does not fit ``world_size``, ``rank`` or this process's MPI rank.
+    """
+
+    def __init__(self, rank: int, world_size: int, world_ranks, label: str = "", *,
+                 comm=None, deadline: float | None = None):
+        MPI = self._MPI = _mpi()
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            raise RuntimeError("MpiTransport needs an initialised MPI (mpi4py.rc.initialize) "
+                               "that is not finalised")
+        level = MPI.Query_thread()
+        if level < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                f"MpiTransport needs MPI_THREAD_MULTIPLE (or at least SERIALIZED), but MPI "
+                f"runs at thread level {thread_level()!r}: the transport calls MPI from "
+                f"several threads. Leave mpi4py.rc.thread_level at 'multiple'")
+        parent = comm if comm is not None else MPI.COMM_WORLD
+        world_ranks = [int(r) for r in world_ranks]
+        if len(world_ranks) != world_size or len(set(world_ranks)) != world_size:
+            raise ValueError(f"world_ranks must list {world_size} distinct MPI ranks, got "
+                             f"{world_ranks} (were the processes started by one mpiexec? "
+                             f"Processes started otherwise are each an MPI world of 1)")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a group of {world_size}")
+        me = parent.Get_rank()
+        if world_ranks[rank] != me:
+            raise ValueError(f"group rank {rank} is MPI rank {world_ranks[rank]} in world_ranks "
+                             f"{world_ranks}, but this process is MPI rank {me}")
+        bad = [r for r in world_ranks if not 0 <= r < parent.Get_size()]
+        if bad:
+            raise ValueError(f"MPI rank(s) {bad} are not in the parent communicator of "
+                             f"{parent.Get_size()} ranks")
+        self.rank, self.world_size, self.world_ranks = rank, world_size, world_ranks
+        self._label = label or f"rank {rank}"
+        self.thread_level = thread_level()
+        self._lock = threading.Lock() if level >= MPI.THREAD_MULTIPLE else _SERIALIZED_LOCK
+        self._cond = threading.Condition(self._lock)
+        self._comm = self._create_comm(parent, world_ranks, deadline)
+        if self._comm.Get_rank() != rank:  # Create_group orders ranks as the group does
+            raise RuntimeError(f"MPI gave rank {self._comm.Get_rank()} for group rank {rank}")
+        tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
+        self.tag_ub = tag_ub
+        self._direct = (tag_ub + 1) // 2          # [0, direct): tags as they are
+        self._abort_tag, self._hello_tag, self._note_tag = tag_ub, tag_ub - 1, tag_ub - 2
+        self._modulus = tag_ub - 3 - self._direct + 1  # [direct, tag_ub - 3]: larger tags
+        self.address = f"mpi:{me}@{socket.gethostname()}"
+        self._status = MPI.Status()
+        self._reqs: list = []      # active MPI requests ...
+        self._entries: list = []   # ... and what each is: (kind, Request or peer, buffer)
+        self._recvq: dict = {}     # (peer, tag) -> deque of posted, unmatched Requests
+        self._anyq: dict = {}      # tag -> deque of receives from any rank
+        self._sent_notes: dict = {}  # peer -> {mpi tag: tag} announced to that peer
+        self._notes: dict = {}       # peer -> {mpi tag: tag} the peer announced to us
+        self._failed: dict = {}      # peer -> the error its requests fail with
+        self._hello: set = set()
+        self._waiting_threads = 0
+        self._parked = False         # the progress thread sleeps until woken
+        self._closed = False
+        self._stats = dict(messages_sent=0, bytes_sent=0, messages_received=0,
+                           bytes_received=0, size_mismatches=0, notes_sent=0,
+                           notes_received=0, aborts_received=0, polls=0, mpi_errors=0)
+        self._callbacks = queue.SimpleQueue()
+        self._progress = threading.Thread(target=self._progress_loop, daemon=True,
+                                          name=f"neuron-mpi-progress-{rank}")
+        self._callback_thread = threading.Thread(target=self._callback_loop, daemon=True,
+                                                 name=f"neuron-mpi-callbacks-{rank}")
+        self._progress.start()
+        self._callback_thread.start()
+        _register(self)
+
+    def _create_comm(self, parent, world_ranks, deadline):
+        group = parent.Get_group().Incl(world_ranks)
+        try:
+            if deadline is None:
+                with self._lock:
+                    return parent.Create_group(group, _CREATE_TAG)
+            # Create_group blocks until every member calls it; wait in a helper thread so
+            # a member that never comes costs a PeerTimeout, not a hang. (The helper stays
+            # blocked in MPI then; the job is expected to end on that error.)
+            box: list = []
+
+            def create():
+                try:
+                    with self._lock:
+                        box.append(parent.Create_group(group, _CREATE_TAG))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    box.append(e)
+
+            t = threading.Thread(target=create, daemon=True,
+                                 name=f"neuron-mpi-create-{self.rank}")
+            t.start()
+            t.join(max(0.0, deadline - time.monotonic()))
+            if not box:
+                peers = [k for k in range(self.world_size) if k != self.rank]
+                raise PeerTimeout(peers, 0.0, f"{self._label}: not every rank of the group "
+                                              f"(MPI ranks {world_ranks}) joined the creation "
+                                              f"of its MPI communicator in time")
+            if isinstance(box[0], BaseException):
+                raise box[0]
+            return box[0]
+        finally:
+            group.Free()
+
+    # ------------------------------------------------------------------ set-up
+
+    def connect(self, peers, deadline: float) -> None:
+        """Check every peer answers: one empty message each way with each of ``peers``.
+
+        ``peers`` is any iterable of group ranks (a ``{rank: address}`` dict works; the
+        addresses are not used: the communicator already reaches every member).
+
+        Raises
+        ------
+        PeerTimeout
+            Some peers had not answered by ``deadline`` (named in ``ranks``).
+        """
+        MPI = self._MPI
+        want = sorted({int(p) for p in peers} - {self.rank})
+        with self._lock:
+            self._check_open()
+            for p in want:
+                self._check_peer(p)
+                self._add(self._comm.Isend([b"", MPI.BYTE], p, self._hello_tag), _HELLO_SEND,
+                          p, b"")
+                box = bytearray(0)
+                self._add(self._comm.Irecv([box, MPI.BYTE], p, self._hello_tag), _HELLO_RECV,
+                          p, box)
+            self._wake()
+            self._waiting_threads += 1
+            start = time.monotonic()
+            try:
+                while True:
+                    missing = [p for p in want if p not in self._hello]
+                    if not missing:
+                        return
+                    self._check_open()
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        error = PeerTimeout(missing, time.monotonic() - start,
+                                            f"rank(s) {missing} did not answer rank {self.rank} "
+                                            f"of {self._label} over MPI in time")
+                        error.network = True
+                        raise error
+                    if not self._poll():
+                        self._cond.wait(min(remaining, 0.001))
+            finally:
+                self._waiting_threads -= 1
+
+    # ------------------------------------------------------------------ requests
+
+    def isend(self, peer: int, tag: int, buf, callback=None) -> Request:
+        """Send the bytes of ``buf`` (kept unchanged until the request completes).
+
+        ``callback(request)``, if given, runs on the transport's callback thread when the
+        request completes (successfully or not).
+        """
+        view = memoryview(buf).cast("B")
+        req = Request(peer, tag, view, True, self)
+        req.callback = callback
+        MPI = self._MPI
+        with self._lock:
+            self._check_open()
+            _check_tag(tag)
+            self._read_control()  # a peer that aborted fails the post, as in rdm
+            self._check_peer(peer)
+            mpi_tag = self._send_tag(peer, tag)
+            mpi_req = self._comm.Isend([view, MPI.BYTE], peer, mpi_tag)
+            self._stats["messages_sent"] += 1
+            self._stats["bytes_sent"] += view.nbytes
+            if mpi_req.Test():  # small messages usually leave at once
+                req._finish()
+            else:
+                self._add(mpi_req, _SEND, req, view)
+                self._wake()
+        return req
+
+    def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
+        """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size).
+
+        A message of another size fails the request with ``ValueError`` naming both sizes
+        (and is consumed).
+        """
+        view = _writable(buf)
+        req = Request(peer, tag, view, False, self)
+        req.callback = callback
+        with self._lock:
+            self._check_open()
+            _check_tag(tag)
+            self._read_control()
+            self._check_peer(peer)
+            key = (peer, tag)
+            q = self._recvq.get(key)
+            if q is None:
+                q = self._recvq[key] = deque()
+            q.append(req)
+            if len(q) == 1:
+                self._match(key, q)  # already here? matched without any thread
+            self._wake()
+        return req
+
+    def irecv_any(self, tag: int, buf, callback=None) -> Request:
+        """Receive the next message of ``tag`` from whichever rank sends one first.
+
+        The source is in ``request.source`` once complete. Messages go to receives naming
+        their source first; a receive from any rank takes the earliest message that no
+        such receive was waiting for.
+        """
+        view = _writable(buf)
+        req = Request(None, tag, view, False, self)
+        req.callback = callback
+        with self._lock:
+            self._check_open()
+            _check_tag(tag)
+            self._read_control()
+            if not self._alive_peers():
+                raise next(iter(self._failed.values()),
+                           ValueError(f"{self._label}: no other rank to receive from"))
+            q = self._anyq.get(tag)
+            if q is None:
+                q = self._anyq[tag] = deque()
+            q.append(req)
+            if len(q) == 1:
+                self._match_any(tag, q)
+            self._wake()
+        return req
+
+    def abort(self, reason: str, kind: int = ABORTED, grace: float = 0.5) -> None:
+        """Tell every peer that this rank failed the group, then close.
+
+        Peers' pending and later requests to or from this rank fail with ``PeerAborted``
+        carrying ``reason`` and ``kind`` (so every rank can raise the same error class).
+        Waits at most ``grace`` seconds for the notices to leave.
+        """
+        payload = bytes([kind]) + reason.encode("utf-8", "replace")[:_ABORT_REASON_BYTES]
+        with self._lock:
+            if self._closed:
+                return
+            for p in self._alive_peers():
+                try:
+                    r = self._comm.Isend([payload, self._MPI.BYTE], p, self._abort_tag)
+                except self._MPI.Exception:  # noqa: BLE001 - best effort
+                    continue
+                self._add(r, _ABORT_SEND, p, payload)
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            with self._lock:
+                self._poll()
+                if not any(e[0] == _ABORT_SEND for e in self._entries):
+                    break
+            time.sleep(0.001)
+        self.close(PeerAborted(self.rank, reason, kind))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelClosed(f"MPI transport of {self._label} is closed")
+
+    def _check_peer(self, peer) -> None:
+        if not (isinstance(peer, int) and 0 <= peer < self.world_size):
+            raise ValueError(f"rank {peer} is not in the group of {self.world_size} ranks "
+                             f"of {self._label}")
+        if peer in self._failed:
+            raise self._failed[peer]
+
+    def _alive_peers(self) -> list:
+        return [p for p in range(self.world_size) if p != self.rank and p not in self._failed]
+
+    def _mpi_tag(self, tag: int) -> int:
+        if tag < self._direct:
+            return tag
+        return self._direct + (tag - self._direct) % self._modulus
+
+    def _send_tag(self, peer: int, tag: int) -> int:
+        """Under the lock: the MPI tag of ``tag``; notes a large tag's first use per peer."""
+        mpi_tag = self._mpi_tag(tag)
+        if mpi_tag == tag:
+            return tag
+        sent = self._sent_notes.setdefault(peer, {})
+        owner = sent.get(mpi_tag)
+        if owner is None:
+            sent[mpi_tag] = tag
+            note = bytearray(_NOTE.pack(tag, mpi_tag))
+            self._add(self._comm.Isend([note, self._MPI.BYTE], peer, self._note_tag),
+                      _NOTE_SEND, peer, note)
+            self._stats["notes_sent"] += 1
+        elif owner != tag:
+            raise TransportError(f"{self._label}: tags {owner} and {tag} would share MPI tag "
+                                 f"{mpi_tag} towards rank {peer}; use tags that are not "
+                                 f"{self._modulus} apart")
+        return mpi_tag
+
+    def _add(self, mpi_req, kind: int, obj, buf) -> None:
+        self._reqs.append(mpi_req)
+        self._entries.append((kind, obj, buf))
+
+    # ------------------------------------------------------------------ matching
+
+    def _read_control(self) -> None:
+        """Under the lock: take in the notes and abort notices that arrived."""
+        MPI, st, comm = self._MPI, self._status, self._comm
+        while True:  # notes (16 bytes) and notices (< 1 KiB) came eagerly: Recv is at once
+            msg = comm.Improbe(MPI.ANY_SOURCE, self._note_tag, st)
+            if msg is None:
+                break
+            src, box = st.Get_source(), bytearray(_NOTE.size)
+            msg.Recv([box, MPI.BYTE])
+            tag, mpi_tag = _NOTE.unpack(box)
+            self._notes.setdefault(src, {})[mpi_tag] = tag
+            self._stats["notes_received"] += 1
+        while True:
+            msg = comm.Improbe(MPI.ANY_SOURCE, self._abort_tag, st)
+            if msg is None:
+                break
+            src, box = st.Get_source(), bytearray(st.Get_count(MPI.BYTE))
+            msg.Recv([box, MPI.BYTE])
+            self._stats["aborts_received"] += 1
+            kind = box[0] if box else ABORTED
+            error = PeerAborted(src, bytes(box[1:]).decode("utf-8", "replace"), kind)
+            error.network = True
+            log.info("neuron %s: %s", self._label, error)
+            self._fail_peer(src, error)
+
+    def _announced(self, src: int, tag: int):
+        """True if ``src`` announced ``tag`` on its MPI tag, None if not yet, else the
+        other tag it announced there."""
+        mpi_tag = self._mpi_tag(tag)
+        if mpi_tag == tag:
+            return True
+        owner = self._notes.get(src, {}).get(mpi_tag)
+        return None if owner is None else (True if owner == tag else owner)
+
+    def _conflict(self, src: int, tag: int, other: int) -> TransportError:
+        return TransportError(f"{self._label}: rank {src} sends tag {other} on MPI tag "
+                              f"{self._mpi_tag(tag)}, which a receive of tag {tag} would "
+                              f"take; use tags that are not {self._modulus} apart")
+
+    def _match(self, key, q) -> bool:
+        """Under the lock: match the receives queued on ``key`` with arrived messages."""
+        peer, tag = key
+        ok = self._announced(peer, tag)
+        if ok is None:
+            return False  # the peer's note is on its way
+        if ok is not True:
+            error = self._conflict(peer, tag, ok)
+            for req in q:
+                req._finish(error)
+            del self._recvq[key]
+            return True
+        mpi_tag, status, progressed = self._mpi_tag(tag), self._status, False
+        while q:
+            msg = self._comm.Improbe(peer, mpi_tag, status)
+            if msg is None:
+                break
+            self._take(msg, q.popleft(), peer)
+            progressed = True
+        if not q:
+            del self._recvq[key]
+        return progressed
+
+    def _match_any(self, tag: int, q) -> bool:
+        """Under the lock: match the receives from any rank queued on ``tag``."""
+        MPI, st, comm = self._MPI, self._status, self._comm
+        mpi_tag, progressed = self._mpi_tag(tag), False
+        while q:
+            if mpi_tag == tag:
+                msg = comm.Improbe(MPI.ANY_SOURCE, mpi_tag, st)
+                if msg is None:
+                    break
+                src = st.Get_source()
+            else:  # look first: the source's note must say the message is of this tag
+                if not comm.Iprobe(MPI.ANY_SOURCE, mpi_tag, st):
+                    break
+                src = st.Get_source()
+                ok = self._announced(src, tag)
+                if ok is None:
+                    break
+                if ok is not True:
+                    error = self._conflict(src, tag, ok)
+                    for req in q:
+                        req._finish(error)
+                    q.clear()
+                    break
+                msg = comm.Improbe(src, mpi_tag, st)  # the same message: src's first one
+            named = self._recvq.get((src, tag))
+            if named:  # a receive naming the source goes first
+                self._take(msg, named.popleft(), src)
+                if not named:
+                    del self._recvq[(src, tag)]
+            else:
+                self._take(msg, q.popleft(), src)
+            progressed = True
+        if not q:
+            self._anyq.pop(tag, None)
+        return progressed
+
+    def _take(self, msg, req: Request, src: int) -> None:
+        """Under the lock: receive the probed message ``msg`` (size in the status) for ``req``."""
+        MPI = self._MPI
+        n = self._status.Get_count(MPI.BYTE)
+        req.source = src
+        if n == req.nbytes:
+            self._add(msg.Irecv([req.buf, MPI.BYTE]), _RECV, req, req.buf)
+            return
+        scratch = bytearray(n)
+        self._add(msg.Irecv([scratch, MPI.BYTE]), _DISCARD, src, scratch)
+        self._stats["size_mismatches"] += 1
+        req._finish(ValueError(f"rank {src} sent {n} bytes, the receive expects {req.nbytes} "
+                               f"(tag {req.tag})"))
+
+    # ------------------------------------------------------------------ progress
+
+    def _poll(self) -> bool:
+        """Under the lock: one round of progress; True if anything happened."""
+        self._stats["polls"] += 1
+        self._read_control()
+        progressed = False
+        for key in list(self._recvq):
+            q = self._recvq.get(key)
+            if q and self._match(key, q):
+                progressed = True
+        for tag in list(self._anyq):
+            q = self._anyq.get(tag)
+            if q and self._match_any(tag, q):
+                progressed = True
+        if not self._reqs:
+            return progressed
+        MPI = self._MPI
+        try:
+            done = MPI.Request.Testsome(self._reqs)
+        except MPI.Exception:
+            done = self._test_each()
+        if done:
+            entries = self._entries
+            drop = set(done)
+            self._reqs = [r for i, r in enumerate(self._reqs) if i not in drop]
+            self._entries = [e for i, e in enumerate(entries) if i not in drop]
+            for i in done:
+                self._completed(entries[i])
+            progressed = True
+        return progressed
+
+    def _test_each(self) -> list:
+        """Testsome failed: find the requests that failed; fail their peers."""
+        done, failed = [], []
+        for i, r in enumerate(self._reqs):
+            try:
+                if r.Test():
+                    done.append(i)
+            except self._MPI.Exception as e:
+                self._stats["mpi_errors"] += 1
+                kind, obj, _ = self._entries[i]
+                peer = obj.source if isinstance(obj, Request) else obj
+                failed.append((peer, e))
+                self._entries[i] = (_DISCARD, peer, None)
+                done.append(i)
+        for peer, e in failed:
+            log.error("neuron %s: MPI failed a request with rank %s: %s", self._label, peer, e)
+            if isinstance(peer, int) and peer not in self._failed:
+                self._fail_peer(peer, PeerUnreachable(peer, f"rank {peer} is unreachable: MPI "
+                                                            f"failed a request with it: {e}"))
+        return done
+
+    def _completed(self, entry) -> None:
+        kind, obj, buf = entry
+        if kind == _SEND:
+            obj._finish()
+        elif kind == _RECV:
+            self._stats["messages_received"] += 1
+            self._stats["bytes_received"] += obj.nbytes
+            obj._finish()
+        elif kind == _HELLO_RECV:
+            self._hello.add(obj)
+            self._cond.notify_all()
+
+    def _fail_peer(self, peer: int, error: Exception) -> None:
+        """Under the lock: ``peer`` is gone; its requests (and later ones) fail with ``error``."""
+        self._failed[peer] = error
+        for key in [k for k in self._recvq if k[0] == peer]:
+            for req in self._recvq.pop(key):
+                req._finish(error)
+        keep_r, keep_e, orphans = [], [], []
+        for r, e in zip(self._reqs, self._entries):
+            kind, obj, buf = e
+            if kind in (_SEND, _RECV) and obj.source == peer:
+                obj._finish(error)
+                orphans.append((r, buf))
+            else:
+                keep_r.append(r)
+                keep_e.append(e)
+        self._reqs, self._entries = keep_r, keep_e
+        if orphans:
+            with _ORPHANS_LOCK:
+                _ORPHANS.extend(orphans)
+        if not self._alive_peers():  # nobody left to send to a receive from any rank
+            for q in self._anyq.values():
+                for req in q:
+                    req._finish(error)
+            self._anyq.clear()
+
+    def _drive(self, event: threading.Event, deadline: float) -> bool:
+        """Wait for ``event`` until ``deadline``, polling MPI from this thread meanwhile.
+
+        Polls back to back for 1 ms after the last progress, with ``sched_yield`` in between
+        (~1 us when the CPU is free; runnable processes go first when it is not, where
+        ``sleep(0)`` or a 25 us timed wait cost ~0.1 ms), then with sleeps growing to
+        0.2 ms. False on timeout.
+        """
+        with self._lock:
+            self._waiting_threads += 1
+        try:
+            idle = 0
+            spin_until = time.monotonic() + _SPIN_SECONDS
+            while not event.is_set():
+                with self._lock:
+                    if self._closed:
+                        break
+                    try:
+                        progressed = self._poll()
+                    except Exception:  # noqa: BLE001 - the progress thread reports it
+                        progressed = False
+                if event.is_set():
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                if progressed:
+                    idle, spin_until = 0, now + _SPIN_SECONDS
+                if now < spin_until:
+                    os.sched_yield()
+                else:
+                    idle += 1
+                    event.wait(min(deadline - now, _HOT_SLEEP, 2.5e-5 * (1 << min(idle, 4))))
+            return event.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            with self._lock:
+                self._waiting_threads -= 1
+
+    def _wake(self) -> None:
+        """Under the lock: wake the progress thread if it sleeps until woken."""
+        if self._parked:
+            self._cond.notify_all()
+
+    def _busy(self) -> bool:
+        return bool(self._reqs or self._recvq or self._anyq)
+
+    def _progress_loop(self) -> None:
+        idle, idle_since = 0, None
+        with self._lock:
+            while not self._closed:
+                if not self._busy():
+                    idle = 0
+                    now = time.monotonic()
+                    if idle_since is None:
+                        idle_since = now
+                    if now - idle_since < _PARK_AFTER:
+                        self._cond.wait(_COLD_SLEEP)
+                    else:  # long idle: sleep until a request is posted (no polling)
+                        self._parked = True
+                        self._cond.wait()
+                        self._parked = False
+                    continue
+                idle_since = None
+                try:
+                    progressed = self._poll()
+                except Exception as e:  # noqa: BLE001 - never die silently with work pending
+                    log.exception("neuron %s: MPI progress failed", self._label)
+                    self._fail_all(TransportError(f"MPI progress of {self._label} failed: {e!r}"))
+                    continue
+                idle = 0 if progressed else idle + 1
+                if self._waiting_threads > 0:   # a waiting thread polls for itself
+                    self._cond.wait(_COLD_SLEEP)
+                elif idle > _IDLE_POLLS:
+                    self._cond.wait(min(_COLD_SLEEP, 2e-5 * (1 << min(idle - _IDLE_POLLS, 10))))
+                else:
+                    self._cond.wait(0)          # let posting threads take the lock
+
+    def _callback_loop(self) -> None:
+        while True:
+            req = self._callbacks.get()
+            if req is None:
+                return
+            try:
+                req.callback(req)
+            except Exception:  # noqa: BLE001 - a callback's failure is its own business
+                log.exception("neuron %s: completion callback failed", self._label)
+
+    # ------------------------------------------------------------------ teardown
+
+    def stats(self) -> dict:
+        """Counters: messages/bytes sent and received, size mismatches, notes, polls..."""
+        with self._lock:
+            out = dict(self._stats)
+            out["pending_requests"] = len(self._reqs)
+            out["posted_receives"] = (sum(len(q) for q in self._recvq.values())
+                                      + sum(len(q) for q in self._anyq.values()))
+            return out
+
+    def _fail_all(self, error: Exception) -> None:
+        """Under the lock: fail every pending request; hand MPI's requests to the orphans."""
+        for queues in (self._recvq, self._anyq):
+            for q in queues.values():
+                for req in q:
+                    req._finish(error)
+            queues.clear()
+        orphans = []
+        for r, (kind, obj, buf) in zip(self._reqs, self._entries):
+            if isinstance(obj, Request):
+                obj._finish(error)
+            orphans.append((r, buf))
+        self._reqs, self._entries = [], []
+        if orphans:
+            with _ORPHANS_LOCK:
+                _ORPHANS.extend(orphans)
+
+    def close(self, error: Exception | None = None) -> None:
+        """Fail pending requests with ``error`` (default ``ChannelClosed``) and free the
+        communicator.
+
+        Without ``error`` (a normal shutdown), sends still in flight get up to 2 s to
+        complete first, so a peer still receiving what we sent gets it.
+        """
+        if error is None:
+            end = time.monotonic() + _DRAIN_SECONDS
+            with self._lock:
+                while (not self._closed and time.monotonic() < end
+                       and any(e[0] in _OUTGOING for e in self._entries)):
+                    if not self._poll():
+                        self._cond.wait(0.001)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._fail_all(error or ChannelClosed(f"MPI transport of {self._label} was closed"))
+            self._cond.notify_all()
+        self._callbacks.put(None)
+        me = threading.current_thread()
+        for t in (self._progress, self._callback_thread):
+            if t is not me:
+                t.join(timeout=5.0)
+        with self._lock:
+            _sweep_orphans(self._MPI)
+            if not self._MPI.Is_finalized() and self._comm != self._MPI.COMM_NULL:
+                try:
+                    self._comm.Free()
+                except self._MPI.Exception as e:  # noqa: BLE001 - closing anyway
+                    log.warning("neuron %s: MPI_Comm_free failed: %s", self._label, e)
+        _LIVE.discard(self)
+
+
+def _writable(buf) -> memoryview:
+    view = memoryview(buf).cast("B")
+    if view.readonly:
+        raise ValueError("a receive needs a writable buffer")
+    return view
+
+
+def _check_tag(tag) -> int:
+    if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
+        raise ValueError(f"tag must be an integer in [0, 2**64), not {tag!r}")
+    return tag
+
+
+def _sweep_orphans(MPI) -> None:
+    """Drop the orphaned requests MPI has completed since (their buffers may go now)."""
+    with _ORPHANS_LOCK:
+        if not _ORPHANS or MPI.Is_finalized():
+            return
+        keep = []
+        for r, buf in _ORPHANS:
+            try:
+                if not r.Test():
+                    keep.append((r, buf))
+            except MPI.Exception:
+                pass
+        _ORPHANS[:] = keep
+
+
+def _register(transport: MpiTransport) -> None:
+    global _atexit_registered
+    _LIVE.add(transport)
+    if not _atexit_registered:
+        # Runs before mpi4py's MPI_Finalize (a Py_AtExit hook, called after atexit's).
+        atexit.register(_close_all)
+        _atexit_registered = True
+
+
+def _close_all() -> None:
+    for t in list(_LIVE):
+        try:
+            t.close(ChannelClosed("the interpreter is exiting"))
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass

@@ -172,6 +172,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def group_desc(self) -> str:
         return self._group_desc
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Change the default deadline of the group's later operations (TorchTitan lowers it
+        after the first step)."""
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"set_timeout needs a positive timedelta, got {timeout!r}")
+        self._timeout = timeout
+
     # ------------------------------------------------------ per-device backend
     # torch asks the per-device c10d Backend for capabilities (pg._device_types,
     # pg._get_backend(device)): dcp.async_save, FSDP2's ProcessGroupAllocMixin,

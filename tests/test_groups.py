@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -110,3 +112,23 @@ def test_new_group_timeout_is_honoured():
     name, took, msg = res[0]
     assert name == "PeerTimeoutError" and 0.9 < took < 3.0, res[0]
     assert "rank 1 never arrived" in msg
+
+
+def lowered_timeout(rank, world):
+    from datetime import timedelta
+    dist.group.WORLD.set_timeout(timedelta(seconds=1))  # as TorchTitan does after step 1
+    if rank == 1:
+        time.sleep(4)
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(2))
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, time.monotonic() - t0
+    return "no error", 0.0
+
+
+def test_set_timeout_changes_later_deadlines():
+    res = run_ranks(lowered_timeout, 2, timeout=60, pg_timeout=60, expect_errors=True)
+    status, (name, took) = res[0]
+    assert name == "PeerTimeoutError" and took < 3.0, res[0]

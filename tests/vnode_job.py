@@ -1,7 +1,7 @@
 """A tiny multi-node job for tests/test_vnodes.py (run under torchrun by launch/vnodes.py).
 
-Each rank initialises the process group (``--backend``, gloo by default: the neuron
-backend cannot span nodes yet), checks its rank and world against torchrun's environment,
+Each rank initialises the process group (``--backend``), checks its rank and world
+against torchrun's environment,
 runs an all_reduce, finds out which other ranks can see its files in ``/dev/shm``, and
 prints one line::
 
@@ -11,6 +11,8 @@ prints one line::
 ``--fail-rank R --fail-code C`` makes rank R exit with code C right after initialisation
 (its peers then block in the all_reduce until the launcher stops them).
 ``--tag T`` is a marker that tests look for in /proc to find leftover processes.
+``--matrix`` also runs test_collectives.py's collective x dtype x op matrices (exact
+references) and reports their failures as ``"matrix_fails"``.
 """
 
 import argparse
@@ -39,6 +41,7 @@ def main() -> int:
     p.add_argument("--latency-iters", type=int, default=0,
                    help="time this many 1-element all_reduces after the check")
     p.add_argument("--tag", default="")
+    p.add_argument("--matrix", action="store_true")
     args = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -75,7 +78,17 @@ def main() -> int:
             dist.all_reduce(x)
         latency = (time.perf_counter() - start) / args.latency_iters
 
+    matrix_fails = None
+    if args.matrix:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import test_collectives as tc
+        matrix_fails = []
+        for fn in (tc.all_reduce_matrix, tc.gather_family_matrix, tc.reduce_family_matrix,
+                   tc.alltoall_matrix):
+            matrix_fails += fn(rank, world)
+
     report = {
+        "matrix_fails": matrix_fails,
         "rank": rank, "world": world, "local_rank": int(os.environ["LOCAL_RANK"]),
         "group_rank": int(os.environ["GROUP_RANK"]), "sum": t.item(),
         "hostname": socket.gethostname(),

@@ -18,6 +18,7 @@ references) and reports their failures as ``"matrix_fails"``.
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -55,6 +56,14 @@ def main() -> int:
 
     # Which ranks share this rank's /dev/shm? Each rank drops a file, then looks.
     shm_name = f"/dev/shm/vnodejob-{os.environ['MASTER_PORT']}-{rank}"
+
+    def on_term(signum, frame):  # torchrun stops the others when one rank fails: tidy up
+        try:
+            os.unlink(shm_name)
+        except OSError:
+            pass
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_term)
     with open(shm_name, "w") as f:
         f.write(str(rank))
     try:

@@ -614,7 +614,7 @@ class RdmTransport:
         is half-closed, so a peer still waiting for those acks completes normally.
         """
         if error is None:
-            self._drain(time.monotonic() + 2.0)
+            self._drain(time.monotonic() + 5.0)
         with self._lock:
             if self._closed:
                 return
@@ -651,9 +651,18 @@ class RdmTransport:
 
 
     def _drain(self, deadline: float) -> None:
+        """Before a normal close: every message sent (eager ones completed long ago) must be
+        acknowledged, so a peer still reading gets it all; then half-close the rails."""
         with self._lock:
             rails = [r for rails in self._rails.values() for r in rails if r is not None]
-        while time.monotonic() < deadline and not all(r.idle for r in rails):
+            peers = [p for p in self._rails if p not in self._failed]
+
+        def settled():
+            with self._lock:
+                unacked = sum(self.ep.inflight_bytes(p) for p in peers if p not in self._failed)
+            return unacked == 0 and all(r.idle for r in rails)
+
+        while time.monotonic() < deadline and not settled():
             time.sleep(0.001)
         for r in rails:
             try:

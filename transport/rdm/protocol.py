@@ -17,7 +17,7 @@ Sending
     ``send(peer, tag, data)`` numbers the message (``msg_id``: 0, 1, 2, ... per peer) and
     gives it the next ``seq`` of its ``(peer, tag)`` stream. ``poll_transmit`` cuts it into
     segments of at most ``segment_bytes``, and small enough that every rail gets one when
-    that keeps them >= 64 KiB (a 0-byte message is one empty segment), one DATA frame
+    that keeps them >= 512 KiB (a 0-byte message is one empty segment), one DATA frame
     each (see ``frames``), and sprays them over the peer's live rails, least-loaded rail
     first (by unacknowledged bytes; ties go round-robin). ``data`` is not copied: keep it
     unchanged until ``SendCompleted``.
@@ -96,7 +96,7 @@ from typing import NamedTuple
 from ..errors import TransportError
 from . import frames as F
 
-MIN_SPRAY_BYTES = 64 << 10
+MIN_SPRAY_BYTES = 512 << 10
 
 # ----------------------------------------------------------------------------- events
 

@@ -84,12 +84,12 @@ import time
 import weakref
 from collections import deque
 
+from ..requests import Request as _Request, run_callbacks
 from ..errors import (ABORTED, ChannelClosed, PeerAborted, PeerTimeout, PeerUnreachable,
                       TransportError)
 
 log = logging.getLogger("neuron_dist.mpi")
 
-TIMEOUT_GRACE = 0.5                  # after a deadline: time for a peer's abort notice
 _NOTE = struct.Struct("!QQ")         # a sender's note: (transport tag, MPI tag)
 _ABORT_REASON_BYTES = 1000           # notices stay small: MPI sends them eagerly
 _CREATE_TAG = 0x4E44                 # tag of MPI_Comm_create_group (any value <= 32767)
@@ -130,70 +130,21 @@ def world_rank() -> int:
     return _mpi().COMM_WORLD.Get_rank()
 
 
-class Request:
-    """A pending ``isend``, ``irecv`` or ``irecv_any``.
+class Request(_Request):
+    """A pending ``isend``, ``irecv`` or ``irecv_any`` (see transport/requests.py).
 
-    Attributes
-    ----------
-    peer : int or None
-        The rank named when posting (None: a receive from any rank).
-    source : int or None
-        The rank the message came from (set when a receive from any rank matches).
-    error : Exception or None
-        Why it failed, once complete.
+    Waiting drives MPI's progress from the waiting thread (``MpiTransport._drive``).
     """
 
-    __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "source",
-                 "_event", "_owner")
+    __slots__ = ("_owner",)
+    VIA = "MPI"
 
     def __init__(self, peer, tag: int, buf, is_send: bool, owner: "MpiTransport"):
-        self.peer, self.tag, self.buf, self.is_send = peer, tag, buf, is_send
-        self.nbytes = buf.nbytes
-        self.error = None
-        self.callback = None  # run on the transport's callback thread once complete
-        self.source = peer
-        self._event = threading.Event()
+        super().__init__(peer, tag, buf, is_send, owner._callbacks)
         self._owner = owner
 
-    def _finish(self, error=None) -> None:
-        if not self._event.is_set():
-            self.error = error
-            self._event.set()
-            if self.callback is not None:
-                self._owner._callbacks.put(self)
-
-    def test(self) -> bool:
-        """True once complete (raises its error if it failed)."""
-        if self._event.is_set():
-            if self.error is not None:
-                raise self.error
-            return True
-        return False
-
-    def wait(self, deadline: float) -> None:
-        """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure.
-
-        Raises
-        ------
-        PeerTimeout
-            Not complete by ``deadline`` (plus a 0.5 s grace for a peer's abort notice);
-            ``ranks`` is ``[peer]`` (``[]`` for a receive from any rank), ``network`` True.
-        """
-        if not self._event.is_set():
-            start = time.monotonic()
-            owner = self._owner
-            if (not owner._drive(self._event, deadline)
-                    and not owner._drive(self._event, time.monotonic() + TIMEOUT_GRACE)):
-                what = "send to" if self.is_send else "receive from"
-                who = f"rank {self.peer}" if self.peer is not None else "any rank"
-                error = PeerTimeout([self.peer] if self.peer is not None else [],
-                                    max(0.0, deadline - start),
-                                    f"{what} {who} ({self.nbytes} bytes, tag {self.tag}) over "
-                                    f"MPI did not complete in time")
-                error.network = True
-                raise error
-        if self.error is not None:
-            raise self.error
+    def _block(self, deadline: float) -> bool:
+        return self._owner._drive(self._event, deadline)
 
 
 class MpiTransport:
@@ -795,14 +746,7 @@ class MpiTransport:
                     self._cond.wait(0)          # let posting threads take the lock
 
     def _callback_loop(self) -> None:
-        while True:
-            req = self._callbacks.get()
-            if req is None:
-                return
-            try:
-                req.callback(req)
-            except Exception:  # noqa: BLE001 - a callback's failure is its own business
-                log.exception("neuron %s: completion callback failed", self._label)
+        run_callbacks(self._callbacks, self._label, log)
 
     # ------------------------------------------------------------------ teardown
 

@@ -43,6 +43,7 @@ import time
 from collections import deque
 
 from ..errors import ABORTED, ChannelClosed, PeerAborted, PeerTimeout, PeerUnreachable
+from ..requests import Request, run_callbacks
 from . import frames as F
 from . import handshake
 from .protocol import Endpoint, FrameRejected, MessageReceived, PeerFailed, SendCompleted
@@ -51,57 +52,9 @@ log = logging.getLogger("neuron_dist.rdm")
 
 _IOV_MAX = 512
 EAGER_BYTES = 64 << 10
-TIMEOUT_GRACE = 0.5
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
 _CLEAN_EOF = "connection closed by the peer (0 of"
 _HANDSHAKE_TIMEOUT = 10.0
-
-
-class Request:
-    """A pending ``isend`` or ``irecv``; completed by the driver's threads."""
-
-    __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "source",
-                 "_event", "_sink")
-
-    def __init__(self, peer: int, tag: int, buf, is_send: bool, sink=None):
-        self.peer, self.tag, self.buf, self.is_send = peer, tag, buf, is_send
-        self.nbytes = buf.nbytes
-        self.error = None
-        self.callback = None  # run on the transport's callback thread once complete
-        self.source = peer
-        self._event = threading.Event()
-        self._sink = sink
-
-    def _finish(self, error=None) -> None:
-        if not self._event.is_set():
-            self.error = error
-            self._event.set()
-            if self.callback is not None and self._sink is not None:
-                self._sink.put(self)
-
-    def test(self) -> bool:
-        """True once complete (raises its error if it failed)."""
-        if self._event.is_set():
-            if self.error is not None:
-                raise self.error
-            return True
-        return False
-
-    def wait(self, deadline: float) -> None:
-        """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure."""
-        remaining = deadline - time.monotonic()
-        # After the deadline, a short grace: a peer that timed out at the same moment, on
-        # whatever it waited for, may be about to tell us why (its abort notice).
-        if not self._event.wait(max(0.0, remaining)) and not self._event.wait(TIMEOUT_GRACE):
-            what = "send to" if self.is_send else "receive from"
-            who = f"rank {self.peer}" if self.peer is not None else "any rank"
-            error = PeerTimeout([self.peer] if self.peer is not None else [],
-                                max(0.0, remaining), f"{what} {who} ({self.nbytes} bytes) over "
-                                f"the network did not complete in time")
-            error.network = True
-            raise error
-        if self.error is not None:
-            raise self.error
 
 
 class _Rail:
@@ -590,14 +543,7 @@ class RdmTransport:
                     self._pump()
 
     def _callback_loop(self) -> None:
-        while True:
-            req = self._callbacks.get()
-            if req is None:
-                return
-            try:
-                req.callback(req)
-            except Exception:  # noqa: BLE001 - a callback's failure is its own business
-                log.exception("neuron %s: completion callback failed", self._label)
+        run_callbacks(self._callbacks, self._label, log)
 
     # ------------------------------------------------------------------ teardown
 

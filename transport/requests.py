@@ -1,0 +1,95 @@
+"""The request object both inter-node transports (rdm, mpi) hand out, and their callbacks.
+
+A request completes once (``_finish``), with or without an error. ``wait(deadline)``
+blocks until then; past the deadline it allows a short grace (a peer that timed out at the
+same moment may be about to send its abort notice, which says why) and then raises
+``PeerTimeout`` naming the peer, marked ``network=True`` so the c10d layer knows the ranks
+are group ranks. A completion callback is not run by whoever completes the request (that
+may hold the transport's lock) but queued for the transport's callback thread
+(``run_callbacks``), where it may post new requests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .errors import PeerTimeout
+
+TIMEOUT_GRACE = 0.5
+
+
+class Request:
+    """A pending send or receive.
+
+    Attributes
+    ----------
+    peer : int or None
+        The rank named when posting (None: a receive from any rank).
+    source : int or None
+        The rank the message came from (set when a receive from any rank matches).
+    error : Exception or None
+        Why it failed, once complete.
+    callback : callable or None
+        ``callback(request)``, run on the transport's callback thread once complete.
+    """
+
+    __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "source",
+                 "_event", "_sink")
+    VIA = "the network"  # how the timeout message names the path
+
+    def __init__(self, peer, tag: int, buf, is_send: bool, sink=None):
+        self.peer, self.tag, self.buf, self.is_send = peer, tag, buf, is_send
+        self.nbytes = buf.nbytes
+        self.error = None
+        self.callback = None
+        self.source = peer
+        self._event = threading.Event()
+        self._sink = sink  # the queue of the transport's callback thread
+
+    def _finish(self, error=None) -> None:
+        if not self._event.is_set():
+            self.error = error
+            self._event.set()
+            if self.callback is not None and self._sink is not None:
+                self._sink.put(self)
+
+    def test(self) -> bool:
+        """True once complete (raises its error if it failed)."""
+        if self._event.is_set():
+            if self.error is not None:
+                raise self.error
+            return True
+        return False
+
+    def _block(self, deadline: float) -> bool:
+        """Wait for completion until ``deadline``; True if complete."""
+        return self._event.wait(max(0.0, deadline - time.monotonic()))
+
+    def wait(self, deadline: float) -> None:
+        """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure."""
+        if not self._event.is_set():
+            start = time.monotonic()
+            if not self._block(deadline) and not self._block(time.monotonic() + TIMEOUT_GRACE):
+                what = "send to" if self.is_send else "receive from"
+                who = f"rank {self.peer}" if self.peer is not None else "any rank"
+                error = PeerTimeout([self.peer] if self.peer is not None else [],
+                                    max(0.0, deadline - start),
+                                    f"{what} {who} ({self.nbytes} bytes, tag {self.tag}) over "
+                                    f"{self.VIA} did not complete in time")
+                error.network = True
+                raise error
+        if self.error is not None:
+            raise self.error
+
+
+def run_callbacks(callbacks, label: str, log) -> None:
+    """Body of a transport's callback thread: run queued requests' callbacks until None."""
+    while True:
+        req = callbacks.get()
+        if req is None:
+            return
+        try:
+            req.callback(req)
+        except Exception:  # noqa: BLE001 - a callback's failure is its own business
+            log.exception("neuron %s: completion callback failed", label)

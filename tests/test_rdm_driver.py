@@ -115,6 +115,27 @@ def test_all_rails_cut_fails_naming_the_peer(pair):
         a.isend(1, 1, b"late")
 
 
+def test_last_message_of_a_peer_that_closed_is_still_delivered():
+    # A rank sends its last message (small: completed eagerly) and shuts down; the receiver
+    # posts its receive only after the rails are gone. The message arrived whole, so it is
+    # delivered; only a receive for something that never came fails.
+    a, b = _pair()
+    try:
+        a.isend(1, 5, np.arange(40, dtype=np.uint8)).wait(time.monotonic() + 5)
+        a.close()
+        deadline = time.monotonic() + 10
+        while 0 not in b._failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0 in b._failed, "the receiver never noticed the sender closing"
+        buf = np.zeros(40, np.uint8)
+        b.irecv(0, 5, buf).wait(time.monotonic() + 5)
+        assert np.array_equal(buf, np.arange(40, dtype=np.uint8))
+        with pytest.raises(PeerUnreachable, match="rank 0"):
+            b.irecv(0, 5, buf)
+    finally:
+        b.close()
+
+
 def test_crc_frames_roundtrip():
     ts = _pair(rails=2, crc=True)
     try:

@@ -274,11 +274,15 @@ class RdmTransport:
         req = Request(peer, tag, view, False, self._callbacks)
         req.callback = callback
         with self._lock:
-            self._check_usable(peer)
+            if self._closed:
+                raise ChannelClosed(f"rdm transport of {self._label} is closed")
+            # A message that arrived whole is delivered even if its sender has since closed
+            # or failed: a peer that sends its last message and exits is normal.
             early = self._unexpected.get((peer, tag))
             if early:
                 self._complete_recv(req, early.popleft()[1])
                 return req
+            self._check_usable(peer)
             self.ep.post_recv(peer, tag, view)
             self._recvs.setdefault((peer, tag), deque()).append(req)
         return req

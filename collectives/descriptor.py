@@ -22,7 +22,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
           torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2)
 _OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
-_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(DTYPES)}
+DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(DTYPES)}
 _REDUCE_NAME = {code: name for name, code in REDUCE_CODES.items()}
 NWORDS = 7
 
@@ -45,7 +45,7 @@ def dtype_code(dtype) -> int:
     if dtype is None:
         return 0
     try:
-        return _DTYPE_CODE[dtype]
+        return DTYPE_CODES[dtype]
     except KeyError:
         raise ValueError(f"neuron does not support tensors of dtype {dtype}") from None
 

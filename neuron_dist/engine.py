@@ -49,7 +49,8 @@ class CollectiveEngine:
         self.rank = rank
         self.size = size
         self._on_error = on_error
-        self._cv = threading.Condition()
+        self._mutex = threading.Lock()  # taken directly on the express lane: cheaper
+        self._cv = threading.Condition(self._mutex)
         self._queue: deque = deque()
         self._busy = False
         self._thread = None
@@ -122,22 +123,43 @@ class CollectiveEngine:
         try:
             fn(seq)  # algorithms touch only detached tensors: no autograd involved
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
-            error, fatal = self._on_error(exc, work.what)
-            if rec is not None:
-                rec.finish(error)
-            log.log(logging.WARNING if fatal else logging.INFO, "neuron: %s", error)
-            if fatal and self.broken is None:
-                self.broken = error
-                path = recorder.dump(str(error))
-                if path:
-                    log.warning("neuron: flight recorder written to %s", path)
-            work._complete(error)
+            self.fail(exc, work, rec)
         else:
             if rec is not None:
                 rec.finish()
             if trace:
                 log.debug("neuron: done  %s in %.1f us", work.what, (time.monotonic() - started) * 1e6)
             work._complete()
+
+    def fail(self, exc: BaseException, work, rec) -> None:
+        """Complete ``work`` with the user-facing form of ``exc``; break the group if fatal."""
+        error, fatal = self._on_error(exc, work.what)
+        if rec is not None:
+            rec.finish(error)
+        log.log(logging.WARNING if fatal else logging.INFO, "neuron: %s", error)
+        if fatal and self.broken is None:
+            self.broken = error
+            path = recorder.dump(str(error))
+            if path:
+                log.warning("neuron: flight recorder written to %s", path)
+        work._complete(error)
+
+    # The express lane (express.py) runs a call in the caller's thread without a task.
+    def claim_inline(self) -> int:
+        """Reserve the engine for a call run by the caller: its sequence number, or 0 if the
+        engine is not idle (work queued or running, stopped, broken)."""
+        with self._mutex:
+            if self._busy or self._queue or self._stopped or self.broken is not None:
+                return 0
+            self._busy = True
+            self.seq += 1
+            return self.seq
+
+    def release_inline(self) -> None:
+        with self._mutex:
+            self._busy = False
+            if self._queue:
+                self._cv.notify_all()
 
     def is_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread

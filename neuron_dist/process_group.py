@@ -31,6 +31,7 @@ from .transport.errors import (ABORTED, ABORTED_MISMATCH, ABORTED_PEER_DIED, ABO
 from . import checks, stats
 from .config import Settings
 from .engine import CollectiveEngine
+from .express import ExpressLane
 from .flight_recorder import install_signal_handler
 from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
                      PeerTimeoutError)
@@ -131,6 +132,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size)
         install_signal_handler()
         self._p2p = None
+        self._express = ExpressLane(self, reduce_spec)
         self._closed = False
         log.info("neuron: group rank %d/%d ready on node %r: shared memory %.1f MiB reserved "
                  "(slot %d KiB x2 per rank; %d KiB per send/recv pair on first use), one-step "
@@ -322,6 +324,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # ------------------------------------------------------------- all-reduce
     def allreduce(self, tensors, opts=None):
+        if opts is not None and not opts.asyncOp and len(tensors) == 1:
+            work = self._express.all_reduce(tensors[0], opts, self._deadline_seconds(opts))
+            if work is not None:
+                return work
         opts = opts or dist.AllreduceOptions()
         t = checks.single(tensors, "allreduce tensor")
         spec = reduce_spec(opts.reduceOp)

@@ -81,6 +81,7 @@ class ShmChannel:
         self._shaped_views = {}
         self._others = [k for k in range(n) if k != rank]
         self._pids = {}
+        self._next_liveness = 0.0
         self._w[self._pid_word[rank]] = os.getpid()
         if rank == 0:
             self._w[0] = L.MAGIC
@@ -168,7 +169,6 @@ class ShmChannel:
         sw = self._step_word
         backoff = Backoff(self._spin, self._yield_seconds, self._max_sleep, futex.available)
         polls = 0
-        next_liveness = 0.0
         while True:
             pending = [k for k in pending if w[sw[k]] < e]
             if not pending:
@@ -183,7 +183,9 @@ class ShmChannel:
             pending = [k for k in pending if w[sw[k]] < e]
             if pending:
                 try:
-                    next_liveness = self.check_peers(pending, deadline, next_liveness)
+                    # Liveness is looked up at most every LIVENESS_PERIOD per channel, not
+                    # once per wait: small collectives wait often and briefly.
+                    self._next_liveness = self.check_peers(pending, deadline, self._next_liveness)
                 except PeerDied:
                     # Look once more after a moment before declaring the step lost: a peer
                     # that published and exited between our read and its reaping is fine.

@@ -1,0 +1,113 @@
+"""The express lane (small synchronous all_reduce run in the caller's thread).
+
+It must be indistinguishable from the general path: the two interoperate step for step,
+keep issue order behind queued async work, report mismatches and failures the same way,
+appear in the flight recorder, and recycle a Work only when nothing else holds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from neuron_dist.flight_recorder import recorder
+
+
+def _pg():
+    return dist.distributed_c10d._get_default_group()
+
+
+def mixed_paths(rank, world):
+    """Ranks alternate between the express lane and the general (async) path, with every
+    dtype and op the lane serves, and results must be exact."""
+    fails = []
+    ops = [(dist.ReduceOp.SUM, sum), (dist.ReduceOp.MAX, max), (dist.ReduceOp.MIN, min),
+           (dist.ReduceOp.PRODUCT, None), (dist.ReduceOp.AVG, None)]
+    for i in range(60):
+        op, fold = ops[i % len(ops)]
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            if op == dist.ReduceOp.AVG and dtype == torch.int64:
+                continue
+            t = torch.full((3,), rank + 1 + i % 3, dtype=dtype)
+            values = [k + 1 + i % 3 for k in range(world)]
+            if op == dist.ReduceOp.PRODUCT:
+                expect = 1
+                for v in values:
+                    expect *= v
+            elif op == dist.ReduceOp.AVG:
+                expect = sum(values) / world
+            else:
+                expect = fold(values)
+            if (i + rank) % 2:  # ranks disagree on the path for every other call
+                dist.all_reduce(t, op=op, async_op=True).wait()
+            else:
+                dist.all_reduce(t, op=op)
+            if not torch.equal(t, torch.full((3,), expect, dtype=dtype)):
+                fails.append((i, str(op), str(dtype), t.tolist(), expect))
+    return fails
+
+
+def test_express_and_general_paths_interoperate():
+    results = run_ranks(mixed_paths, 3, timeout=120)
+    assert all(v == [] for v in results.values()), results
+
+
+def keeps_issue_order(rank, world):
+    """A sync all_reduce issued behind a queued async one must run after it."""
+    big = torch.full((4_000_000,), float(rank + 1))
+    small = torch.full((2,), float(rank + 1))
+    work = dist.all_reduce(big, async_op=True)
+    dist.all_reduce(small)  # engine busy: takes the general path, queued behind `big`
+    work.wait()
+    return big[:3].tolist(), small.tolist()
+
+
+def test_sync_call_behind_async_work_keeps_issue_order():
+    results = run_ranks(keeps_issue_order, 2, timeout=120)
+    for big, small in results.values():
+        assert big == [3.0] * 3 and small == [3.0, 3.0]
+
+
+def recycling(rank, world):
+    pg = _pg()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    a, b = torch.ones(2), torch.ones(2) * 2
+    kept = pg.allreduce([a], opts)
+    again = pg.allreduce([b], opts)  # `kept` is still referenced: a new Work
+    fut = again.get_future()
+    third = pg.allreduce([torch.ones(2)], opts)
+    del kept
+    return (again is not third, fut.value()[0].tolist(), again.result()[0].tolist(),
+            a.tolist())
+
+
+def test_a_work_someone_holds_is_never_recycled():
+    results = run_ranks(recycling, 2, timeout=60)
+    for distinct, fut_value, result, a in results.values():
+        assert distinct
+        assert fut_value == [4.0, 4.0] and result == [4.0, 4.0]
+        assert a == [2.0, 2.0]
+
+
+def mismatch(rank, world):
+    t = torch.ones(2 if rank == 0 else 3)
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {e}"
+    else:
+        msg = "no error"
+    dist.all_reduce(torch.ones(1))  # the group is still usable afterwards (one node)
+    records = [r for r in recorder._ring if r.op == "all_reduce"]
+    return msg, [(r.seq, r.state) for r in records[-2:]]
+
+
+def test_express_mismatch_names_both_calls_and_is_recorded():
+    results = run_ranks(mismatch, 2, timeout=60)
+    for rank, (msg, records) in results.items():
+        assert msg.startswith("CollectiveMismatchError"), msg
+        assert "all_reduce(float32, 2 elements, SUM)" in msg
+        assert "all_reduce(float32, 3 elements, SUM)" in msg
+        assert records == [(1, "failed"), (2, "completed")], records

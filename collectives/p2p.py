@@ -117,6 +117,12 @@ class P2P:
                 return
         self._recvs.append(req)
 
+    def piece_bytes(self) -> int:
+        """Largest piece a send writes at once: a receive of more needs the receiver's help
+        to arrive (it must drain the mailbox while the sender writes)."""
+        return max(FRAME_ALIGN, min(box.capacity for box in self._in.values()) // 4) \
+            if self._in else FRAME_ALIGN
+
     def pending(self) -> bool:
         return bool(self._recvs) or any(self._sends.values()) or any(
             inc is not None and inc.req is not None for inc in self._incoming.values())

@@ -3,6 +3,16 @@
 Progress is made by whoever needs it: the caller's ``Work.wait`` (no thread hand-off on the
 critical path), and a background thread while requests are pending and nobody waits (so an
 ``isend`` proceeds while the caller computes). Both call ``P2P.progress`` under one lock.
+
+Waking the background thread costs more than a small message (it wants the GIL the caller
+holds: measured, ~70 µs per receive in a send/recv ping-pong), and a small receive needs
+nobody's help to arrive: its sender writes the whole message into the mailbox. So only
+requests that need a partner to move (a send that did not fit, a receive larger than a
+mailbox piece) wake the thread at once. While the group is exchanging messages the thread
+lingers, looking every LAZY_PERIOD for requests nobody waits on (an irecv whose Work is
+only polled, or a sender stuck on a full mailbox while this rank is in a collective), so
+every request still progresses without its owner; after IDLE_AFTER without any, it sleeps
+until a post wakes it.
 Sends and receives of a group never queue behind its collectives, so the usual exchange
 patterns (isend + irecv both ways, pipelining schedules) cannot deadlock.
 Expired requests fail with PeerTimeoutError; requests on a dead peer with PeerDiedError.
@@ -18,6 +28,8 @@ from .errors import GroupAbortedError, PeerTimeoutError
 from .transport.shm.backoff import set_background_thread
 
 LIVENESS_PERIOD = 0.2
+LAZY_PERIOD = 0.005  # a pending request nobody waits on is picked up within this
+IDLE_AFTER = 1.0  # seconds without pending requests before the thread sleeps until woken
 
 
 class P2PEngine:
@@ -44,6 +56,9 @@ class P2PEngine:
         self._thread = None
         self._stopped = False
         self._next_liveness = 0.0
+        self._idle = False  # the thread sleeps until notified (not lingering)
+        self._last_pending = 0.0
+        self._urgent_bytes = p2p.piece_bytes()
 
     def post(self, req: Request) -> None:
         with self._lock:
@@ -60,7 +75,8 @@ class P2PEngine:
                     self._thread = threading.Thread(
                         target=self._loop, name=f"neuron-p2p[{self._label}]", daemon=True)
                     self._thread.start()
-                self._wake.notify()
+                if self._idle or req.is_send or req.data.numel() > self._urgent_bytes:
+                    self._wake.notify()
 
     def drive(self, req: Request, deadline: float) -> None:
         """Make progress from the calling thread until ``req`` is done or ``deadline``."""
@@ -89,8 +105,20 @@ class P2PEngine:
         backoff = self._channel.backoff()
         while True:
             with self._lock:
-                while not self._stopped and (self._waiters or not self._p2p.pending()):
-                    self._wake.wait(0.005 if self._waiters else None)
+                while not self._stopped:
+                    now = time.monotonic()
+                    if self._p2p.pending():
+                        self._last_pending = now
+                        if not self._waiters:
+                            break
+                    if now - self._last_pending < IDLE_AFTER:
+                        self._wake.wait(LAZY_PERIOD)
+                    else:
+                        self._idle = True
+                        try:
+                            self._wake.wait()
+                        finally:
+                            self._idle = False
                 if self._stopped:
                     return
                 moved = self._progress_locked()

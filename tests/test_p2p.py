@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -152,3 +154,39 @@ def test_p2p_bad_arguments_raise_before_sending():
         assert all(errs), errs
         assert "itself" in errs[0] or "same as the rank" in errs[0], errs[0]
         assert "out of range" in errs[1] or "Invalid" in errs[1] or "not part" in errs[1], errs[1]
+
+
+def unwaited_requests_progress(rank, world):
+    """Requests nobody waits on still complete: a small irecv whose Work is only polled, and
+    a sender blocked on a full mailbox while the receiver sits in a collective."""
+    if rank == 1:
+        dist.recv(torch.zeros(1), 0)  # starts the progress thread, which then lingers
+        time.sleep(0.05)
+        small = torch.zeros(4)
+        work = dist.irecv(small, 0)  # small: posted without waking the lingering thread
+        dist.barrier()
+        deadline = time.monotonic() + 3
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.001)  # polled, never waited on
+        polled = work.is_completed()
+        # 20 small receives (1 KiB each, none big enough to wake the thread at once) for
+        # 20 KiB through an 8 KiB mailbox: rank 0's sends block until someone drains it.
+        bufs = [torch.zeros(256) for _ in range(20)]
+        works = [dist.irecv(b, 0) for b in bufs]
+        dist.all_reduce(torch.ones(1))  # rank 0 joins only once its blocking sends are done
+        for w in works:
+            w.wait()
+        return polled and torch.equal(small, torch.full((4,), 7.0)) and \
+            all(torch.equal(b, torch.full((256,), float(i))) for i, b in enumerate(bufs))
+    dist.send(torch.zeros(1), 1)
+    dist.barrier()  # rank 1's irecv is posted by now, and nobody will wait on it
+    dist.send(torch.full((4,), 7.0), 1)
+    started = time.monotonic()
+    for i in range(20):
+        dist.send(torch.full((256,), float(i)), 1)
+    dist.all_reduce(torch.ones(1))
+    return time.monotonic() - started < 2.0  # drained within the lingering period, not later
+
+
+def test_requests_nobody_waits_on_still_progress():
+    assert all(run_ranks(unwaited_requests_progress, 2, env=SMALL_MAILBOX, timeout=60).values())

@@ -8,6 +8,7 @@ output k. The number of steps follows the largest contribution, which every rank
 
 from __future__ import annotations
 
+from . import single_copy
 from .context import Context, steps_for
 
 
@@ -15,6 +16,9 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
     """Copy every rank's uint8 ``inp`` into ``outs[rank]`` on every rank."""
     cap = ctx.channel.slot_bytes
     sizes = [o.numel() for o in outs]
+    if single_copy.worth_it(ctx, max(sizes)):
+        single_copy.all_gather(ctx, outs, inp)
+        return
     for i in range(steps_for(max(sizes), cap)):
         o = i * cap
         mine = max(0, min(cap, inp.numel() - o))

@@ -15,6 +15,7 @@ take one step each instead of a ring's N-1: the data volume per rank is the ring
 
 from __future__ import annotations
 
+from . import single_copy
 from .context import Context, partition
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
@@ -30,6 +31,9 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
         _fits_one_slot(ctx, out, inp, spec)
         return
     out, inp = out.view(-1), inp.view(-1)
+    if single_copy.worth_it(ctx, n * es):
+        single_copy.all_reduce(ctx, out, inp, spec)
+        return
     if ctx.size == 1:
         _one_step(ctx, out, inp, spec, cap)
     else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .descriptor import Call, check_all_match
+from .descriptor import NWORDS, Call, check_all_match
 from .reduce_ops import Scratch
 
 
@@ -48,14 +48,25 @@ class Context:
         self._checked = False
         self.net = None  # twolevel.Net when the group spans nodes (channel = this node only)
 
-    def step(self) -> None:
+    def step(self, extra: tuple = ()) -> None:
+        """One channel step. The call's first also posts its descriptor, followed by
+        ``extra`` words (peers read them with ``peer_extra``), and checks the peers'."""
         if self._checked:
             self.channel.step(self.deadline)
             return
         epoch = self.channel.epoch + 1
-        self.channel.step(self.deadline, self.call.words(self.seq) + (epoch,))
+        self.channel.step(self.deadline, self.call.words(self.seq) + (epoch,) + extra)
         self._checked = True
         check_all_match(self.channel, self.call, self.seq, epoch)
+
+    @property
+    def checked(self) -> bool:
+        """Has the call made its first (descriptor-checking) step?"""
+        return self._checked
+
+    def peer_extra(self, rank: int, count: int) -> tuple:
+        """The ``count`` extra words ``rank`` posted with this call's first step."""
+        return self.channel.peer_descriptor(rank, self.seq, NWORDS + 1 + count)[NWORDS + 1:]
 
     def finish(self) -> None:
         """Guarantee the call made at least one (checked) step."""

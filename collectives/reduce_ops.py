@@ -70,16 +70,21 @@ def _binary(kind: str, dtype: torch.dtype):
 
 
 class Scratch:
-    """A reusable float32 accumulator, grown on demand (bounded by the slot size)."""
+    """Reusable work buffers, grown on demand (bounded by the slot or chunk size).
+
+    ``which`` picks an independent buffer: 0 is the accumulator of ``reduce_into``, so a
+    caller that hands ``reduce_into`` views of its own scratch uses another one.
+    """
 
     def __init__(self):
-        self._buf = torch.empty(0, dtype=torch.float32)
+        self._bufs = {}
 
-    def get(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def get(self, numel: int, dtype: torch.dtype = torch.float32, which: int = 0) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
-        if self._buf.numel() * 4 < nbytes:
-            self._buf = torch.empty((nbytes + 3) // 4, dtype=torch.float32)
-        return self._buf.view(torch.uint8)[:nbytes].view(dtype)
+        buf = self._bufs.get(which)
+        if buf is None or buf.numel() * 4 < nbytes:
+            buf = self._bufs[which] = torch.empty((nbytes + 3) // 4, dtype=torch.float32)
+        return buf.view(torch.uint8)[:nbytes].view(dtype)
 
 
 def reduce_into(out: torch.Tensor, inputs: list, spec: ReduceSpec, nranks: int,

@@ -9,6 +9,7 @@ step (compare gloo, which runs a full all-reduce per call).
 
 from __future__ import annotations
 
+from . import single_copy
 from .context import Context, steps_for
 from .reduce_ops import reduce_into, stage
 
@@ -22,6 +23,9 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     n = ctx.size
     per = (ctx.channel.slot_bytes // n) // ALIGN_BYTES * ALIGN_BYTES // es
     sizes = [t.numel() for t in inputs]
+    if single_copy.worth_it(ctx, max(sizes) * es, len(inputs)):
+        single_copy.reduce_scatter(ctx, out, inputs, spec)
+        return
     r = ctx.rank
     for i in range(steps_for(max(sizes), per)):
         o = i * per

@@ -27,6 +27,7 @@ from datetime import timedelta
 from .collectives.twolevel import Topology
 from .transport.rdm.driver import RdmTransport
 from .transport.rdm.handshake import derive_key
+from .transport.shm import cma
 from .transport.shm.backoff import default_spin
 from .transport.shm.channel import ShmChannel
 from .transport.shm.layout import Layout
@@ -101,6 +102,8 @@ def _open_node_channel(store, key: str, rank: int, size: int, settings,
     spin = settings.spin if settings.spin is not None else default_spin(size)
     channel = ShmChannel(segment, layout, rank, spin)
     store.add(f"{key}/attached", 1)
+    if size > 1:
+        channel.cma = cma.probe(store, key, rank, size, channel.pid_word_address())
     if rank == 0:
         deadline = time.monotonic() + timeout.total_seconds()
         while store.add(f"{key}/attached", 0) < size:

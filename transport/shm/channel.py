@@ -18,6 +18,7 @@ Protocol (see transport/base.py for the interface):
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import time
@@ -25,7 +26,7 @@ import time
 import torch
 
 from ..errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
-from . import futex
+from . import cma, futex
 from . import layout as L
 from .backoff import Backoff
 from .mailbox import ShmMailbox
@@ -82,6 +83,7 @@ class ShmChannel:
         self._others = [k for k in range(n) if k != rank]
         self._pids = {}
         self._next_liveness = 0.0
+        self.cma = False  # may ranks read each other's memory (cma.py)? set by rendezvous
         self._w[self._pid_word[rank]] = os.getpid()
         if rank == 0:
             self._w[0] = L.MAGIC
@@ -233,6 +235,21 @@ class ShmChannel:
         if now > deadline:
             raise PeerTimeout(pending, 0.0)
         return next_liveness
+
+    def pid_word_address(self) -> int:
+        """Address, in this process, of the word holding this rank's pid."""
+        return self._bytes.data_ptr() + self.layout.region(self.rank) + L.PID_OFF
+
+    def read_peer(self, k: int, local: int, remote: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at address ``remote`` of rank ``k``'s memory to our ``local``
+        (cross-memory attach; only when ``self.cma``)."""
+        pid = self._peer_pid(k)
+        try:
+            cma.read(pid, local, remote, nbytes)
+        except OSError as e:
+            if e.errno == errno.ESRCH:
+                raise PeerDied(k, pid, "it exited while its tensor was being read") from None
+            raise
 
     def _peer_pid(self, k: int) -> int:
         pid = self._pids.get(k)

@@ -1,0 +1,119 @@
+"""Single-copy collectives for large messages: ranks read each other's tensors directly.
+
+With cross-memory attach (transport/shm/cma.py, ``channel.read_peer``) a rank can copy straight out of a peer's
+tensor, so a byte crosses memory once instead of twice (into a shared slot, then out).
+Every algorithm here has the same shape:
+
+1. First step: each rank posts the addresses of its tensors in its call descriptor (after
+   the words that are checked for a matching call).
+2. Each rank reads what it needs from its peers' memory, each into a part of its own output
+   that no peer reads at the same time.
+3. A last step: nobody returns (and lets its caller change or free the tensors) while a
+   peer may still be reading them.
+
+* all_gather: read every peer's input into its block of the output (2 steps).
+* reduce_scatter: rank r reads block r of every peer's input, a chunk at a time into a
+  cache-sized scratch buffer, and reduces it with its own block into its output (2 steps).
+* all_reduce (in place or not): reduce-scatter as above into block r of the output, a step,
+  then read every peer's reduced block k into block k (3 steps). Peers only ever read blocks
+  their owner is not writing at that moment, so the in-place form is safe.
+
+Reductions run in rank order, like the slot algorithms, so results do not depend on the
+path. Used when the node's ranks agreed CMA works and the message is large (``worth_it``).
+"""
+
+from __future__ import annotations
+
+from .context import Context, partition
+from .reduce_ops import PREMUL_SUM, ReduceSpec, reduce_into
+
+MIN_BYTES = 256 << 10  # below this the slot algorithms' few steps cost less than the syscalls
+CHUNK_BYTES = 256 << 10  # reduce this much at a time: the peers' chunks stay in cache
+ALIGN_BYTES = 64
+MAX_ADDRESSES = 8  # spare words in a call descriptor
+
+
+def worth_it(ctx: Context, nbytes: int, addresses: int = 1) -> bool:
+    """Use these algorithms for ``nbytes`` (the largest per-rank block)?"""
+    return (ctx.channel.cma and ctx.size > 1 and nbytes >= MIN_BYTES
+            and addresses <= MAX_ADDRESSES and not ctx.checked)
+
+
+def _publish(ctx: Context, addresses) -> list:
+    """First step: post our addresses; return every rank's (ours included)."""
+    ctx.step(tuple(addresses))
+    n = len(addresses)
+    return [tuple(addresses) if k == ctx.rank else ctx.peer_extra(k, n) for k in range(ctx.size)]
+
+
+def _read(ctx: Context, k: int, local: int, remote: int, nbytes: int) -> None:
+    if nbytes > 0:
+        ctx.channel.read_peer(k, local, remote, nbytes)
+
+
+def all_gather(ctx: Context, outs: list, inp) -> None:
+    """``outs[k]`` (contiguous uint8) = rank k's ``inp`` on every rank."""
+    addrs = _publish(ctx, (inp.data_ptr(),))
+    r = ctx.rank
+    for k, out in enumerate(outs):
+        if k != r:
+            _read(ctx, k, out.data_ptr(), addrs[k][0], out.numel())
+    if outs[r].numel() and outs[r].data_ptr() != inp.data_ptr():
+        outs[r].copy_(inp)
+    ctx.step()
+
+
+def _reduce_block(ctx: Context, out, mine, remote: list, spec: ReduceSpec) -> None:
+    """``out`` = reduction over ranks (in rank order) of their block; ``mine`` is ours,
+    ``remote[k]`` the address of peer k's. ``out`` may alias ``mine``."""
+    n, es, r = out.numel(), out.element_size(), ctx.rank
+    chunk = max(1, CHUNK_BYTES // es)
+    premul = spec.kind == PREMUL_SUM
+    # reduce_into's output may alias only its first two inputs: from rank 2 on, our own
+    # chunk is copied aside first (it is in cache; PREMUL_SUM must scale it anyway).
+    own_aside = premul or r >= 2
+    scratch = ctx.scratch.get(chunk * (ctx.size if own_aside else ctx.size - 1), out.dtype,
+                              which=1)
+    sum_spec = ReduceSpec("SUM") if premul else spec
+    for o in range(0, n, chunk):
+        m = min(chunk, n - o)
+        views, j = [], 0
+        for k in range(ctx.size):
+            if k == r and not own_aside:
+                views.append(mine[o:o + m])
+                continue
+            buf = scratch[j * chunk:j * chunk + m]
+            j += 1
+            if k == r:
+                buf.copy_(mine[o:o + m])
+            else:
+                _read(ctx, k, buf.data_ptr(), remote[k] + o * es, m * es)
+            if premul:
+                buf.mul_(spec.factor)
+            views.append(buf)
+        reduce_into(out[o:o + m], views, sum_spec, ctx.size, ctx.scratch)
+
+
+def reduce_scatter(ctx: Context, out, inputs: list, spec: ReduceSpec) -> None:
+    """``out`` = reduction over ranks of their ``inputs[rank]`` (typed, flat, contiguous)."""
+    addrs = _publish(ctx, [t.data_ptr() for t in inputs])
+    r = ctx.rank
+    _reduce_block(ctx, out, inputs[r], [a[r] for a in addrs], spec)
+    ctx.step()
+
+
+def all_reduce(ctx: Context, out, inp, spec: ReduceSpec) -> None:
+    """``out`` = reduction over ranks of ``inp`` (flat, contiguous; may alias ``inp``)."""
+    es = inp.element_size()
+    blocks = partition(inp.numel(), ctx.size, max(1, ALIGN_BYTES // es))
+    addrs = _publish(ctx, (inp.data_ptr(), out.data_ptr()))
+    r = ctx.rank
+    s, length = blocks[r]
+    if length:
+        _reduce_block(ctx, out[s:s + length], inp[s:s + length],
+                      [a[0] + s * es for a in addrs], spec)
+    ctx.step()  # every block is reduced
+    for k, (s, length) in enumerate(blocks):
+        if k != r and length:
+            _read(ctx, k, out[s:].data_ptr(), addrs[k][1] + s * es, length * es)
+    ctx.step()  # nobody reads our memory any more

@@ -1,0 +1,83 @@
+"""Single-copy transfers between processes of one node: Linux cross-memory attach (CMA).
+
+``process_vm_readv(pid, local, remote)`` copies straight from another process's memory into
+ours, one copy instead of the two a shared-memory staging buffer costs (in, then out). The
+kernel allows it when we may ptrace the peer: same user, and Yama's ptrace_scope (if
+present) 0, or the right capability. Collectives use it for large messages (see
+allgather.py, reduce_scatter.py, allreduce.py): ranks publish the addresses of their
+tensors in the call descriptor, read each other's directly, and step once more so nobody
+returns while a peer still reads its memory.
+
+Whether a node's ranks may use it is settled once per group by ``probe``: every rank reads a
+word from every peer and says through the store whether that worked; CMA is used only if
+it worked for every pair, so all ranks choose the same algorithms.
+``NEURON_DIST_CMA=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_readv = getattr(_libc, "process_vm_readv", None)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+if _readv is not None:
+    _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                       ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+    _readv.restype = ctypes.c_ssize_t
+
+# The kernel caps one call at MAX_RW_COUNT (just under 2 GiB); stay well below.
+_MAX_CALL = 1 << 30
+
+
+def read(pid: int, local: int, remote: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from address ``remote`` of process ``pid`` to our address ``local``.
+
+    Raises OSError (ESRCH: the process is gone; EPERM: not allowed; EFAULT: bad address).
+    The GIL is released during the copy.
+    """
+    done = 0
+    while done < nbytes:
+        n = min(nbytes - done, _MAX_CALL)
+        lo, re = _Iovec(local + done, n), _Iovec(remote + done, n)
+        got = _readv(pid, ctypes.byref(lo), 1, ctypes.byref(re), 1, 0)
+        if got < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"process_vm_readv from pid {pid}: {os.strerror(e)}")
+        if got == 0:
+            raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} made no progress")
+        done += got
+
+
+def enabled_by_env() -> bool:
+    return _readv is not None and os.environ.get("NEURON_DIST_CMA", "1") != "0"
+
+
+def probe(store, key: str, rank: int, size: int, pid_word_address: int) -> bool:
+    """Agree through ``store`` whether every rank of the node can read every other's memory.
+
+    ``pid_word_address`` is the address, in this process, of an 8-byte word holding our
+    pid; every peer tries to read it back. Returns the same answer on every rank.
+    """
+    ok = enabled_by_env()
+    store.set(f"{key}/cma/addr/{rank}", f"{os.getpid()}:{pid_word_address}")
+    for k in range(size):
+        if k == rank or not ok:
+            continue
+        pid, addr = map(int, store.get(f"{key}/cma/addr/{k}").decode().split(":"))
+        buf = ctypes.c_int64(0)
+        try:
+            read(pid, ctypes.addressof(buf), addr, 8)
+        except OSError:
+            ok = False
+        else:
+            ok = buf.value == pid
+    store.set(f"{key}/cma/ok/{rank}", "1" if ok else "0")
+    return all(store.get(f"{key}/cma/ok/{k}") == b"1" for k in range(size))

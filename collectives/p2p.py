@@ -124,8 +124,11 @@ class P2P:
             if self._in else FRAME_ALIGN
 
     def pending(self) -> bool:
+        """Is there anything to move: a request, or bytes waiting in an inbound ring (their
+        sender may be stuck until they are drained into the unexpected-message queue)?"""
         return bool(self._recvs) or any(self._sends.values()) or any(
-            inc is not None and inc.req is not None for inc in self._incoming.values())
+            inc is not None and inc.req is not None for inc in self._incoming.values()) or any(
+            box.available() for box in self._in.values())
 
     def pending_requests(self) -> list[Request]:
         reqs = [r for q in self._sends.values() for r in q] + list(self._recvs)

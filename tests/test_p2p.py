@@ -190,3 +190,68 @@ def unwaited_requests_progress(rank, world):
 
 def test_requests_nobody_waits_on_still_progress():
     assert all(run_ranks(unwaited_requests_progress, 2, env=SMALL_MAILBOX, timeout=60).values())
+
+
+def big_messages(rank, world):
+    """Messages of hundreds of KiB: received late (unexpected), both ranks sending first,
+    from any source, a size mismatch, and a non-contiguous tensor."""
+    n = 200_000  # 800 KB of float32
+    peer = 1 - rank
+    fails = []
+    # both send first (sync), then receive: nobody may wait for the other's receive
+    dist.send(torch.full((n,), float(rank)), peer)
+    got = torch.empty(n)
+    dist.recv(got, peer)
+    if not torch.equal(got, torch.full((n,), float(peer))):
+        fails.append("send-first exchange")
+    if rank == 0:
+        dist.send(torch.arange(n, dtype=torch.float32), 1, tag=5)
+        dist.send(torch.arange(n, dtype=torch.float32).view(400, 500).t(), 1, tag=6)
+        dist.send(torch.ones(n), 1, tag=7)  # rank 1 expects another size
+        dist.barrier()
+    else:
+        dist.barrier()  # all three arrived before any receive was posted
+        a = torch.empty(n)
+        src = dist.recv(a, tag=5)  # any source
+        b = torch.empty(500, 400)
+        dist.recv(b, 0, tag=6)
+        if src != 0 or not torch.equal(a, torch.arange(n, dtype=torch.float32)):
+            fails.append("late receive")
+        if not torch.equal(b, torch.arange(n, dtype=torch.float32).view(400, 500).t()):
+            fails.append("non-contiguous")
+        try:
+            dist.recv(torch.empty(n - 1), 0, tag=7)
+            fails.append("size mismatch not reported")
+        except Exception as e:  # noqa: BLE001
+            if "sizes of matching send and recv must be equal" not in str(e):
+                fails.append(f"size mismatch: {e}")
+    return fails
+
+
+def test_big_messages():
+    results = run_ranks(big_messages, 2, timeout=60)
+    for rank, fails in results.items():
+        assert fails == [], (rank, fails)
+
+
+def sender_ahead_of_a_busy_receiver(rank, world):
+    """Rank 0 sends more than the ring holds while rank 1, with no receive posted, waits in a
+    collective for rank 0: rank 1's progress thread drains the ring into its unexpected
+    queue, so the blocking sends finish and the collective can start."""
+    if rank == 1:
+        dist.recv(torch.zeros(1), 0)  # starts the progress thread
+        dist.all_reduce(torch.ones(1))
+        got = [torch.zeros(1024) for _ in range(6)]
+        for i, g in enumerate(got):
+            dist.recv(g, 0)
+        return all(torch.equal(g, torch.full((1024,), float(i))) for i, g in enumerate(got))
+    dist.send(torch.zeros(1), 1)
+    for i in range(6):  # 24 KiB through an 8 KiB ring
+        dist.send(torch.full((1024,), float(i)), 1)
+    dist.all_reduce(torch.ones(1))
+    return True
+
+
+def test_sender_ahead_of_a_receiver_busy_in_a_collective():
+    assert all(run_ranks(sender_ahead_of_a_busy_receiver, 2, env=SMALL_MAILBOX, timeout=30,
+                         pg_timeout=10).values())

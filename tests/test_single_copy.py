@@ -12,20 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import cma_expected, run_ranks
 from neuron_dist.collectives import single_copy
 
 N = (single_copy.MIN_BYTES // 4) * 3 + 13  # float32 elements: above the threshold, uneven
-
-
-def _cma_expected() -> bool:
-    """Can a process read a sibling's memory here (root, or Yama absent / scope 0)?"""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read())
-    except OSError:
-        scope = 0
-    return os.geteuid() == 0 or scope == 0
 
 
 def _cases(rank, world, group):
@@ -101,6 +91,6 @@ def compare(rank, world):
 def test_single_copy_matches_slot_algorithms(world):
     results = run_ranks(compare, world, timeout=180)
     for rank, (cma_on, cma_off, fails) in results.items():
-        assert cma_on == _cma_expected(), f"rank {rank}: CMA probe said {cma_on}"
+        assert cma_on == cma_expected(), f"rank {rank}: CMA probe said {cma_on}"
         assert cma_off is False
         assert fails == [], f"rank {rank}: {fails}"

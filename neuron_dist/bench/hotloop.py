@@ -1,0 +1,114 @@
+"""A back-to-back loop of one small operation, for latency and for profiling.
+
+The sweep (``python -m neuron_dist.bench``) puts a barrier before every timed iteration, so
+its small-message times include how unevenly ranks leave that barrier. This loop issues the
+operation back to back for a fixed time, like nccl-tests' timing loop, and prints the mean
+time per operation. Run it under a sampling profiler to see where a small collective's time
+goes, e.g.::
+
+    py-spy record -r 300 -f raw -o prof.txt -- python -m neuron_dist.bench.hotloop -n 1
+    python -m neuron_dist.bench.hotloop --summarise prof.txt   # share of time per frame
+    python -m neuron_dist.bench.hotloop -n 2 --backend gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OPS = ("all_reduce", "broadcast", "all_gather", "send_recv")
+
+
+def _op(name: str, rank: int, world: int, t: torch.Tensor):
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(t)
+    if name == "broadcast":
+        return lambda: dist.broadcast(t, 0)
+    if name == "all_gather":
+        out = torch.empty(world * t.numel(), dtype=t.dtype)
+        return lambda: dist.all_gather_into_tensor(out, t)
+    peer = 1 - rank  # send_recv: ping-pong between ranks 0 and 1, one round trip per op
+    if rank == 0:
+        return lambda: (dist.send(t, peer), dist.recv(t, peer))
+    return lambda: (dist.recv(t, peer), dist.send(t, peer))
+
+
+def _rank(rank: int, world: int, port: int, args) -> None:
+    import neuron_dist  # noqa: F401 - registers the backend in spawned processes
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+    dist.init_process_group(args.backend, store=store, rank=rank, world_size=world)
+    t = torch.ones(max(1, args.bytes // 4))
+    op = _op(args.op, rank, world, t)
+    for _ in range(200):
+        op()
+    # Every rank runs the same number of operations: rank 0 decides it from a short probe.
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(200):
+        op()
+    probe = (time.perf_counter() - started) / 200
+    count = torch.tensor([max(1, int(args.seconds / max(probe, 1e-6)))])
+    dist.broadcast(count, 0)
+    n = int(count.item())
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(n):
+        op()
+    per_op = (time.perf_counter() - started) / n
+    if rank == 0:
+        print(f"{args.backend} {args.op} {t.numel() * 4} B, {world} rank(s): "
+              f"{per_op * 1e6:.1f} us per operation ({n} back to back)", flush=True)
+    dist.destroy_process_group()
+
+
+def summarise(path: str, top: int = 30) -> str:
+    """Inclusive share of samples per frame (function and line) of a py-spy raw profile,
+    counting only samples inside the timed loop."""
+    from collections import Counter
+    inclusive, total = Counter(), 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            frames = stack.split(";")
+            if not any(fr.startswith("_rank (") and "hotloop.py" in fr for fr in frames):
+                continue
+            total += int(count)
+            for fr in set(frames):
+                inclusive[fr] += int(count)
+    lines = [f"{total} samples in the loop; inclusive share per frame:"]
+    lines += [f"{100 * n / max(total, 1):5.1f}%  {fr[:140]}" for fr, n in inclusive.most_common(top)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m neuron_dist.bench.hotloop", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--nprocs", type=int, default=2)
+    p.add_argument("--backend", default="neuron")
+    p.add_argument("--op", choices=OPS, default="all_reduce")
+    p.add_argument("--bytes", type=int, default=8, help="float32 elements x 4 (default 8)")
+    p.add_argument("--seconds", type=float, default=5.0, help="length of the timed loop")
+    p.add_argument("--summarise", metavar="RAW", help="print a py-spy raw profile's summary and exit")
+    args = p.parse_args(argv)
+    if args.summarise:
+        print(summarise(args.summarise))
+        return
+    if args.op == "send_recv" and args.nprocs != 2:
+        p.error("send_recv needs -n 2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if args.nprocs == 1:
+        _rank(0, 1, port, args)
+    else:
+        mp.spawn(_rank, args=(args.nprocs, port, args), nprocs=args.nprocs)
+
+
+if __name__ == "__main__":
+    main()

@@ -91,3 +91,19 @@ def test_bench_plot(bench_run):
     assert proc.returncode == 0, proc.stderr
     png = files["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.timeout(120)
+def test_hotloop_runs_and_summarises(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",
+                          "--seconds", "0.3"], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "neuron all_reduce 8 B, 2 rank(s):" in out.stdout and "us per operation" in out.stdout
+    raw = tmp_path / "prof.txt"
+    raw.write_text("main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);f (a.py:3) 3\n"
+                   "main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);g (b.py:4) 1\n"
+                   "main (x.py:1);import (z.py:9) 5\n")  # outside the loop: not counted
+    from neuron_dist.bench.hotloop import summarise
+    text = summarise(str(raw))
+    assert text.startswith("4 samples in the loop")
+    assert " 75.0%  f (a.py:3)" in text and " 25.0%  g (b.py:4)" in text

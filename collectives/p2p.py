@@ -102,12 +102,29 @@ class P2P:
         self._notify = notify or (lambda peer: None)
 
     # ------------------------------------------------------------------ posting
+    def send_now(self, dst: int, tag: int, address: int, nbytes: int) -> bool:
+        """Write a whole small message from memory at ``address`` into ``dst``'s ring right
+        now, if nothing to ``dst`` is queued and it fits; True if done (then it is sent)."""
+        box = self._open(dst)
+        padded = nbytes + (-nbytes) % FRAME_ALIGN
+        if self._sends[dst] or box.free() < HEADER_BYTES + padded:
+            return False
+        box.write_frame((MAGIC, tag, nbytes, 0), address, nbytes, padded)
+        self._notify(dst)
+        return True
+
     def post_send(self, req: Request) -> None:
-        if req.peer not in self._out:
-            box = self._out[req.peer] = self._outbox(req.peer)
-            self._piece[req.peer] = max(FRAME_ALIGN, box.capacity // 4)
-            self._sends[req.peer] = deque()
+        self._open(req.peer)
         self._sends[req.peer].append(req)
+
+    def _open(self, dst: int):
+        """The ring to ``dst``, made on the first send there (that reserves its memory)."""
+        box = self._out.get(dst)
+        if box is None:
+            box = self._out[dst] = self._outbox(dst)
+            self._piece[dst] = max(FRAME_ALIGN, box.capacity // 4)
+            self._sends[dst] = deque()
+        return box
 
     def post_recv(self, req: Request) -> None:
         for i, (src, tag, buf) in enumerate(self._unexpected):
@@ -190,7 +207,7 @@ class P2P:
             m = min(box.free(), n - req.moved, self._piece[req.peer])
             if m <= 0:
                 return False
-            box.write(req.data[req.moved:], m)
+            box.write(req.data.data_ptr() + req.moved, m)
             req.moved += m
         pad = (-n) % FRAME_ALIGN
         if pad:
@@ -221,7 +238,7 @@ class P2P:
             if inc.dst is None:
                 box.skip(m)
             else:
-                box.read_into(inc.dst[inc.got:], m)
+                box.read_into(inc.dst.data_ptr() + inc.got, m)
             inc.got += m
             moved = True
             if inc.got < inc.nbytes:

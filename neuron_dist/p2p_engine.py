@@ -11,8 +11,10 @@ requests that need a partner to move (a send that did not fit, a receive larger 
 mailbox piece) wake the thread at once. While the group is exchanging messages the thread
 lingers, looking every LAZY_PERIOD for requests nobody waits on (an irecv whose Work is
 only polled, or a sender stuck on a full mailbox while this rank is in a collective), so
-every request still progresses without its owner; after IDLE_AFTER without any, it sleeps
-until a post wakes it.
+every request still progresses without its owner; after IDLE_AFTER without any, it looks
+only every IDLE_PERIOD (a post wakes it at once). It starts with the group's first send or
+receive and also drains inbound rings nobody asked for yet, so a sender that filled one is
+not stuck while this rank waits in a collective.
 Sends and receives of a group never queue behind its collectives, so the usual exchange
 patterns (isend + irecv both ways, pipelining schedules) cannot deadlock.
 Expired requests fail with PeerTimeoutError; requests on a dead peer with PeerDiedError.
@@ -29,7 +31,8 @@ from .transport.shm.backoff import set_background_thread
 
 LIVENESS_PERIOD = 0.2
 LAZY_PERIOD = 0.005  # a pending request nobody waits on is picked up within this
-IDLE_AFTER = 1.0  # seconds without pending requests before the thread sleeps until woken
+IDLE_AFTER = 1.0  # seconds without pending requests before the thread looks less often
+IDLE_PERIOD = 0.1  # then it still looks this often for rings a sender filled
 
 
 class P2PEngine:
@@ -70,13 +73,18 @@ class P2PEngine:
             else:
                 self._p2p.post_recv(req)
             self._progress_locked()
-            if not req.done:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._loop, name=f"neuron-p2p[{self._label}]", daemon=True)
-                    self._thread.start()
-                if self._idle or req.is_send or req.data.numel() > self._urgent_bytes:
-                    self._wake.notify()
+            if self._thread is None:  # from the first send/recv on, the thread looks after
+                self._thread = threading.Thread(  # requests and rings nobody drives
+                    target=self._loop, name=f"neuron-p2p[{self._label}]", daemon=True)
+                self._thread.start()
+            if not req.done and (self._idle or req.is_send or
+                                 req.data.numel() > self._urgent_bytes):
+                self._wake.notify()
+
+    def send_now(self, dst: int, tag: int, address: int, nbytes: int) -> bool:
+        """Send a small message at once if it fits (see ``P2P.send_now``); else False."""
+        with self._lock:
+            return not self._stopped and self._p2p.send_now(dst, tag, address, nbytes)
 
     def drive(self, req: Request, deadline: float) -> None:
         """Make progress from the calling thread until ``req`` is done or ``deadline``."""
@@ -116,7 +124,7 @@ class P2PEngine:
                     else:
                         self._idle = True
                         try:
-                            self._wake.wait()
+                            self._wake.wait(IDLE_PERIOD)
                         finally:
                             self._idle = False
                 if self._stopped:

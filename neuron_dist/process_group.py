@@ -48,6 +48,7 @@ FLAT = SimpleNamespace(
     reduce_scatter=reduce_scatter.reduce_scatter, broadcast=broadcast.broadcast,
     reduce=rooted.reduce, gather=rooted.gather, scatter=rooted.scatter,
     all_to_all=alltoall.all_to_all, barrier=barrier.barrier)
+EXPRESS_SEND_BYTES = 64 << 10  # sends up to this size are written into the ring at once
 P2P_TAG_BASE = 1 << 32  # network tags of send/recv (collectives use twolevel.COLLECTIVE_TAG)
 _UNSET = timedelta(milliseconds=-1)
 
@@ -700,6 +701,17 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         checks.rank(dst, self._size, "send destination rank")
         if dst == self._rank:
             raise ValueError(f"send: rank {dst} cannot send to itself")
+        nbytes = t.numel() * t.element_size()
+        # A small message that fits the ring is written whole, now, from the tensor itself:
+        # no request, no progress engine (send and isend alike: the bytes have left).
+        if (nbytes <= EXPRESS_SEND_BYTES and self._net is None and not self._closed
+                and t.is_contiguous() and not _profiler._is_profiler_enabled
+                and self._p2p_engine().send_now(dst, int(tag), t.data_ptr(), nbytes)):
+            stats.add_call(nbytes)
+            work = NeuronWork([t], f"send to rank {dst} (tag {tag}, {nbytes} bytes) in group "
+                                   f"{self._label()}")
+            work._finished = True
+            return work
         return self._post(t, dst, tag, True, "send")
 
     def recv(self, tensors, src: int, tag: int = 0):

@@ -255,3 +255,28 @@ def sender_ahead_of_a_busy_receiver(rank, world):
 def test_sender_ahead_of_a_receiver_busy_in_a_collective():
     assert all(run_ranks(sender_ahead_of_a_busy_receiver, 2, env=SMALL_MAILBOX, timeout=30,
                          pg_timeout=10).values())
+
+
+def small_after_big(rank, world):
+    """Small sends are written straight into the ring only when nothing to that peer is
+    queued: behind a big message still streaming, and once the ring is full, they queue,
+    and every message arrives in order."""
+    big = torch.arange(100_000, dtype=torch.float32)  # 400 KB through an 8 KiB ring
+    if rank == 0:
+        works = [dist.isend(big, 1, tag=3)]
+        works += [dist.isend(torch.full((16,), float(i)), 1, tag=3) for i in range(40)]
+        for w in works:
+            w.wait()
+        return True
+    got = torch.empty(100_000)
+    dist.recv(got, 0, tag=3)
+    smalls = []
+    for _ in range(40):
+        s = torch.empty(16)
+        dist.recv(s, 0, tag=3)
+        smalls.append(s[0].item())
+    return torch.equal(got, big) and smalls == [float(i) for i in range(40)]
+
+
+def test_small_sends_keep_order_behind_queued_ones():
+    assert all(run_ranks(small_after_big, 2, env=SMALL_MAILBOX, timeout=60).values())

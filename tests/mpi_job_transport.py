@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transport.errors import (ABORTED_TIMEOUT, ChannelClosed, PeerAborted,  # noqa: E402
                               PeerTimeout, TransportError)
-from transport.mpi import MpiTransport, thread_level  # noqa: E402
+from transport.mpi import MpiTransport, mpi_lock, thread_level  # noqa: E402
 
 assert "torch" not in sys.modules, "the MPI transport imported torch"
 WORLD = MPI.COMM_WORLD
@@ -39,6 +39,9 @@ assert SIZE == 3, SIZE
 SIZES = [0, 1, 7, 4096, 65535, 1 << 20, (1 << 20) + 3, 8 << 20]
 BIG_TAG = (1 << 32) + 5  # like send/recv's tags: beyond MPI_TAG_UB, so mapped
 report: dict = {"thread_level": thread_level()}
+# Our own MPI calls are made under this (one call at a time): at SERIALIZED, transports'
+# progress threads may be inside MPI at any moment, and MPI must never be entered twice.
+MPI_LOCK = mpi_lock()
 
 
 def deadline(seconds: float = 30.0) -> float:
@@ -54,11 +57,21 @@ def pattern(n: int, seed: int) -> np.ndarray:
     return _BASE[start:start + n]
 
 
+def wait_mpi(req) -> None:
+    """Wait for an MPI request of ours, testing it under MPI_LOCK (never holding the lock
+    while waiting: this rank's transports need it to progress)."""
+    while True:
+        with MPI_LOCK:
+            if req.Test():
+                return
+        time.sleep(0.001)
+
+
 def barrier() -> None:
     """MPI_Barrier that sleeps while it waits (MPICH's spins: a core of our two)."""
-    req = WORLD.Ibarrier()
-    while not req.Test():
-        time.sleep(0.001)
+    with MPI_LOCK:
+        req = WORLD.Ibarrier()
+    wait_mpi(req)
 
 
 def phase(name: str) -> None:
@@ -156,11 +169,17 @@ def check_timeout(t: MpiTransport) -> None:
         else:
             raise AssertionError("no timeout")
         assert not req.test()
-        WORLD.send("go", dest=2)
+        with MPI_LOCK:
+            go = WORLD.Isend([b"go", MPI.BYTE], 2)
+        wait_mpi(go)
         req.wait(deadline())
         assert (buf == 21).all()
     elif RANK == 2:
-        assert WORLD.recv(source=1) == "go"
+        box = bytearray(2)
+        with MPI_LOCK:
+            go = WORLD.Irecv([box, MPI.BYTE], 1)
+        wait_mpi(go)
+        assert box == b"go", box
         t.isend(1, 21, np.full(16, 21, np.uint8)).wait(deadline())
     barrier()
 

@@ -7,6 +7,6 @@ mpi4py is imported when a transport is created, not when this package is importe
 Nothing here imports torch.
 """
 
-from .driver import MpiTransport, Request, thread_level, world_rank
+from .driver import MpiTransport, Request, mpi_lock, thread_level, world_rank
 
-__all__ = ["MpiTransport", "Request", "thread_level", "world_rank"]
+__all__ = ["MpiTransport", "Request", "mpi_lock", "thread_level", "world_rank"]

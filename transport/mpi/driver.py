@@ -49,8 +49,12 @@ callback thread, never under the transport's lock and never on a polling thread.
 *Threads.* Every MPI call is made under the transport's lock. That needs
 ``MPI_THREAD_MULTIPLE`` (what mpi4py asks for by default and the mpich wheel provides):
 transports of different groups, and the user's own MPI calls, run concurrently. With
-``MPI_THREAD_SERIALIZED`` all transports share one process-wide lock instead (the user must
-then make no MPI calls of their own while transports are open); with ``FUNNELED`` or
+``MPI_THREAD_SERIALIZED`` all transports share one process-wide lock instead, and MPI
+allows no two threads in it at once: while transports are open, the user's own MPI calls
+(a barrier, a send...) must each be made holding ``mpi_lock()`` too (one call at a time:
+a blocking call that waits for other ranks would hold back this rank's transports, so use
+the nonblocking ones and ``Test`` them under the lock). An MPI call made without it while a
+progress thread is inside MPI corrupts MPI's state (crashes, hangs). With ``FUNNELED`` or
 ``SINGLE`` a transport cannot work (it calls MPI from several threads) and refuses to start.
 
 *Failures.* ``Request.wait(deadline)`` raises ``PeerTimeout`` (``network=True``) naming the
@@ -74,6 +78,7 @@ when the first transport is created.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -127,7 +132,28 @@ def thread_level() -> str:
 
 def world_rank() -> int:
     """This process's rank in ``MPI_COMM_WORLD`` (what ``world_ranks`` lists); inits MPI."""
-    return _mpi().COMM_WORLD.Get_rank()
+    MPI = _mpi()
+    with mpi_lock():
+        return MPI.COMM_WORLD.Get_rank()
+
+
+def mpi_lock():
+    """What to hold around one's own MPI calls while transports are open; inits MPI.
+
+    At ``MPI_THREAD_SERIALIZED``: the process-wide lock every transport makes its MPI calls
+    under (MPI must never be entered by two threads at once). Hold it for one call at a
+    time (``with mpi_lock(): done = req.Test()``), never across a wait for other ranks:
+    this rank's transports make no progress meanwhile. At ``MPI_THREAD_MULTIPLE``: a
+    context that does nothing (MPI serialises concurrent calls itself).
+    """
+    MPI = _mpi()
+    return _lock_for(MPI, MPI.Query_thread())
+
+
+def _lock_for(MPI, level: int):
+    if level >= MPI.THREAD_MULTIPLE:
+        return contextlib.nullcontext()
+    return _SERIALIZED_LOCK
 
 
 class Request(_Request):
@@ -187,6 +213,11 @@ class MpiTransport:
                 f"runs at thread level {thread_level()!r}: the transport calls MPI from "
                 f"several threads. Leave mpi4py.rc.thread_level at 'multiple'")
         parent = comm if comm is not None else MPI.COMM_WORLD
+        # At SERIALIZED every MPI call, these queries included, is made under the shared
+        # lock: other transports' threads may be inside MPI right now.
+        self._lock = threading.Lock() if level >= MPI.THREAD_MULTIPLE else _SERIALIZED_LOCK
+        with _lock_for(MPI, level):
+            me, parent_size = parent.Get_rank(), parent.Get_size()
         world_ranks = [int(r) for r in world_ranks]
         if len(world_ranks) != world_size or len(set(world_ranks)) != world_size:
             raise ValueError(f"world_ranks must list {world_size} distinct MPI ranks, got "
@@ -194,23 +225,23 @@ class MpiTransport:
                              f"Processes started otherwise are each an MPI world of 1)")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of {world_size}")
-        me = parent.Get_rank()
         if world_ranks[rank] != me:
             raise ValueError(f"group rank {rank} is MPI rank {world_ranks[rank]} in world_ranks "
                              f"{world_ranks}, but this process is MPI rank {me}")
-        bad = [r for r in world_ranks if not 0 <= r < parent.Get_size()]
+        bad = [r for r in world_ranks if not 0 <= r < parent_size]
         if bad:
             raise ValueError(f"MPI rank(s) {bad} are not in the parent communicator of "
-                             f"{parent.Get_size()} ranks")
+                             f"{parent_size} ranks")
         self.rank, self.world_size, self.world_ranks = rank, world_size, world_ranks
         self._label = label or f"rank {rank}"
         self.thread_level = thread_level()
-        self._lock = threading.Lock() if level >= MPI.THREAD_MULTIPLE else _SERIALIZED_LOCK
         self._cond = threading.Condition(self._lock)
         self._comm = self._create_comm(parent, world_ranks, deadline)
-        if self._comm.Get_rank() != rank:  # Create_group orders ranks as the group does
-            raise RuntimeError(f"MPI gave rank {self._comm.Get_rank()} for group rank {rank}")
-        tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
+        with self._lock:
+            comm_rank = self._comm.Get_rank()
+            tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
+        if comm_rank != rank:  # Create_group orders ranks as the group does
+            raise RuntimeError(f"MPI gave rank {comm_rank} for group rank {rank}")
         self.tag_ub = tag_ub
         self._direct = (tag_ub + 1) // 2          # [0, direct): tags as they are
         self._abort_tag, self._hello_tag, self._note_tag = tag_ub, tag_ub - 1, tag_ub - 2
@@ -241,37 +272,46 @@ class MpiTransport:
         _register(self)
 
     def _create_comm(self, parent, world_ranks, deadline):
-        group = parent.Get_group().Incl(world_ranks)
-        try:
-            if deadline is None:
-                with self._lock:
-                    return parent.Create_group(group, _CREATE_TAG)
-            # Create_group blocks until every member calls it; wait in a helper thread so
-            # a member that never comes costs a PeerTimeout, not a hang. (The helper stays
-            # blocked in MPI then; the job is expected to end on that error.)
-            box: list = []
+        with self._lock:  # at SERIALIZED other transports' threads may be inside MPI
+            whole = parent.Get_group()
+            try:
+                group = whole.Incl(world_ranks)
+            finally:
+                whole.Free()
 
-            def create():
+        def create():
+            # the group is freed by whoever created the communicator with it, under the
+            # lock (not by the caller while a helper that timed out still uses it)
+            with self._lock:
                 try:
-                    with self._lock:
-                        box.append(parent.Create_group(group, _CREATE_TAG))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    box.append(e)
+                    return parent.Create_group(group, _CREATE_TAG)
+                finally:
+                    group.Free()
 
-            t = threading.Thread(target=create, daemon=True,
-                                 name=f"neuron-mpi-create-{self.rank}")
-            t.start()
-            t.join(max(0.0, deadline - time.monotonic()))
-            if not box:
-                peers = [k for k in range(self.world_size) if k != self.rank]
-                raise PeerTimeout(peers, 0.0, f"{self._label}: not every rank of the group "
-                                              f"(MPI ranks {world_ranks}) joined the creation "
-                                              f"of its MPI communicator in time")
-            if isinstance(box[0], BaseException):
-                raise box[0]
-            return box[0]
-        finally:
-            group.Free()
+        if deadline is None:
+            return create()
+        # Create_group blocks until every member calls it; wait in a helper thread so
+        # a member that never comes costs a PeerTimeout, not a hang. (The helper stays
+        # blocked in MPI then; the job is expected to end on that error.)
+        box: list = []
+
+        def run():
+            try:
+                box.append(create())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append(e)
+
+        t = threading.Thread(target=run, daemon=True, name=f"neuron-mpi-create-{self.rank}")
+        t.start()
+        t.join(max(0.0, deadline - time.monotonic()))
+        if not box:
+            peers = [k for k in range(self.world_size) if k != self.rank]
+            raise PeerTimeout(peers, 0.0, f"{self._label}: not every rank of the group "
+                                          f"(MPI ranks {world_ranks}) joined the creation "
+                                          f"of its MPI communicator in time")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
 
     # ------------------------------------------------------------------ set-up
 

@@ -48,7 +48,7 @@ FLAT = SimpleNamespace(
     reduce_scatter=reduce_scatter.reduce_scatter, broadcast=broadcast.broadcast,
     reduce=rooted.reduce, gather=rooted.gather, scatter=rooted.scatter,
     all_to_all=alltoall.all_to_all, barrier=barrier.barrier)
-EXPRESS_SEND_BYTES = 64 << 10  # sends up to this size are written into the ring at once
+EXPRESS_SEND_BYTES = 1 << 20  # sends up to this size are written into the ring at once if they fit
 P2P_TAG_BASE = 1 << 32  # network tags of send/recv (collectives use twolevel.COLLECTIVE_TAG)
 _UNSET = timedelta(milliseconds=-1)
 

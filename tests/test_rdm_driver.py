@@ -383,6 +383,11 @@ def test_receive_from_any_source():
         early.wait(time.monotonic() + 5)
         assert early.source == 2 and early.buf.tolist() == [2, 2, 2]
         ts[1].isend(0, 4, np.full(3, 1, np.uint8)).wait(time.monotonic() + 5)
+        # an eager send completes before it arrives: let it land before the next one, so
+        # that the arrival order (what any-source receives follow) is known
+        deadline = time.monotonic() + 5
+        while not ts[0]._unexpected.get((1, 4)) and time.monotonic() < deadline:
+            time.sleep(0.001)
         ts[2].isend(0, 4, np.full(3, 9, np.uint8)).wait(time.monotonic() + 5)
         got = []
         for _ in range(2):  # kept while nobody asked: handed out in arrival order

@@ -1050,35 +1050,13 @@ def run(args) -> tuple[str, dict]:
         out(f"what if the node link were {args.whatif_link_gbs:g} GB/s (one rank still "
             f"{_gbs(net.beta_rank):.2f} GB/s, so L ranks together can use more of it): best "
             f"algorithm (P ranges)")
-        wrows = []
-        for L in ppns:
-            for n in sizes:
-                ws = []
-                for P in ranks:
-                    if P < L or P % L:
-                        continue
-                    r = predict(n, P // L, L, wm)
-                    wrows.append(r)
-                    ws.append((P, r["best"]))
-                out(f"  L={L}, {human_size(n):>7}: " + _ranges(ws))
-        out()
+        wrows = _best_by_size(out, wm, ppns, sizes, ranks)
         js["predictions_whatif_link"] = {"machine": _machine_dict(wm), "rows": wrows}
 
         wl = replace(machine, net=replace(machine.net, lat=0.0))
         out("what if lat were 0 (only the p2p per-message cost alpha_net per ring step; the "
             "calibrated lat is from the code before the latency work): best algorithm")
-        lrows = []
-        for L in ppns:
-            for n in sizes:
-                ws = []
-                for P in ranks:
-                    if P < L or P % L:
-                        continue
-                    r = predict(n, P // L, L, wl)
-                    lrows.append(r)
-                    ws.append((P, r["best"]))
-                out(f"  L={L}, {human_size(n):>7}: " + _ranges(ws))
-        out()
+        lrows = _best_by_size(out, wl, ppns, sizes, ranks)
         js["predictions_whatif_lat0"] = {"machine": _machine_dict(wl), "rows": lrows}
 
     out("ring among nodes vs direct exchange: smallest power-of-two size from which hier+ring "
@@ -1130,6 +1108,24 @@ def _machine_dict(m: Machine) -> dict:
     d["net"]["rank_gbs"] = _gbs(m.net.beta_rank)
     d["net"]["link_gbs"] = _gbs(m.net.beta_link)
     return d
+
+
+def _best_by_size(out, machine, ppns, sizes, ranks) -> list:
+    """Print, per ranks-per-node L and size, which algorithm wins over which rank counts P;
+    return every prediction made."""
+    rows = []
+    for L in ppns:
+        for n in sizes:
+            ws = []
+            for P in ranks:
+                if P < L or P % L:
+                    continue
+                r = predict(n, P // L, L, machine)
+                rows.append(r)
+                ws.append((P, r["best"]))
+            out(f"  L={L}, {human_size(n):>7}: " + _ranges(ws))
+    out()
+    return rows
 
 
 def _ranges(ws: list) -> str:

@@ -159,6 +159,19 @@ def _fill(buf: bytearray, value: int) -> None:
 
 # ----------------------------------------------------------------------------- children
 
+def _close_sockets(side) -> None:
+    """Close a sender's or receiver's sockets (raw or zmq) and its zmq context, if any."""
+    for sock in side.socks:
+        try:
+            sock.close()
+        except Exception:  # noqa: BLE001
+            pass
+    side.socks = []
+    if getattr(side, "ctx", None) is not None:
+        side.ctx.term()
+        side.ctx = None
+
+
 class _Threads:
     """Worker threads that record their first exception; ``join`` re-raises it."""
 
@@ -312,15 +325,7 @@ class _Receiver:
         return out
 
     def _close(self):
-        for s in self.socks:
-            try:
-                s.close()
-            except Exception:  # noqa: BLE001
-                pass
-        self.socks = []
-        if getattr(self, "ctx", None) is not None:
-            self.ctx.term()
-            self.ctx = None
+        _close_sockets(self)
 
 
 class _Sender:
@@ -404,15 +409,7 @@ class _Sender:
     def close(self, _cfg):
         # Called once the receiver has everything: zmq may still have been flushing until then.
         cpu = _cpu_seconds() - self.cpu0 if hasattr(self, "cpu0") else 0.0
-        for s in self.socks:
-            try:
-                s.close()
-            except Exception:  # noqa: BLE001
-                pass
-        self.socks = []
-        if getattr(self, "ctx", None) is not None:
-            self.ctx.term()
-            self.ctx = None
+        _close_sockets(self)
         return {"cpu_s": cpu}
 
 

@@ -76,7 +76,7 @@ Ctrl-C. Agents killed by a signal count as 128 + signal number on the command li
 
 Command line::
 
-    python -m neuron_dist.launch.vnodes --nodes N --nproc-per-node P [--netns]
+    python -m neuron_dist.launch.vnodes --nodes N --nproc-per-node P|P0,P1,.. [--netns]
         [--delay 1ms] [--rate 10gbit] [--loss 0.1%] [--timeout S] [--grace S]
         [--env K=V ...] [--no-prefix] -- script.py args...
 
@@ -560,7 +560,21 @@ def _as_netem(netem: Union[Netem, Mapping, None]) -> Optional[Netem]:
     return Netem(**dict(netem)) or None
 
 
-def run(nodes: int, nproc_per_node: int, argv: Sequence[str], netns: bool = False,
+def _ranks_per_node(nodes: int, nproc_per_node: Union[int, Sequence[int]]) -> list[int]:
+    """One rank count per node: an int means the same on every node."""
+    counts = ([nproc_per_node] * nodes if isinstance(nproc_per_node, int)
+              else [int(c) for c in nproc_per_node])
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    if len(counts) != nodes:
+        raise ValueError(f"{len(counts)} rank counts given for {nodes} nodes: {counts}")
+    if min(counts) < 1:
+        raise ValueError(f"every node needs at least 1 rank, got {counts}")
+    return counts
+
+
+def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[str],
+        netns: bool = False,
         netem: Union[Netem, Mapping, None] = None, timeout: float = 600.0,
         env: Optional[Mapping[str, str]] = None, echo: bool = False, prefix: bool = True,
         grace: float = 5.0, cwd: Optional[str] = None,
@@ -571,8 +585,9 @@ def run(nodes: int, nproc_per_node: int, argv: Sequence[str], netns: bool = Fals
     ----------
     nodes : int
         Number of virtual nodes (torchrun agents), at least 1.
-    nproc_per_node : int
-        Ranks per node.
+    nproc_per_node : int or sequence of int
+        Ranks per node: one count for all, or one per node (``[2, 1, 1]``: uneven nodes;
+        torchrun's rendezvous numbers ranks node by node).
     argv : sequence of str
         What torchrun runs: ``["script.py", *args]`` or ``["-m", "pkg.mod", *args]``.
     netns : bool
@@ -611,8 +626,7 @@ def run(nodes: int, nproc_per_node: int, argv: Sequence[str], netns: bool = Fals
     KeyboardInterrupt
         Re-raised after cleanup.
     """
-    if nodes < 1 or nproc_per_node < 1:
-        raise ValueError("nodes and nproc_per_node must be >= 1")
+    counts = _ranks_per_node(nodes, nproc_per_node)
     if not argv:
         raise ValueError("argv is empty: nothing to run")
     netem = _as_netem(netem)
@@ -669,7 +683,7 @@ def run(nodes: int, nproc_per_node: int, argv: Sequence[str], netns: bool = Fals
             })
             agent_env.update(env or {})
             agent_env["NEURON_DIST_NODE_NAME"] = f"vnode{i}"
-            cmd = _torchrun_cmd(nodes, nproc_per_node, i, master_addr, master_port,
+            cmd = _torchrun_cmd(nodes, counts[i], i, master_addr, master_port,
                                 addrs[i], argv, torchrun_args)
             if netns:
                 cmd = ["ip", "netns", "exec", node_ns[i], "unshare", "--mount", "--uts",
@@ -747,7 +761,8 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         epilog="Example: python -m neuron_dist.launch.vnodes --nodes 2 "
                "--nproc-per-node 2 --netns --delay 1ms -- train.py --steps 5")
     p.add_argument("--nodes", type=int, required=True, help="number of virtual nodes")
-    p.add_argument("--nproc-per-node", type=int, required=True, help="ranks per node")
+    p.add_argument("--nproc-per-node", required=True, type=_counts,
+                   help="ranks per node: one number, or one per node (2,1,1)")
     p.add_argument("--netns", action="store_true",
                    help="one network namespace, hostname and /dev/shm per node (root)")
     p.add_argument("--delay", help="netem one-way delay per node, e.g. 1ms (needs --netns)")
@@ -769,6 +784,14 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         if "=" not in kv:
             p.error(f"--env wants K=V, got {kv!r}")
     return args
+
+
+def _counts(text: str) -> Union[int, list[int]]:
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rank count or a list of them: {text!r}")
+    return counts[0] if len(counts) == 1 else counts
 
 
 class _Terminated(BaseException):

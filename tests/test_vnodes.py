@@ -110,14 +110,18 @@ def clean():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("vnodejob-")]
 
 
-def _check_layout(reports: list[dict], nodes: int, nproc: int) -> None:
-    world = nodes * nproc
+def _check_layout(reports: list[dict], nodes: int, nproc) -> None:
+    """Ranks numbered node by node; ``nproc`` is ranks per node, or a list (uneven)."""
+    counts = [nproc] * nodes if isinstance(nproc, int) else list(nproc)
+    world = sum(counts)
+    node_of = [n for n, c in enumerate(counts) for _ in range(c)]
+    first = [sum(counts[:n]) for n in range(nodes)]
     assert [r["rank"] for r in reports] == list(range(world)), reports
     for r in reports:
-        node = r["rank"] // nproc
+        node = node_of[r["rank"]]
         assert r["world"] == world
         assert r["sum"] == world * (world + 1) / 2
-        assert r["group_rank"] == node and r["local_rank"] == r["rank"] % nproc
+        assert r["group_rank"] == node and r["local_rank"] == r["rank"] - first[node]
         assert r["printed_by"] == node
         assert r["node_name"] == f"vnode{node}"
 
@@ -172,6 +176,43 @@ def test_netns_two_nodes_are_isolated(clean):
     for r in reports:
         assert r["matrix_fails"] == [], r["matrix_fails"]
     assert res.duration < 140
+
+
+@needs_netns
+@pytest.mark.timeout(240)
+def test_netns_uneven_three_nodes(clean):
+    """3 isolated nodes with 2 + 1 + 1 ranks (torchrun agents with different
+    --nproc-per-node): every collective x dtype x reduce op is exact, and each rank's
+    /dev/shm holds only its own node's ranks."""
+    counts = [2, 1, 1]
+    res = vnodes.run(3, counts, _job(clean["tag"], "--matrix"), netns=True, timeout=200,
+                     env={"NEURON_DIST_SHM_SLOT_BYTES": "64K", "NEURON_DIST_SMALL_BYTES": "4K",
+                          "NEURON_DIST_NET_SEGMENT_BYTES": "64K"})
+    clean["results"].append(res)
+    assert res.ok, f"exit codes {res.node_returncodes}\n" + "\n".join(res.outputs)
+    assert len(res.namespaces) == 4  # three nodes + the bridge
+    reports = _reports(res)
+    _check_layout(reports, 3, counts)
+    node_ranks = {0: [0, 1], 1: [2], 2: [3]}
+    for r in reports:
+        assert r["hostname"] == f"vnode{r['group_rank']}"
+        assert r["shm_peers"] == node_ranks[r["group_rank"]]
+        assert r["matrix_fails"] == [], r["matrix_fails"]
+    assert len({r["ip"] for r in reports}) == 3
+    assert len({r["shm_dev"] for r in reports}) == 3
+
+
+@pytest.mark.timeout(10)
+def test_rank_counts_per_node():
+    """--nproc-per-node takes one count or one per node; bad lists are refused by name."""
+    assert vnodes._ranks_per_node(3, 2) == [2, 2, 2]
+    assert vnodes._ranks_per_node(3, [2, 1, 1]) == [2, 1, 1]
+    assert vnodes._parse(["--nodes", "3", "--nproc-per-node", "2,1,1", "--", "x.py"]) \
+        .nproc_per_node == [2, 1, 1]
+    with pytest.raises(ValueError, match="2 rank counts given for 3 nodes"):
+        vnodes.run(3, [2, 1], [JOB])
+    with pytest.raises(ValueError, match="at least 1 rank"):
+        vnodes.run(2, [2, 0], [JOB])
 
 
 @needs_netns

@@ -202,6 +202,25 @@ def test_netns_uneven_three_nodes(clean):
     assert len({r["shm_dev"] for r in reports}) == 3
 
 
+@needs_netns
+@pytest.mark.timeout(120)
+def test_netns_nodes_whose_hostname_does_not_resolve(clean):
+    """2 isolated nodes x 2 ranks named ``nohost-nodeI.invalid`` (in no hosts file, no DNS),
+    without NEURON_DIST_NODE_NAME: the backend groups ranks into nodes by itself and finds
+    its address without resolving its own name."""
+    res = vnodes.run(2, 2, _job(clean["tag"], "--unresolvable-hostname"), netns=True,
+                     timeout=90)
+    clean["results"].append(res)
+    assert res.ok, f"exit codes {res.node_returncodes}\n" + "\n".join(res.outputs)
+    reports = _reports(res)
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3]
+    for r in reports:
+        node = r["group_rank"]
+        assert r["hostname"] == f"nohost-node{node}.invalid" and r["node_name"] is None
+        assert r["sum"] == 10 and r["shm_peers"] == [2 * node, 2 * node + 1]
+        assert r["neuron_nodes"] == [[0, 1], [2, 3]], r
+
+
 @pytest.mark.timeout(10)
 def test_rank_counts_per_node():
     """--nproc-per-node takes one count or one per node; bad lists are refused by name."""

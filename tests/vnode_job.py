@@ -11,6 +11,10 @@ prints one line::
 ``--fail-rank R --fail-code C`` makes rank R exit with code C right after initialisation
 (its peers then block in the all_reduce until the launcher stops them).
 ``--tag T`` is a marker that tests look for in /proc to find leftover processes.
+``--unresolvable-hostname`` (netns nodes only: each has its own UTS namespace) renames the
+node to a host name nothing resolves and drops ``NEURON_DIST_NODE_NAME``, so the backend
+must find nodes and addresses on its own, as on hosts whose name is not in DNS (gloo
+hangs there).
 ``--matrix`` also runs test_collectives.py's collective x dtype x op matrices (exact
 references) and reports their failures as ``"matrix_fails"``.
 """
@@ -34,6 +38,22 @@ def local_ip(master_addr: str, master_port: int) -> str:
         return s.getsockname()[0]
 
 
+def unresolvable_hostname(name: str) -> None:
+    """Rename this node (its own UTS namespace) to ``name``, which must not resolve."""
+    # launch/vnodes.py --netns names each node's own UTS namespace vnodeI (and the node's
+    # other ranks may have renamed it already); anywhere else this would rename the machine.
+    if socket.gethostname() not in (f"vnode{os.environ['GROUP_RANK']}", name):
+        raise SystemExit("--unresolvable-hostname needs a netns node with its own hostname")
+    socket.sethostname(name)
+    try:
+        socket.getaddrinfo(name, None)
+    except socket.gaierror:
+        pass
+    else:
+        raise SystemExit(f"{name} resolves; the test would prove nothing")
+    os.environ.pop("NEURON_DIST_NODE_NAME", None)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="gloo")
@@ -43,9 +63,12 @@ def main() -> int:
                    help="time this many 1-element all_reduces after the check")
     p.add_argument("--tag", default="")
     p.add_argument("--matrix", action="store_true")
+    p.add_argument("--unresolvable-hostname", action="store_true")
     args = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.unresolvable_hostname:
+        unresolvable_hostname(f"nohost-node{os.environ['GROUP_RANK']}.invalid")
     dist.init_process_group(args.backend)
     assert dist.get_rank() == rank and dist.get_world_size() == world, (
         dist.get_rank(), rank, dist.get_world_size(), world)
@@ -96,8 +119,13 @@ def main() -> int:
                    tc.alltoall_matrix):
             matrix_fails += fn(rank, world)
 
+    neuron_nodes = None
+    if args.backend == "neuron":  # how the backend itself grouped the ranks into nodes
+        topo = dist.group.WORLD._get_backend(torch.device("cpu"))._topo
+        neuron_nodes = [list(n) for n in topo.nodes]
+
     report = {
-        "matrix_fails": matrix_fails,
+        "matrix_fails": matrix_fails, "neuron_nodes": neuron_nodes,
         "rank": rank, "world": world, "local_rank": int(os.environ["LOCAL_RANK"]),
         "group_rank": int(os.environ["GROUP_RANK"]), "sum": t.item(),
         "hostname": socket.gethostname(),

@@ -36,6 +36,7 @@ with ``CollectiveMismatch`` naming both calls; the failing rank's abort notice t
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from dataclasses import dataclass
 
@@ -48,8 +49,8 @@ from .descriptor import NWORDS, Call, CollectiveMismatch
 from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_into
 
 COLLECTIVE_TAG = 1
-PIGGYBACK_BYTES = 64 << 10
-RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct  # data up to this size travels in one message with the descriptor
+PIGGYBACK_BYTES = 64 << 10  # data up to this size travels in one message with the descriptor
+RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
 ALIGN_BYTES = 64
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
 _SUM = ReduceSpec(SUM)
@@ -203,11 +204,28 @@ def _nbytes(data) -> int:
     return data.nbytes if hasattr(data, "nbytes") else len(data)
 
 
+_BYTE_ARRAYS: dict = {}
+
+
 def as_bytes(t):
-    """A writable byte view of a contiguous tensor (or a bytes-like object)."""
-    if isinstance(t, torch.Tensor):
-        return t.view(torch.uint8).numpy() if t.numel() else bytearray(0)
-    return t
+    """A writable byte view of a contiguous tensor's memory, which the view keeps alive (or
+    a bytes-like object as it is). Made with ctypes from the data pointer: torch's own view
+    ops cost several µs each on small machines, and this is on every message's path."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if not t.is_contiguous():
+        raise ValueError("as_bytes needs a contiguous tensor")
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return memoryview(bytearray(0))
+    kind = _BYTE_ARRAYS.get(nbytes)
+    if kind is None:
+        if len(_BYTE_ARRAYS) >= 256:
+            _BYTE_ARRAYS.clear()
+        kind = _BYTE_ARRAYS[nbytes] = ctypes.c_char * nbytes
+    arr = kind.from_address(t.data_ptr())
+    arr.tensor = t
+    return memoryview(arr).cast("B")
 
 
 def _split_spec(spec: ReduceSpec) -> tuple:

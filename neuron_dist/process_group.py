@@ -475,6 +475,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # ------------------------------------------------------------ broadcast &c
     def broadcast(self, tensors, opts=None):
+        if opts is not None and not opts.asyncOp and len(tensors) == 1:
+            work = self._express.broadcast(tensors[0], opts, self._deadline_seconds(opts))
+            if work is not None:
+                return work
         opts = opts or dist.BroadcastOptions()
         t = checks.single(tensors, "broadcast tensor")
         root = checks.rank(opts.rootRank, self._size, "broadcast root")
@@ -639,16 +643,38 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return work
 
     def _post_net(self, t, peer, tag: int, is_send: bool, name: str):
-        """Send/recv in a group that spans nodes: straight over the inter-node transport."""
+        """Send/recv in a group that spans nodes: straight over the inter-node transport.
+
+        A contiguous tensor's memory is handed to the transport as it is (no torch view ops:
+        they cost several µs each here); a send the transport completes at once (it copied
+        a small message) returns a finished Work without any completion machinery.
+        """
         if tag < 0:
             raise ValueError(f"{name}: tag must be >= 0, not {tag}")
-        f = _Flat(t, read=is_send)
+        f = None
+        if t.is_contiguous():
+            buf = twolevel.as_bytes(t)
+        else:
+            f = _Flat(t, read=is_send)
+            buf = twolevel.as_bytes(f.bytes)
+        nbytes = buf.nbytes
         who = f"rank {peer}" if peer is not None else "any rank"
         what = (f"{name} {'to' if is_send else 'from'} {who} (tag {tag}, "
-                f"{f.bytes.numel()} bytes) in group {self._label()}")
+                f"{nbytes} bytes) in group {self._label()}")
         work = NeuronWork([t], what)
-        seconds = self._timeout.total_seconds()
-        op_deadline = time.monotonic() + seconds
+        stats.add_call(nbytes)
+        try:
+            if peer is None:
+                req = self._net.irecv_any(P2P_TAG_BASE + int(tag), buf)
+            else:
+                post = self._net.isend if is_send else self._net.irecv
+                req = post(peer, P2P_TAG_BASE + int(tag), buf)
+            if is_send and req.test():
+                work._finished = True
+                return work
+        except (PeerDied, PeerAborted, ChannelClosed) as e:
+            raise self._on_error(e, what)[0] from None
+        op_deadline = time.monotonic() + self._timeout.total_seconds()
         lock = threading.Lock()
         done = []
 
@@ -660,19 +686,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             error = req.error
             if error is not None:
                 error = self._on_error(error, what)[0]
-            elif not is_send:
+            elif f is not None:
                 f.finish()
             work._complete(error, req.source if req.source is not None else -1)
 
-        buf = twolevel.as_bytes(f.bytes)
-        try:
-            if peer is None:
-                req = self._net.irecv_any(P2P_TAG_BASE + int(tag), buf, finish)
-            else:
-                post = self._net.isend if is_send else self._net.irecv
-                req = post(peer, P2P_TAG_BASE + int(tag), buf, finish)
-        except (PeerDied, PeerAborted, ChannelClosed) as e:
-            raise self._on_error(e, what)[0] from None
+        req.callback = finish  # completion from here on queues it (or its waiter runs it)
+        if req._event.is_set():  # completed before the callback was attached
+            req._run_callback()
 
         def drive(deadline):
             try:
@@ -693,7 +713,6 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             finish(req)
 
         work.driver = drive
-        stats.add_call(f.bytes.numel())
         return work
 
     def send(self, tensors, dst: int, tag: int = 0):

@@ -95,10 +95,13 @@ def test_bench_plot(bench_run):
 
 @pytest.mark.timeout(120)
 def test_hotloop_runs_and_summarises(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",
-                          "--seconds", "0.3"], capture_output=True, text=True, timeout=100)
-    assert out.returncode == 0, out.stderr
-    assert "neuron all_reduce 8 B, 2 rank(s):" in out.stdout and "us per operation" in out.stdout
+    for nodes in (1, 2):  # 2: virtual nodes, so the inter-node transport on loopback
+        out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",
+                              "--nodes", str(nodes), "--seconds", "0.3"],
+                             capture_output=True, text=True, timeout=100)
+        assert out.returncode == 0, out.stderr
+        assert f"neuron all_reduce 8 B, 2 rank(s) on {nodes} node(s):" in out.stdout
+        assert "us per operation" in out.stdout
     raw = tmp_path / "prof.txt"
     raw.write_text("main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);f (a.py:3) 3\n"
                    "main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);g (b.py:4) 1\n"

@@ -5,12 +5,15 @@ blocks until then; past the deadline it allows a short grace (a peer that timed 
 same moment may be about to send its abort notice, which says why) and then raises
 ``PeerTimeout`` naming the peer, marked ``network=True`` so the c10d layer knows the ranks
 are group ranks. A completion callback is not run by whoever completes the request (that
-may hold the transport's lock) but queued for the transport's callback thread
-(``run_callbacks``), where it may post new requests.
+may hold the transport's lock). When a thread is blocked in ``wait`` it runs the callback
+itself on its way out (no thread hand-off on the latency path); otherwise the request is
+queued for the transport's callback thread (``run_callbacks``). Either way it runs once, and
+it may post new requests.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -35,7 +38,7 @@ class Request:
     """
 
     __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "source",
-                 "_event", "_sink")
+                 "_event", "_sink", "_waiting", "_token")
     VIA = "the network"  # how the timeout message names the path
 
     def __init__(self, peer, tag: int, buf, is_send: bool, sink=None):
@@ -46,13 +49,26 @@ class Request:
         self.source = peer
         self._event = threading.Event()
         self._sink = sink  # the queue of the transport's callback thread
+        self._waiting = []  # one entry per thread in wait() (list append/pop are atomic)
+        self._token = [True]  # whoever pops it runs the callback
 
     def _finish(self, error=None) -> None:
         if not self._event.is_set():
             self.error = error
             self._event.set()
-            if self.callback is not None and self._sink is not None:
+            if self.callback is not None and self._sink is not None and not self._waiting:
                 self._sink.put(self)
+
+    def _run_callback(self) -> None:
+        """Run the callback unless another thread has claimed it (list.pop is atomic)."""
+        try:
+            self._token.pop()
+        except IndexError:
+            return
+        try:
+            self.callback(self)
+        except Exception:  # noqa: BLE001 - a callback's failure is its own business
+            logging.getLogger("neuron_dist").exception("completion callback of %r failed", self)
 
     def test(self) -> bool:
         """True once complete (raises its error if it failed)."""
@@ -64,7 +80,17 @@ class Request:
 
     def _block(self, deadline: float) -> bool:
         """Wait for completion until ``deadline``; True if complete."""
-        return self._event.wait(max(0.0, deadline - time.monotonic()))
+        self._waiting.append(None)
+        try:
+            self._event.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            self._waiting.pop()
+        # Complete now (even if just after the wait gave up): _finish may have left the
+        # callback to us.
+        done = self._event.is_set()
+        if done and self.callback is not None and self._sink is not None:
+            self._run_callback()
+        return done
 
     def wait(self, deadline: float) -> None:
         """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure."""
@@ -83,13 +109,10 @@ class Request:
             raise self.error
 
 
-def run_callbacks(callbacks, label: str, log) -> None:
+def run_callbacks(callbacks) -> None:
     """Body of a transport's callback thread: run queued requests' callbacks until None."""
     while True:
         req = callbacks.get()
         if req is None:
             return
-        try:
-            req.callback(req)
-        except Exception:  # noqa: BLE001 - a callback's failure is its own business
-            log.exception("neuron %s: completion callback failed", label)
+        req._run_callback()

@@ -9,6 +9,10 @@ goes, e.g.::
     py-spy record -r 300 -f raw -o prof.txt -- python -m neuron_dist.bench.hotloop -n 1
     python -m neuron_dist.bench.hotloop --summarise prof.txt   # share of time per frame
     python -m neuron_dist.bench.hotloop -n 2 --backend gloo
+    python -m neuron_dist.bench.hotloop -n 2 --nodes 2   # virtual nodes on loopback
+
+``--nodes K`` splits the ranks into K virtual nodes (``NEURON_DIST_NODE_NAME``), so neuron
+goes over its inter-node transport on loopback (for a real link use ``bench.internode``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def _op(name: str, rank: int, world: int, t: torch.Tensor):
 
 
 def _rank(rank: int, world: int, port: int, args) -> None:
+    import os
+    os.environ["NEURON_DIST_NODE_NAME"] = f"hotloop-node{rank * args.nodes // world}"
     import neuron_dist  # noqa: F401 - registers the backend in spawned processes
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
@@ -62,7 +68,8 @@ def _rank(rank: int, world: int, port: int, args) -> None:
         op()
     per_op = (time.perf_counter() - started) / n
     if rank == 0:
-        print(f"{args.backend} {args.op} {t.numel() * 4} B, {world} rank(s): "
+        print(f"{args.backend} {args.op} {t.numel() * 4} B, {world} rank(s) on "
+              f"{args.nodes} node(s): "
               f"{per_op * 1e6:.1f} us per operation ({n} back to back)", flush=True)
     dist.destroy_process_group()
 
@@ -94,11 +101,14 @@ def main(argv=None) -> None:
     p.add_argument("--op", choices=OPS, default="all_reduce")
     p.add_argument("--bytes", type=int, default=8, help="float32 elements x 4 (default 8)")
     p.add_argument("--seconds", type=float, default=5.0, help="length of the timed loop")
+    p.add_argument("--nodes", type=int, default=1, help="virtual nodes the ranks are split into")
     p.add_argument("--summarise", metavar="RAW", help="print a py-spy raw profile's summary and exit")
     args = p.parse_args(argv)
     if args.summarise:
         print(summarise(args.summarise))
         return
+    if not 1 <= args.nodes <= args.nprocs:
+        p.error("--nodes must be between 1 and the number of ranks")
     if args.op == "send_recv" and args.nprocs != 2:
         p.error("send_recv needs -n 2")
     with socket.socket() as s:

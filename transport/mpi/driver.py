@@ -786,7 +786,7 @@ class MpiTransport:
                     self._cond.wait(0)          # let posting threads take the lock
 
     def _callback_loop(self) -> None:
-        run_callbacks(self._callbacks, self._label, log)
+        run_callbacks(self._callbacks)
 
     # ------------------------------------------------------------------ teardown
 

@@ -138,8 +138,10 @@ class RdmTransport:
         self._failed: dict[int, Exception] = {}
         self._closed = False
         self._timer = threading.Condition(self._lock)
+        self._timer_period = min(1.0, rto / 4)
         # Completion callbacks run here, never under the lock: they may post new requests.
         self._callbacks = queue.SimpleQueue()
+        self._outbox = deque()  # frames to write, queued under the lock (see _pump)
         self._listener = socket.create_server((host, 0), backlog=128,
                                               family=_family(host))
         self.address = f"{_bracket(host)}:{self._listener.getsockname()[1]}"
@@ -266,6 +268,7 @@ class RdmTransport:
             else:
                 self._sends[(peer, msg_id)] = req
             self._pump()
+        self._send_out()
         return req
 
     def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
@@ -337,13 +340,29 @@ class RdmTransport:
     # ------------------------------------------------------------------ engine
 
     def _pump(self) -> None:
-        """Under the lock: hand frames to the writers, act on the endpoint's events."""
-        out = self.ep.poll_transmit(time.monotonic())
-        for tx in out:
+        """Under the lock: act on the endpoint's events (completing requests first, so
+        their waiters run while frames go out), then queue the frames it wants sent. The
+        caller writes them with ``_send_out`` once it has released the lock: a write may
+        take a while (on loopback or veth the kernel delivers to the peer's socket in it),
+        and the rdm protocol does not need frames in order, even on one rail."""
+        self._handle_events()
+        self._outbox.extend(self.ep.poll_transmit(time.monotonic()))
+        self._handle_events()  # poll_transmit may have declared a peer failed
+
+    def _send_out(self) -> None:
+        """Outside the lock: hand the queued frames to their rails."""
+        out = self._outbox
+        while out:
+            try:
+                tx = out.popleft()
+            except IndexError:  # another thread took the last one
+                return
             rails = self._rails.get(tx.peer)
             rail = rails[tx.rail] if rails else None
             if rail is not None and rail.alive:
                 rail.push(tx)
+
+    def _handle_events(self) -> None:
         for ev in self.ep.events():
             if isinstance(ev, SendCompleted):
                 req = self._sends.pop((ev.peer, ev.msg_id), None)
@@ -356,7 +375,8 @@ class RdmTransport:
             elif isinstance(ev, FrameRejected):
                 log.error("neuron %s: rejected a frame on rail %d: %s", self._label, ev.rail,
                           ev.reason)
-        self._timer.notify()
+        # The timer is not woken here: a new deadline is at least one rto away, and the
+        # timer looks at least every rto / 4 (a wake-up per frame cost a thread switch).
 
     def _on_message(self, ev: MessageReceived) -> None:
         if ev.tag == ABORT_TAG:
@@ -424,6 +444,7 @@ class RdmTransport:
                     self._sends[(peer, msg_id)] = req
                     reqs.append(req)
             self._pump()
+        self._send_out()
         deadline = time.monotonic() + grace
         for req in reqs:
             try:
@@ -469,6 +490,7 @@ class RdmTransport:
             if rail.peer not in self._failed:
                 self.ep.rail_failed(rail.index, rail.peer)
                 self._pump()
+        self._send_out()
 
     def _write_loop(self, rail: _Rail) -> None:
         sock = rail.sock
@@ -516,6 +538,7 @@ class RdmTransport:
                     with self._lock:
                         ep.data_landed(rail.index, hbuf, h, time.monotonic())
                         self._pump()
+                    self._send_out()
                     continue
                 frame = bytearray(F.HEADER_SIZE + h.length)
                 frame[:F.HEADER_SIZE] = hbuf
@@ -525,6 +548,7 @@ class RdmTransport:
                     ep.receive(rail.index, frame, time.monotonic())
                     corrupt = ep.stats["rejected"] > rejected
                     self._pump()
+                self._send_out()
                 if corrupt:  # a path that corrupts data (past TCP's checksum) is not used again
                     self._rail_down(rail, "corrupted frame (CRC mismatch)")
                     return
@@ -535,19 +559,25 @@ class RdmTransport:
                 rail.sock.close()
 
     def _timer_loop(self) -> None:
-        with self._lock:
-            while not self._closed:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
                 deadline = self.ep.next_deadline()
-                wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+                wait = self._timer_period if deadline is None else max(
+                    0.0, min(self._timer_period, deadline - time.monotonic()))
                 if wait > 0:
                     self._timer.wait(wait)
                 if self._closed:
                     return
-                if deadline is not None and time.monotonic() >= deadline:
+                due = deadline is not None and time.monotonic() >= deadline
+                if due:
                     self._pump()
+            if due:
+                self._send_out()
 
     def _callback_loop(self) -> None:
-        run_callbacks(self._callbacks, self._label, log)
+        run_callbacks(self._callbacks)
 
     # ------------------------------------------------------------------ teardown
 

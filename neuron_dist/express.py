@@ -1,21 +1,23 @@
-"""The express lane: a small synchronous all_reduce of a one-node group, start to finish in
-the caller's thread, with nothing on the way that a repeated call does not need.
+"""The express lane: a small synchronous all_reduce or broadcast of a one-node group, start to
+finish in the caller's thread, with nothing on the way that a repeated call does not need.
 
 The general path builds, per call, a closure, a ``Context``, a call descriptor lookup and the
 engine's task bookkeeping; at 8 bytes that Python work is most of the latency (the data
 movement is one copy in, one step and one add). Training loops repeat the same few small
 calls (loss scalars, grad-norm pieces, metrics), so the express lane prepares everything that
-depends only on (dtype, shape, reduce op) once: the call descriptor words, the slot views of
-every rank for both step parities, the reduction. A call then does: claim the engine (it
-must be idle: issue order is kept), record the call in the flight recorder, stage the input
-in this rank's slot, one channel step carrying the descriptor, compare the peers'
-descriptors, reduce the slots into the tensor.
+depends only on (dtype, shape, reduce op or root) once: the call descriptor words, the slot
+views of every rank for both step parities, the reduction. A call then does: claim the
+engine (it must be idle: issue order is kept), record the call in the flight recorder, stage
+the input in this rank's slot (all_reduce: every rank; broadcast: the root), one channel step
+carrying the descriptor, compare the peers' descriptors, then reduce the slots into the
+tensor (all_reduce) or copy the root's slot into it (broadcast, the other ranks).
 
-It is the same algorithm as ``allreduce._fits_one_slot``, so both paths interoperate step for
-step (a rank may take either). Anything unusual takes the general path: async_op, the
-profiler on, PREMUL_SUM (its factor changes per call), a non-contiguous or large tensor, a
-group that spans nodes, or an engine with work queued. Failures go through the engine's
-error handling, so they are reported exactly as on the general path.
+These are the algorithms of ``allreduce._fits_one_slot`` and of ``broadcast.broadcast`` for
+one slot's worth, so both paths interoperate step for step (a rank may take either).
+Anything unusual takes the general path: async_op, the profiler on, PREMUL_SUM (its factor
+changes per call), a non-contiguous or large tensor, a group that spans nodes, or an engine
+with work queued. Failures go through the engine's error handling, so they are reported
+exactly as on the general path.
 """
 
 from __future__ import annotations
@@ -38,14 +40,15 @@ _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM
 
 
 class _Plan:
-    """What one (dtype, shape, reduce op) needs, computed on its first call."""
+    """What one (op, dtype, shape, reduce op or root) needs, computed on its first call."""
 
-    __slots__ = ("call", "words", "spec", "slots", "nbytes", "work")
+    __slots__ = ("call", "words", "spec", "root", "slots", "nbytes", "work")
 
-    def __init__(self, channel, t: torch.Tensor, spec: ReduceSpec):
-        self.call = Call("all_reduce", t.dtype, t.numel(), reduce=spec.kind)
+    def __init__(self, channel, t: torch.Tensor, call: Call, spec: ReduceSpec | None = None,
+                 root: int | None = None):
+        self.call = call
         self.words = self.call.words(0)[1:]  # everything but the sequence number
-        self.spec = spec
+        self.spec, self.root = spec, root
         self.nbytes = t.numel() * t.element_size()
         self.work = None  # the last call's Work, recycled once nobody else holds it
         # slots[parity] = every rank's slot of that parity, viewed with t's dtype and shape
@@ -54,7 +57,8 @@ class _Plan:
 
 
 class ExpressLane:
-    """Small synchronous all_reduce for the group ``pg`` (see the module docstring)."""
+    """Small synchronous all_reduce and broadcast for the group ``pg`` (see the module
+    docstring)."""
 
     def __init__(self, pg, reduce_spec):
         self._pg = pg
@@ -65,39 +69,72 @@ class ExpressLane:
         self._limit = min(pg.settings.small_bytes, self._channel.slot_bytes)
         self._enabled = pg._net is None  # not for groups that span nodes
 
-    def _plan(self, key, t: torch.Tensor, op):
-        """The plan for ``key``, or None if such calls must take the general path."""
-        plan = None
-        if (self._enabled and op.op != _PREMUL_SUM and t.layout is torch.strided
-                and t.dtype in DTYPE_CODES and t.numel() * t.element_size() <= self._limit):
-            spec = self._reduce_spec(op)
-            try:
-                check_supported(spec, t.dtype)
-            except ValueError:
-                return None  # the general path raises it
-            plan = _Plan(self._channel, t, spec)
+    def _eligible(self, t) -> bool:
+        return (self._enabled and t.layout is torch.strided and t.dtype in DTYPE_CODES
+                and t.numel() * t.element_size() <= self._limit)
+
+    def _remember(self, key, plan):
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plan
         return plan
 
+    def _all_reduce_plan(self, key, t: torch.Tensor, op):
+        """The plan for ``key``, or None if such calls must take the general path."""
+        plan = None
+        if op.op != _PREMUL_SUM and self._eligible(t):
+            spec = self._reduce_spec(op)
+            try:
+                check_supported(spec, t.dtype)
+            except ValueError:
+                return None  # the general path raises it
+            plan = _Plan(self._channel, t, Call("all_reduce", t.dtype, t.numel(),
+                                                reduce=spec.kind), spec=spec)
+        return self._remember(key, plan)
+
+    def _broadcast_plan(self, key, t: torch.Tensor, root):
+        plan = None
+        if type(root) is int and 0 <= root < self._channel.size and self._eligible(t):
+            plan = _Plan(self._channel, t, Call("broadcast", t.dtype, t.numel(), root=root),
+                         root=root)
+        return self._remember(key, plan)
+
+    @staticmethod
+    def _usable(t) -> bool:
+        return (type(t) is torch.Tensor and t.is_cpu and t.is_contiguous()
+                and not _profiler._is_profiler_enabled)
+
     def all_reduce(self, t, opts, seconds: float):
         """Run the all-reduce of ``t`` now and return its completed Work, or None if this
         call must take the general path (nothing has been done then)."""
-        if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
+        if not self._usable(t):
             return None
         op = opts.reduceOp
-        key = (t.dtype, t.shape, op.op)
+        key = ("all_reduce", t.dtype, t.shape, op.op)
         plan = self._plans.get(key, _MISSING)
         if plan is _MISSING:
-            plan = self._plan(key, t, op)
-        if plan is None or _profiler._is_profiler_enabled:
+            plan = self._all_reduce_plan(key, t, op)
+        return None if plan is None else self._run(plan, t, seconds)
+
+    def broadcast(self, t, opts, seconds: float):
+        """Run the broadcast of ``t`` now and return its completed Work, or None if this
+        call must take the general path (nothing has been done then)."""
+        if not self._usable(t):
             return None
+        root = opts.rootRank
+        key = ("broadcast", t.dtype, t.shape, root)
+        plan = self._plans.get(key, _MISSING)
+        if plan is _MISSING:
+            plan = self._broadcast_plan(key, t, root)
+        return None if plan is None else self._run(plan, t, seconds)
+
+    def _run(self, plan: _Plan, t, seconds: float):
         engine = self._engine
         seq = engine.claim_inline()
         if not seq:
             return None
-        what = f"all_reduce #{seq} in group {engine.label}"
+        name = plan.call.op
+        what = f"{name} #{seq} in group {engine.label}"
         # A Work costs ~8 µs to make and free, a fifth of this path. c10d waits on a
         # synchronous call's Work and drops it, so the previous one is usually free: reuse it
         # unless something still refers to it (or to its future).
@@ -106,8 +143,7 @@ class ExpressLane:
             work._outputs, work.what, work._finished, work._exception = [t], what, False, None
         else:
             work = plan.work = NeuronWork([t], what)
-        rec = recorder.issue(engine.group_name, engine.rank, engine.size, seq, "all_reduce",
-                             plan.call)
+        rec = recorder.issue(engine.group_name, engine.rank, engine.size, seq, name, plan.call)
         started = time.monotonic()
         stats.add_call(plan.nbytes)
         try:
@@ -117,13 +153,18 @@ class ExpressLane:
             epoch = channel.epoch + 1
             views = plan.slots[epoch & 1]
             x = t.detach() if t.requires_grad else t
-            views[channel.rank].copy_(x)
+            root = plan.root
+            if root is None or root == channel.rank:
+                views[channel.rank].copy_(x)
             descriptor = (seq,) + plan.words + (epoch,)
             channel.step(started + seconds, descriptor)
             for k in range(channel.size):
                 if k != channel.rank and channel.peer_descriptor(k, seq, NWORDS + 1) != descriptor:
                     check_all_match(channel, plan.call, seq, epoch)  # raises, naming the calls
-            reduce_into(x, views, plan.spec, channel.size, self._pg._scratch)
+            if root is None:
+                reduce_into(x, views, plan.spec, channel.size, self._pg._scratch)
+            elif root != channel.rank:
+                x.copy_(views[root])
         except BaseException as exc:  # noqa: BLE001 - reported like the general path's
             engine.fail(exc, work, rec)
         else:

@@ -1,4 +1,4 @@
-"""The express lane (small synchronous all_reduce run in the caller's thread).
+"""The express lane (small synchronous all_reduce and broadcast run in the caller's thread).
 
 It must be indistinguishable from the general path: the two interoperate step for step,
 keep issue order behind queued async work, report mismatches and failures the same way,
@@ -111,3 +111,64 @@ def test_express_mismatch_names_both_calls_and_is_recorded():
         assert "all_reduce(float32, 2 elements, SUM)" in msg
         assert "all_reduce(float32, 3 elements, SUM)" in msg
         assert records == [(1, "failed"), (2, "completed")], records
+
+
+def broadcast_mixed_paths(rank, world):
+    """Small broadcasts from every root, dtype and shape (0-d too), ranks alternating between
+    the express lane (sync) and the general path (async): the root's values everywhere."""
+    fails = []
+    shapes = [(), (3,), (2, 5)]
+    for i in range(36):
+        root = i % world
+        shape = shapes[i % len(shapes)]
+        for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.bool):
+            value = (root + 1 + i) % 7 if dtype is not torch.bool else bool((root + i) % 2)
+            t = torch.full(shape, value if rank == root else 0, dtype=dtype)
+            if (i + rank) % 2:
+                dist.broadcast(t, root, async_op=True).wait()
+            else:
+                dist.broadcast(t, root)
+            if not torch.equal(t, torch.full(shape, value, dtype=dtype)):
+                fails.append((i, root, str(dtype), t.tolist(), value))
+    plans = [k for k, plan in _pg()._express._plans.items()
+             if k[0] == "broadcast" and plan is not None]
+    records = [r for r in recorder._ring if r.op == "broadcast"]
+    return fails, len(plans), len(records), {r.state for r in records}
+
+
+def test_express_broadcast_interoperates_with_the_general_path():
+    results = run_ranks(broadcast_mixed_paths, 3, timeout=120)
+    for rank, (fails, plans, records, states) in results.items():
+        assert fails == [], (rank, fails)
+        assert plans == 3 * 4, plans  # the lane served every (root and shape, dtype) it saw
+        assert records == 36 * 4 and states == {"completed"}, (records, states)
+
+
+def broadcast_mismatch(rank, world):
+    out = []
+    for a, b in (("root", None), ("op", None)):
+        t = torch.ones(4)
+        try:
+            if a == "root":
+                dist.broadcast(t, 0 if rank == 0 else 1)  # ranks disagree on the root
+            elif rank == 0:
+                dist.broadcast(t, 0)
+            else:
+                dist.all_reduce(t)
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{type(e).__name__}: {e}")
+        else:
+            out.append("no error")
+    dist.broadcast(torch.ones(1), 0)  # the group is still usable afterwards
+    return out
+
+
+def test_express_broadcast_mismatch_names_both_calls():
+    results = run_ranks(broadcast_mismatch, 2, timeout=60)
+    for rank, (root_msg, op_msg) in results.items():
+        assert root_msg.startswith("CollectiveMismatchError"), root_msg
+        assert "broadcast(float32, 4 elements, root=0)" in root_msg, root_msg
+        assert "broadcast(float32, 4 elements, root=1)" in root_msg, root_msg
+        assert op_msg.startswith("CollectiveMismatchError"), op_msg
+        assert "broadcast(float32, 4 elements, root=0)" in op_msg, op_msg
+        assert "all_reduce(float32, 4 elements, SUM)" in op_msg, op_msg

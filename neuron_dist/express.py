@@ -1,5 +1,6 @@
-"""The express lane: a small synchronous all_reduce or broadcast of a one-node group, start to
-finish in the caller's thread, with nothing on the way that a repeated call does not need.
+"""The express lane: a small synchronous all_reduce, broadcast or all_gather_into_tensor of a
+one-node group, start to finish in the caller's thread, with nothing on the way that a
+repeated call does not need.
 
 The general path builds, per call, a closure, a ``Context``, a call descriptor lookup and the
 engine's task bookkeeping; at 8 bytes that Python work is most of the latency (the data
@@ -8,12 +9,14 @@ calls (loss scalars, grad-norm pieces, metrics), so the express lane prepares ev
 depends only on (dtype, shape, reduce op or root) once: the call descriptor words, the slot
 views of every rank for both step parities, the reduction. A call then does: claim the
 engine (it must be idle: issue order is kept), record the call in the flight recorder, stage
-the input in this rank's slot (all_reduce: every rank; broadcast: the root), one channel step
-carrying the descriptor, compare the peers' descriptors, then reduce the slots into the
-tensor (all_reduce) or copy the root's slot into it (broadcast, the other ranks).
+the input in this rank's slot (all_reduce, all_gather: every rank; broadcast: the root), one
+channel step carrying the descriptor, compare the peers' descriptors, then reduce the slots
+into the tensor (all_reduce), copy the root's slot into it (broadcast, the other ranks) or
+concatenate every rank's slot into the output (all_gather).
 
-These are the algorithms of ``allreduce._fits_one_slot`` and of ``broadcast.broadcast`` for
-one slot's worth, so both paths interoperate step for step (a rank may take either).
+These are the algorithms of ``allreduce._fits_one_slot``, ``broadcast.broadcast`` and
+``allgather.all_gather`` for one slot's worth, so both paths interoperate step for step (a
+rank may take either).
 Anything unusual takes the general path: async_op, the profiler on, PREMUL_SUM (its factor
 changes per call), a non-contiguous or large tensor, a group that spans nodes, or an engine
 with work queued. Failures go through the engine's error handling, so they are reported
@@ -45,14 +48,16 @@ class _Plan:
     __slots__ = ("call", "words", "spec", "root", "slots", "nbytes", "work")
 
     def __init__(self, channel, t: torch.Tensor, call: Call, spec: ReduceSpec | None = None,
-                 root: int | None = None):
+                 root: int | None = None, flat: bool = False):
         self.call = call
         self.words = self.call.words(0)[1:]  # everything but the sequence number
         self.spec, self.root = spec, root
         self.nbytes = t.numel() * t.element_size()
         self.work = None  # the last call's Work, recycled once nobody else holds it
         # slots[parity] = every rank's slot of that parity, viewed with t's dtype and shape
-        self.slots = [[channel._shaped(k, parity, t) for k in range(channel.size)]
+        # (flat: as a vector of t's elements)
+        like = t.reshape(-1) if flat else t
+        self.slots = [[channel._shaped(k, parity, like) for k in range(channel.size)]
                       for parity in (0, 1)]
 
 
@@ -99,6 +104,14 @@ class ExpressLane:
                          root=root)
         return self._remember(key, plan)
 
+    def _all_gather_plan(self, key, out: torch.Tensor, inp: torch.Tensor):
+        plan = None
+        if (out.dtype == inp.dtype and out.numel() == inp.numel() * self._channel.size
+                and self._eligible(inp)):
+            plan = _Plan(self._channel, inp, Call("all_gather", inp.dtype, out.numel()),
+                         flat=True)
+        return self._remember(key, plan)
+
     @staticmethod
     def _usable(t) -> bool:
         return (type(t) is torch.Tensor and t.is_cpu and t.is_contiguous()
@@ -114,7 +127,7 @@ class ExpressLane:
         plan = self._plans.get(key, _MISSING)
         if plan is _MISSING:
             plan = self._all_reduce_plan(key, t, op)
-        return None if plan is None else self._run(plan, t, seconds)
+        return None if plan is None else self._run(plan, t, t, seconds)
 
     def broadcast(self, t, opts, seconds: float):
         """Run the broadcast of ``t`` now and return its completed Work, or None if this
@@ -126,9 +139,22 @@ class ExpressLane:
         plan = self._plans.get(key, _MISSING)
         if plan is _MISSING:
             plan = self._broadcast_plan(key, t, root)
-        return None if plan is None else self._run(plan, t, seconds)
+        return None if plan is None else self._run(plan, t, t, seconds)
 
-    def _run(self, plan: _Plan, t, seconds: float):
+    def all_gather(self, out, inp, seconds: float):
+        """Run all_gather_into_tensor(``out``, ``inp``) now and return its completed Work, or
+        None if this call must take the general path (nothing has been done then)."""
+        if not (self._usable(inp) and self._usable(out)):
+            return None
+        key = ("all_gather", inp.dtype, inp.shape, out.numel())
+        plan = self._plans.get(key, _MISSING)
+        if plan is _MISSING:
+            plan = self._all_gather_plan(key, out, inp)
+        return None if plan is None else self._run(plan, inp, out, seconds)
+
+    def _run(self, plan: _Plan, t, out, seconds: float):
+        """Run ``plan`` with input ``t`` and output ``out`` (the same tensor but for
+        all_gather)."""
         engine = self._engine
         seq = engine.claim_inline()
         if not seq:
@@ -140,9 +166,9 @@ class ExpressLane:
         # unless something still refers to it (or to its future).
         if plan.work is not None and sys.getrefcount(plan.work) == 2 and plan.work._future is None:
             work = plan.work
-            work._outputs, work.what, work._finished, work._exception = [t], what, False, None
+            work._outputs, work.what, work._finished, work._exception = [out], what, False, None
         else:
-            work = plan.work = NeuronWork([t], what)
+            work = plan.work = NeuronWork([out], what)
         rec = recorder.issue(engine.group_name, engine.rank, engine.size, seq, name, plan.call)
         started = time.monotonic()
         stats.add_call(plan.nbytes)
@@ -153,15 +179,20 @@ class ExpressLane:
             epoch = channel.epoch + 1
             views = plan.slots[epoch & 1]
             x = t.detach() if t.requires_grad else t
+            gather = t is not out
             root = plan.root
-            if root is None or root == channel.rank:
+            if gather:
+                views[channel.rank].copy_(x.reshape(-1))
+            elif root is None or root == channel.rank:
                 views[channel.rank].copy_(x)
             descriptor = (seq,) + plan.words + (epoch,)
             channel.step(started + seconds, descriptor)
             for k in range(channel.size):
                 if k != channel.rank and channel.peer_descriptor(k, seq, NWORDS + 1) != descriptor:
                     check_all_match(channel, plan.call, seq, epoch)  # raises, naming the calls
-            if root is None:
+            if gather:
+                torch.cat(views, out=(out.detach() if out.requires_grad else out).view(-1))
+            elif root is None:
                 reduce_into(x, views, plan.spec, channel.size, self._pg._scratch)
             elif root != channel.rank:
                 x.copy_(views[root])

@@ -400,6 +400,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return _combined_work(works, output_lists)
 
     def all_gather_single(self, output, input, opts=None):
+        if opts is not None and not opts.asyncOp:
+            work = self._express.all_gather(output, input, self._deadline_seconds(opts))
+            if work is not None:
+                return work
         opts = opts or dist.AllgatherOptions()
         checks.tensor(output, "all_gather output")
         checks.tensor(input, "all_gather input")

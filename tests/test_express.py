@@ -1,4 +1,5 @@
-"""The express lane (small synchronous all_reduce and broadcast run in the caller's thread).
+"""The express lane (small synchronous all_reduce, broadcast and all_gather_into_tensor run in
+the caller's thread).
 
 It must be indistinguishable from the general path: the two interoperate step for step,
 keep issue order behind queued async work, report mismatches and failures the same way,
@@ -172,3 +173,55 @@ def test_express_broadcast_mismatch_names_both_calls():
         assert op_msg.startswith("CollectiveMismatchError"), op_msg
         assert "broadcast(float32, 4 elements, root=0)" in op_msg, op_msg
         assert "all_reduce(float32, 4 elements, SUM)" in op_msg, op_msg
+
+
+def all_gather_mixed_paths(rank, world):
+    """Small all_gather_into_tensor calls, ranks alternating between the express lane and the
+    general path, over dtypes and shapes (0-d too), plus the in-place form FSDP uses (the
+    input is this rank's block of the output)."""
+    fails = []
+    shapes = [(), (3,), (2, 5)]
+    for i in range(24):
+        shape = shapes[i % len(shapes)]
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            inp = torch.full(shape, rank * 10 + i % 5, dtype=dtype)
+            out = torch.full((world * inp.numel(),), -1, dtype=dtype)
+            if (i + rank) % 2:
+                dist.all_gather_into_tensor(out, inp, async_op=True).wait()
+            else:
+                dist.all_gather_into_tensor(out, inp)
+            expect = torch.cat([torch.full((inp.numel(),), k * 10 + i % 5, dtype=dtype)
+                                for k in range(world)])
+            if not torch.equal(out, expect):
+                fails.append((i, str(dtype), out.tolist()))
+    out = torch.zeros(world * 4)
+    mine = out[rank * 4:(rank + 1) * 4]
+    mine.fill_(rank + 1)
+    dist.all_gather_into_tensor(out, mine)
+    if not torch.equal(out, torch.arange(1, world + 1).float().repeat_interleave(4)):
+        fails.append(("in place", out.tolist()))
+    plans = [k for k, plan in _pg()._express._plans.items()
+             if k[0] == "all_gather" and plan is not None]
+    return fails, len(plans)
+
+
+def test_express_all_gather_interoperates_with_the_general_path():
+    results = run_ranks(all_gather_mixed_paths, 3, timeout=120)
+    for rank, (fails, plans) in results.items():
+        assert fails == [], (rank, fails)
+        assert plans == 3 * 3 + 1, plans  # every (shape, dtype) seen, and the in-place call
+
+
+def all_gather_mismatch(rank, world):
+    try:
+        dist.all_gather_into_tensor(torch.empty(world * (2 + rank)), torch.ones(2 + rank))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_express_all_gather_mismatch_names_both_calls():
+    results = run_ranks(all_gather_mismatch, 2, timeout=60)
+    for msg in results.values():
+        assert msg.startswith("CollectiveMismatchError"), msg
+        assert "all_gather(float32, 4 elements)" in msg and "all_gather(float32, 6 elements)" in msg

@@ -50,6 +50,23 @@ def _cases(rank, world, group):
     mine = torch.empty(N)
     dist.reduce_scatter(mine, list(big.chunk(world)), op=dist.ReduceOp.MAX, group=group)
     out["reduce_scatter_list_max"] = mine
+    # all_to_all: even (tensor form), uneven splits, list form
+    even = torch.empty(N * world)
+    dist.all_to_all_single(even, big, group=group)
+    out["all_to_all_even"] = even
+
+    def split(a, b):  # elements rank a sends to rank b
+        return N // 2 + (a * 7 + b * 3) * 101
+    send = [split(rank, b) for b in range(world)]
+    recv = [split(a, rank) for a in range(world)]
+    src = torch.randn(sum(send), generator=g)
+    dst = torch.full((sum(recv),), float("nan"))
+    dist.all_to_all_single(dst, src, recv, send, group=group)
+    out["all_to_all_uneven"] = dst
+    ins = list(big.chunk(world))
+    outs = [torch.empty(N) for _ in range(world)]
+    dist.all_to_all(outs, ins, group=group)
+    out["all_to_all_list"] = torch.cat(outs)
     return out, base, big
 
 
@@ -83,6 +100,10 @@ def compare(rank, world):
         fails.append("reduce_scatter_sum value")
     if not torch.equal(got_on["reduce_scatter_list_max"], block.max(0).values):
         fails.append("reduce_scatter_list_max value")
+    if not torch.equal(got_on["all_to_all_even"], torch.cat([b[rank * N:(rank + 1) * N] for b in bigs])):
+        fails.append("all_to_all_even value")
+    if torch.isnan(got_on["all_to_all_uneven"]).any():
+        fails.append("all_to_all_uneven left holes")
     del uses
     return cma_on, cma_off, fails
 

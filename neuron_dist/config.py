@@ -32,7 +32,7 @@ class Settings:
     node_name: str | None
     debug: str
     rails: int = 4
-    net_segment_bytes: int = 4 << 20
+    net_segment_bytes: int = 8 << 20
     socket_ifname: str | None = None
     auth_key: str | None = None
     net_crc: bool = False
@@ -52,7 +52,7 @@ class Settings:
         NEURON_DIST_DEBUG              WARN  WARN, INFO or TRACE
         NEURON_DIST_RAILS              4     TCP connections ("rails") per pair of ranks on
                                              different nodes; messages are sprayed over all
-        NEURON_DIST_NET_SEGMENT_BYTES  4M    largest piece of a message on one rail
+        NEURON_DIST_NET_SEGMENT_BYTES  8M    largest piece of a message on one rail
         NEURON_DIST_SOCKET_IFNAME      auto  interface for inter-node traffic (default: the
                                              one that routes to the rendezvous host)
         NEURON_DIST_AUTH_KEY           -     job secret for rail authentication (default: a
@@ -75,7 +75,7 @@ class Settings:
             node_name=os.environ.get("NEURON_DIST_NODE_NAME") or None,
             debug=_env("NEURON_DIST_DEBUG", "WARN").upper(),
             rails=int(_env("NEURON_DIST_RAILS", "4")),
-            net_segment_bytes=parse_bytes(_env("NEURON_DIST_NET_SEGMENT_BYTES", "4M")),
+            net_segment_bytes=parse_bytes(_env("NEURON_DIST_NET_SEGMENT_BYTES", "8M")),
             socket_ifname=os.environ.get("NEURON_DIST_SOCKET_IFNAME") or None,
             auth_key=os.environ.get("NEURON_DIST_AUTH_KEY") or None,
             net_crc=_env("NEURON_DIST_NET_CRC", "0") not in ("0", "", "false", "no"),

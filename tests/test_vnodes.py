@@ -126,6 +126,20 @@ def _check_layout(reports: list[dict], nodes: int, nproc) -> None:
         assert r["node_name"] == f"vnode{node}"
 
 
+def _netns_matrix(clean, nodes: int, nproc, timeout: float):
+    """Run the collective matrix on ``nodes`` isolated nodes (small slots and segments, so
+    every size takes several steps); returns the run and its checked-layout reports."""
+    res = vnodes.run(nodes, nproc, _job(clean["tag"], "--matrix"), netns=True, timeout=timeout,
+                     env={"NEURON_DIST_SHM_SLOT_BYTES": "64K", "NEURON_DIST_SMALL_BYTES": "4K",
+                          "NEURON_DIST_NET_SEGMENT_BYTES": "64K"})
+    clean["results"].append(res)
+    assert res.ok, f"exit codes {res.node_returncodes}\n" + "\n".join(res.outputs)
+    assert len(res.namespaces) == nodes + 1  # the nodes + the bridge
+    reports = _reports(res)
+    _check_layout(reports, nodes, nproc)
+    return res, reports
+
+
 # ----------------------------------------------------------------------------- tests
 
 @pytest.mark.timeout(120)
@@ -150,14 +164,7 @@ def test_loopback_two_nodes(clean):
 def test_netns_two_nodes_are_isolated(clean):
     """2 nodes x 2 ranks, one namespace each: own hostname, /dev/shm and 10.x address; every
     collective x dtype x reduce op is exact across the nodes."""
-    res = vnodes.run(2, 2, _job(clean["tag"], "--matrix"), netns=True, timeout=150,
-                     env={"NEURON_DIST_SHM_SLOT_BYTES": "64K", "NEURON_DIST_SMALL_BYTES": "4K",
-                          "NEURON_DIST_NET_SEGMENT_BYTES": "64K"})
-    clean["results"].append(res)
-    assert res.ok, f"exit codes {res.node_returncodes}\n" + "\n".join(res.outputs)
-    assert len(res.namespaces) == 3  # two nodes + the bridge
-    reports = _reports(res)
-    _check_layout(reports, 2, 2)
+    res, reports = _netns_matrix(clean, 2, 2, timeout=150)
     host_shm = os.stat("/dev/shm").st_dev
     by_node = {n: [r for r in reports if r["group_rank"] == n] for n in (0, 1)}
     for node, reps in by_node.items():
@@ -185,14 +192,7 @@ def test_netns_uneven_three_nodes(clean):
     --nproc-per-node): every collective x dtype x reduce op is exact, and each rank's
     /dev/shm holds only its own node's ranks."""
     counts = [2, 1, 1]
-    res = vnodes.run(3, counts, _job(clean["tag"], "--matrix"), netns=True, timeout=200,
-                     env={"NEURON_DIST_SHM_SLOT_BYTES": "64K", "NEURON_DIST_SMALL_BYTES": "4K",
-                          "NEURON_DIST_NET_SEGMENT_BYTES": "64K"})
-    clean["results"].append(res)
-    assert res.ok, f"exit codes {res.node_returncodes}\n" + "\n".join(res.outputs)
-    assert len(res.namespaces) == 4  # three nodes + the bridge
-    reports = _reports(res)
-    _check_layout(reports, 3, counts)
+    res, reports = _netns_matrix(clean, 3, counts, timeout=200)
     node_ranks = {0: [0, 1], 1: [2], 2: [3]}
     for r in reports:
         assert r["hostname"] == f"vnode{r['group_rank']}"

@@ -16,10 +16,9 @@ concatenate every rank's slot into the output (all_gather).
 
 These are the algorithms of ``allreduce._fits_one_slot``, ``broadcast.broadcast`` and
 ``allgather.all_gather`` for one slot's worth, so both paths interoperate step for step (a
-rank may take either).
-Anything unusual takes the general path: async_op, the profiler on, PREMUL_SUM (its factor
-changes per call), a non-contiguous or large tensor, a group that spans nodes, or an engine
-with work queued. Failures go through the engine's error handling, so they are reported
+rank may take either). Anything unusual takes the general path: async_op, the profiler on,
+PREMUL_SUM (its factor changes per call), a non-contiguous or large tensor, a group that
+spans nodes, or an engine with work queued. Failures go through the engine's error handling, so they are reported
 exactly as on the general path.
 """
 
@@ -62,8 +61,8 @@ class _Plan:
 
 
 class ExpressLane:
-    """Small synchronous all_reduce and broadcast for the group ``pg`` (see the module
-    docstring)."""
+    """Small synchronous all_reduce, broadcast and all_gather_into_tensor for the group ``pg``
+    (see the module docstring)."""
 
     def __init__(self, pg, reduce_spec):
         self._pg = pg
@@ -179,7 +178,7 @@ class ExpressLane:
             epoch = channel.epoch + 1
             views = plan.slots[epoch & 1]
             x = t.detach() if t.requires_grad else t
-            gather = t is not out
+            gather = plan.call.op == "all_gather"
             root = plan.root
             if gather:
                 views[channel.rank].copy_(x.reshape(-1))

@@ -694,9 +694,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 f.finish()
             work._complete(error, req.source if req.source is not None else -1)
 
-        req.callback = finish  # completion from here on queues it (or its waiter runs it)
-        if req._event.is_set():  # completed before the callback was attached
-            req._run_callback()
+        req.on_complete(finish)
 
         def drive(deadline):
             try:

@@ -59,6 +59,13 @@ class Request:
             if self.callback is not None and self._sink is not None and not self._waiting:
                 self._sink.put(self)
 
+    def on_complete(self, callback) -> None:
+        """Attach ``callback(request)`` after posting; it runs once, now if the request has
+        already completed."""
+        self.callback = callback
+        if self._event.is_set():
+            self._run_callback()
+
     def _run_callback(self) -> None:
         """Run the callback unless another thread has claimed it (list.pop is atomic)."""
         try:

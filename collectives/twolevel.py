@@ -163,10 +163,16 @@ class Net:
         than the network: the kernel zero-fills each one)."""
         pool = self.transport.__dict__.setdefault("scratch_pool", {})
         nbytes = numel * dtype.itemsize
-        buf = pool.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = pool[key] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
-        return buf[:nbytes].view(dtype)
+        entry = pool.get(key)
+        if entry is None or entry[0].numel() < nbytes:
+            entry = pool[key] = (torch.empty(max(nbytes, 64), dtype=torch.uint8), {})
+        base, views = entry  # typed views of it, kept: torch view ops cost µs each
+        view = views.get((numel, dtype))
+        if view is None:
+            if len(views) >= 64:
+                views.clear()
+            view = views[(numel, dtype)] = base[:nbytes].view(dtype)
+        return view
 
     def wait(self) -> None:
         """Wait for everything posted; check the peers' descriptors first."""

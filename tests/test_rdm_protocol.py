@@ -167,6 +167,80 @@ def test_three_ranks_all_pairs_lossy():
     check_delivery(net, sent, ids)
 
 
+@pytest.mark.parametrize("crc", [False, True])
+def test_delayed_acks_riding_on_data_under_loss(crc):
+    """Both directions busy, acks held up to ack_delay and carried behind DATA frames, on
+    a network that drops, duplicates, reorders (and corrupts, with CRC): still exactly once."""
+    eps = make(2, ack_delay=0.01, crc=crc)
+    net = Net(eps, seed=7, drop=0.15, dup=0.1, corrupt=0.1 if crc else 0.0)
+    rng = random.Random(7)
+    sent, ids = send_traffic(eps, rng, per_pair=2)
+    rounds = [30]
+
+    def more(net):  # keep both directions sending while acks are held
+        if rounds[0] and round(net.now / DT) % 3 == 0:
+            rounds[0] -= 1
+            for key, batch in send_traffic(eps, rng, per_pair=1)[0].items():
+                sent.setdefault(key, []).extend(batch)
+            for ep in eps:
+                ids[(ep.rank, 1 - ep.rank)] = set(range(ep._peers[1 - ep.rank].next_msg_id))
+    net.on_step.append(more)
+    delivered = all_delivered(net, sent, ids)
+    net.run(lambda: not rounds[0] and delivered())
+    check_delivery(net, sent, ids)
+    assert all(ep.stats["acks_piggybacked"] > 10 for ep in eps), [ep.stats for ep in eps]
+
+
+def _deliver(src, dst, now):
+    frames = src.poll_transmit(now)
+    for tx in frames:
+        dst.receive(tx.rail, tx.data, now)
+    return frames
+
+
+def test_acks_ride_on_replies_and_wait_at_most_ack_delay():
+    a, b = make(2, ack_delay=0.01, rails=2, segment_bytes=1 << 17, window_bytes=1 << 20)
+    now = 0.0
+    for _ in range(5):  # ping-pong: every reply carries the ack of the request
+        a.send(1, 0, b"ping")
+        _deliver(a, b, now)
+        b.send(0, 0, b"pong")
+        _deliver(b, a, now)
+        now += 0.001
+    assert a.stats["acks_sent"] == b.stats["acks_sent"] == 0
+    assert len([e for e in a.events() if isinstance(e, SendCompleted)]) == 5
+    assert len([e for e in b.events() if isinstance(e, SendCompleted)]) == 4
+    assert a.next_deadline() == pytest.approx(now - 0.001 + 0.01)  # the last pong's ack
+    assert _deliver(a, b, now) == []  # held: not due yet
+    (ack,) = _deliver(a, b, now + 0.01)  # due: an ACK frame of its own
+    assert F.decode(ack.data).type == F.ACK
+    assert [type(e) for e in b.events()] == [SendCompleted]
+    a.send(1, 0, b"x" * 70_000)  # acks of a large message (its sender waits) go at once
+    _deliver(a, b, now)
+    (ack,) = _deliver(b, a, now)
+    assert F.decode(ack.data).type == F.ACK
+    b.send(0, 0, b"late")
+    _deliver(b, a, now)
+    a.release_acks()  # before a close
+    (ack,) = _deliver(a, b, now)
+    assert F.decode(ack.data).acks == [(5, 0)]  # b sent pongs 0-4, then this one
+
+
+def test_frames_carry_acks_behind_the_payload():
+    frame = F.encode(F.DATA, 0, 1, total=3, payload=b"abc", acks=[(7, 0), (9, 512)])
+    got = F.decode(frame)
+    assert got.payload == b"abc" and got.acks == [(7, 0), (9, 512)]
+    header = F.decode_header(frame[:F.HEADER_SIZE])
+    assert header.nacks == 2 and header.trailer_bytes == 32
+    good = F.encode(F.DATA, 0, 1, total=3, payload=b"abc", acks=[(7, 0)], crc=True)
+    bad = bytearray(good)
+    bad[-1] ^= 1  # a flipped bit in an ack entry
+    with pytest.raises(F.FrameError, match="CRC"):
+        F.decode(bytes(bad))
+    with pytest.raises(ValueError, match="ACK none"):
+        F.encode_header(F.ACK, 0, 1, payload=b"x" * 16, trailer=F.pack_acks([(1, 0)]))
+
+
 def test_corrupted_frames_are_dropped_never_delivered():
     eps = make(2, crc=True)
     net = Net(eps, seed=4, corrupt=0.2, drop=0.05)
@@ -379,7 +453,9 @@ def patch(buf, offset, fmt, value):
     (data_frame(total=1 << 30), "maximum"),
     (F.encode(F.DATA, 0, 7, total=1, payload=b"x"), "rank out of range"),
     (patch(data_frame(), 24, "!q", -5), "negative tag"),
-    (patch(data_frame(), 6, "!H", 1), "reserved"),
+    (patch(data_frame(), 6, "!H", 1), "1 acks"),  # says one ack entry follows: none does
+    (patch(data_frame() + bytes(16 * 257), 6, "!H", 257), "at most 256"),
+    (patch(F.encode_ack(0, 1, [(1, 0)]) + bytes(16), 6, "!H", 1), "ACK frame with 1"),
     (F.encode(F.DATA, 0, 1, total=9, offset=4), "empty segment"),
     (F.encode(F.ACK, 0, 1, payload=b"x" * 15), "ACK"),
     (data_frame()[:-1] + b"!", None),  # no CRC: a payload byte change is not detectable here

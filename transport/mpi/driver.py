@@ -708,7 +708,7 @@ class MpiTransport:
                     req._finish(error)
             self._anyq.clear()
 
-    def _drive(self, event: threading.Event, deadline: float) -> bool:
+    def _drive(self, event, deadline: float) -> bool:
         """Wait for ``event`` until ``deadline``, polling MPI from this thread meanwhile.
 
         Polls back to back for 1 ms after the last progress, with ``sched_yield`` in between

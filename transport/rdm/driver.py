@@ -14,12 +14,13 @@ becomes rail ``i`` of that pair at both ends. All protocol logic lives in the sa
   is read: ``frames.decode_header``), asks the endpoint where the segment belongs
   (``data_target``: the posted receive buffer or the message's reassembly buffer) and
   reads the payload straight there with ``recv_into``, so large messages are copied once,
-  by the kernel. ACKs, duplicates and odd frames are read aside and go through
+  by the kernel (then the acks riding behind it, if any). ACKs, duplicates and odd frames
+  are read aside and go through
   ``Endpoint.receive``. A header that fails validation means the byte stream cannot be
   trusted any more: the rail is closed (and logged); its unacknowledged segments are
   resent on the other rails;
-* a **timer** thread calls ``poll_transmit`` at the endpoint's next retransmission
-  deadline.
+* a **timer** thread calls ``poll_transmit`` at the endpoint's next deadline: a
+  retransmission, or acks held for ``ack_delay`` that found no DATA frame to ride on.
 
 Threads block in system calls with the GIL released, one syscall per segment, so the
 Python cost is per segment (<= ``segment_bytes``), not per byte. A rail whose connection
@@ -36,6 +37,7 @@ until it is. Nothing here imports torch.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import socket
 import threading
@@ -80,6 +82,8 @@ class _Rail:
         bufs = [memoryview(tx.header)]
         if len(tx.payload):
             bufs.append(memoryview(tx.payload).cast("B"))
+        if tx.trailer:
+            bufs.append(memoryview(tx.trailer))
         with self.cond:
             if not self.alive:
                 return
@@ -119,13 +123,14 @@ class RdmTransport:
 
     def __init__(self, rank: int, world_size: int, *, host: str, rails: int, key: bytes,
                  group: bytes, segment_bytes: int = 1 << 20, window_bytes: int = 32 << 20,
-                 crc: bool = False, rto: float = 5.0, label: str = ""):
+                 crc: bool = False, rto: float = 5.0, ack_delay: float = 0.005,
+                 label: str = ""):
         self.rank, self.world_size, self.nrails = rank, world_size, rails
         self.segment_bytes = segment_bytes
         self._key, self._group, self._label = key, group, label or f"rank {rank}"
         self.ep = Endpoint(rank, world_size, rails, segment_bytes, 1 << 48, rto=rto,
                            max_rto=max(rto, 30.0), max_retries=6, window_bytes=window_bytes,
-                           max_reassembly_bytes=1 << 30, crc=crc)
+                           max_reassembly_bytes=1 << 30, crc=crc, ack_delay=ack_delay)
         self._lock = threading.Lock()
         self._rails: dict[int, list] = {}
         self._expected: set[int] = set()
@@ -139,6 +144,7 @@ class RdmTransport:
         self._closed = False
         self._timer = threading.Condition(self._lock)
         self._timer_period = min(1.0, rto / 4)
+        self._timer_at = -math.inf  # when the sleeping timer wakes (-inf: it is awake)
         # Completion callbacks run here, never under the lock: they may post new requests.
         self._callbacks = queue.SimpleQueue()
         self._outbox = deque()  # frames to write, queued under the lock (see _pump)
@@ -348,6 +354,8 @@ class RdmTransport:
         self._handle_events()
         self._outbox.extend(self.ep.poll_transmit(time.monotonic()))
         self._handle_events()  # poll_transmit may have declared a peer failed
+        if self.ep.take_ack_hint() < self._timer_at:
+            self._timer.notify()  # held acks are due before the timer would look
 
     def _send_out(self) -> None:
         """Outside the lock: hand the queued frames to their rails."""
@@ -375,8 +383,9 @@ class RdmTransport:
             elif isinstance(ev, FrameRejected):
                 log.error("neuron %s: rejected a frame on rail %d: %s", self._label, ev.rail,
                           ev.reason)
-        # The timer is not woken here: a new deadline is at least one rto away, and the
-        # timer looks at least every rto / 4 (a wake-up per frame cost a thread switch).
+        # The timer is not woken for new retransmission deadlines: they are at least one
+        # rto away, and it looks at least every rto / 4 (a wake-up per frame cost a thread
+        # switch). Held acks wake it only when due before it would look (see _pump).
 
     def _on_message(self, ev: MessageReceived) -> None:
         if ev.tag == ABORT_TAG:
@@ -535,12 +544,16 @@ class RdmTransport:
                     target = ep.data_target(rail.index, h)
                 if target is not None:
                     _recv_exact(sock, target)
+                    trailer = b""
+                    if h.nacks:
+                        trailer = bytearray(h.trailer_bytes)
+                        _recv_exact(sock, memoryview(trailer))
                     with self._lock:
-                        ep.data_landed(rail.index, hbuf, h, time.monotonic())
+                        ep.data_landed(rail.index, hbuf, h, time.monotonic(), trailer)
                         self._pump()
                     self._send_out()
                     continue
-                frame = bytearray(F.HEADER_SIZE + h.length)
+                frame = bytearray(F.HEADER_SIZE + h.length + h.trailer_bytes)
                 frame[:F.HEADER_SIZE] = hbuf
                 _recv_exact(sock, memoryview(frame)[F.HEADER_SIZE:])
                 with self._lock:
@@ -567,7 +580,9 @@ class RdmTransport:
                 wait = self._timer_period if deadline is None else max(
                     0.0, min(self._timer_period, deadline - time.monotonic()))
                 if wait > 0:
+                    self._timer_at = time.monotonic() + wait
                     self._timer.wait(wait)
+                    self._timer_at = -math.inf
                 if self._closed:
                     return
                 due = deadline is not None and time.monotonic() >= deadline
@@ -636,6 +651,9 @@ class RdmTransport:
         with self._lock:
             rails = [r for rails in self._rails.values() for r in rails if r is not None]
             peers = [p for p in self._rails if p not in self._failed]
+            self.ep.release_acks()  # the peers' drains wait for them
+            self._pump()
+        self._send_out()
 
         def settled():
             with self._lock:

@@ -8,7 +8,7 @@ Every frame is a fixed 64-byte header in network byte order followed by a payloa
       3   1  type      DATA (1) or ACK (2)
       4   1  flags     FLAG_CRC (bit 0): ``crc`` covers header and payload
       5   1  rail      rail the sender put the frame on (a hint; receivers use their own)
-      6   2  reserved  must be 0
+      6   2  nacks     ack entries riding behind a DATA frame's payload (0 on an ACK)
       8   4  src       sending rank
      12   4  dst       receiving rank
      16   8  msg_id    message number, per (src -> dst) pair, 0, 1, 2, ...
@@ -17,10 +17,13 @@ Every frame is a fixed 64-byte header in network byte order followed by a payloa
      40   8  total     length of the whole message in bytes
      48   8  offset    where this segment's payload goes in the message
      56   4  length    payload bytes that follow the header
-     60   4  crc       CRC-32 of header (with crc = 0) and payload if FLAG_CRC, else 0
+     60   4  crc       CRC-32 of header (with crc = 0), payload and ack entries if
+                         FLAG_CRC, else 0
 
 A DATA frame carries one segment: ``payload`` is ``message[offset:offset + length]``.
 A 0-byte message travels as a single DATA frame with ``total = offset = length = 0``.
+Behind its payload come ``nacks`` ack entries (as in an ACK frame, below) the sender had
+to send to this peer anyway: the acks of a request ride on its reply.
 
 An ACK frame acknowledges segments individually: its payload is a packed array of
 ``(msg_id: u64, offset: u64)`` entries (16 bytes each, 1..MAX_ACKS_PER_FRAME of them);
@@ -37,11 +40,10 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
 from typing import NamedTuple
 
 MAGIC = b"NR"
-VERSION = 1
+VERSION = 2  # 2: DATA frames carry piggybacked acks (``nacks``)
 
 DATA = 1
 ACK = 2
@@ -67,9 +69,8 @@ class FrameError(ValueError):
     """A byte string is not a well-formed frame (truncated, oversized, corrupt, garbage)."""
 
 
-@dataclass(frozen=True)
-class Frame:
-    """One decoded frame.
+class Frame(NamedTuple):
+    """One decoded frame (a tuple: cheap to build on the per-frame path).
 
     Attributes
     ----------
@@ -85,6 +86,8 @@ class Frame:
         See the module docstring (all 0 except ``total`` in an ACK).
     payload : bytes
         The segment (DATA) or the packed ack entries (ACK).
+    piggyback : bytes
+        Packed ack entries riding behind a DATA frame's payload (empty otherwise).
     """
 
     type: int
@@ -98,13 +101,13 @@ class Frame:
     total: int
     offset: int
     payload: bytes
+    piggyback: bytes = b""
 
     @property
     def acks(self) -> list[tuple[int, int]]:
-        """The ``(msg_id, offset)`` entries of an ACK frame (empty for DATA)."""
-        if self.type != ACK:
-            return []
-        return list(ACK_ENTRY.iter_unpack(self.payload))
+        """The ``(msg_id, offset)`` entries the frame carries (an ACK's payload, or the
+        entries riding behind a DATA frame's)."""
+        return list(ACK_ENTRY.iter_unpack(self.payload if self.type == ACK else self.piggyback))
 
 
 def _check_range(name: str, value: int, lo: int, hi: int) -> None:
@@ -114,8 +117,8 @@ def _check_range(name: str, value: int, lo: int, hi: int) -> None:
 
 def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq: int = 0,
            total: int | None = None, offset: int = 0, payload=b"", rail: int = 0,
-           crc: bool = False) -> bytes:
-    """Build one frame: ``encode_header(...) + payload``.
+           crc: bool = False, acks=()) -> bytes:
+    """Build one frame: ``encode_header(...) + payload + packed acks``.
 
     Parameters
     ----------
@@ -130,7 +133,9 @@ def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq:
     rail : int
         Rail hint, 0..255.
     crc : bool
-        Set ``FLAG_CRC`` and fill the CRC-32 of header and payload.
+        Set ``FLAG_CRC`` and fill the CRC-32 of header, payload and acks.
+    acks : sequence of (msg_id, offset)
+        Ack entries to piggyback on a DATA frame (at most ``MAX_ACKS_PER_FRAME``).
 
     Returns
     -------
@@ -142,21 +147,33 @@ def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq:
     ValueError
         A field does not fit its wire width or the frame would be inconsistent.
     """
+    trailer = pack_acks(acks) if acks else b""
     header = encode_header(type, src, dst, msg_id=msg_id, tag=tag, seq=seq, total=total,
-                           offset=offset, payload=payload, rail=rail, crc=crc)
-    return header + bytes(payload)
+                           offset=offset, payload=payload, rail=rail, crc=crc, trailer=trailer)
+    return header + bytes(payload) + trailer
+
+
+def pack_acks(entries) -> bytes:
+    """Ack entries ``[(msg_id, offset), ...]`` as they travel (an ACK's payload, or behind
+    a DATA frame's)."""
+    return struct.pack(f"!{2 * len(entries)}Q", *[x for entry in entries for x in entry])
 
 
 def encode_header(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq: int = 0,
                   total: int | None = None, offset: int = 0, payload=b"", rail: int = 0,
-                  crc: bool = False) -> bytes:
+                  crc: bool = False, trailer=b"") -> bytes:
     """The 64-byte header of the frame ``encode`` would build, without copying ``payload``.
 
-    A driver writes the header and then the payload (a view of the caller's buffer) with
-    one scatter-gather send. Parameters and errors as for ``encode``.
+    A driver writes the header, the payload (a view of the caller's buffer) and the packed
+    piggybacked acks ``trailer`` with one scatter-gather send. Parameters and errors as
+    for ``encode``.
     """
     if type not in FRAME_TYPES:
         raise ValueError(f"unknown frame type {type!r}")
+    nacks, odd = divmod(len(trailer), ACK_ENTRY.size)
+    if odd or nacks > MAX_ACKS_PER_FRAME or (nacks and type != DATA):
+        raise ValueError(f"a DATA frame carries 0..{MAX_ACKS_PER_FRAME} whole ack entries "
+                         f"behind its payload, an ACK none ({len(trailer)} bytes given)")
     length = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
     if total is None:
         total = offset + length
@@ -167,12 +184,28 @@ def encode_header(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 
     if offset + length > total:
         raise ValueError(f"segment [{offset}, {offset + length}) exceeds the message length {total}")
     flags = FLAG_CRC if crc else 0
-    header = HEADER.pack(MAGIC, VERSION, type, flags, rail, 0, src, dst, msg_id, tag, seq,
+    header = HEADER.pack(MAGIC, VERSION, type, flags, rail, nacks, src, dst, msg_id, tag, seq,
                          total, offset, length, 0)
     if crc:
-        value = zlib.crc32(payload, zlib.crc32(header))
+        value = zlib.crc32(trailer, zlib.crc32(payload, zlib.crc32(header)))
         header = header[:_CRC_OFFSET] + value.to_bytes(4, "big")
     return header
+
+
+def pack_data_header(src: int, dst: int, msg_id: int, tag: int, seq: int, total: int,
+                     offset: int, length: int, rail: int, nacks: int = 0) -> bytes:
+    """``encode_header`` of a DATA frame without CRC, for a caller whose fields are valid
+    by construction (the protocol's own counters): no range checks on the per-frame path."""
+    return HEADER.pack(MAGIC, VERSION, DATA, 0, rail, nacks, src, dst, msg_id, tag, seq,
+                       total, offset, length, 0)
+
+
+def pack_ack(src: int, dst: int, entries, rail: int) -> bytes:
+    """``encode_ack`` without CRC and without checks, for 1..MAX_ACKS_PER_FRAME entries the
+    protocol produced itself."""
+    n = len(entries)
+    return HEADER.pack(MAGIC, VERSION, ACK, 0, rail, 0, src, dst, 0, 0, 0, 16 * n, 0,
+                       16 * n, 0) + pack_acks(entries)
 
 
 def encode_ack(src: int, dst: int, entries, *, rail: int = 0, crc: bool = False) -> bytes:
@@ -185,15 +218,14 @@ def encode_ack(src: int, dst: int, entries, *, rail: int = 0, crc: bool = False)
     """
     if not 1 <= len(entries) <= MAX_ACKS_PER_FRAME:
         raise ValueError(f"an ACK frame carries 1..{MAX_ACKS_PER_FRAME} entries, not {len(entries)}")
-    payload = b"".join(ACK_ENTRY.pack(m, o) for m, o in entries)
-    return encode(ACK, src, dst, payload=payload, rail=rail, crc=crc)
+    return encode(ACK, src, dst, payload=pack_acks(entries), rail=rail, crc=crc)
 
 
 def _header_fields(view: memoryview) -> tuple:
     if view.nbytes < HEADER_SIZE:
         raise FrameError(f"truncated frame: {view.nbytes} bytes, the header alone is {HEADER_SIZE}")
     fields = HEADER.unpack_from(view, 0)
-    magic, version, ftype, flags, _rail, reserved = fields[:6]
+    magic, version, ftype, flags, _rail, nacks = fields[:6]
     if magic != MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
     if version != VERSION:
@@ -202,16 +234,18 @@ def _header_fields(view: memoryview) -> tuple:
         raise FrameError(f"unknown frame type {ftype}")
     if flags & ~KNOWN_FLAGS:
         raise FrameError(f"unknown flags 0x{flags:02x}")
-    if reserved:
-        raise FrameError(f"reserved field is {reserved}, must be 0")
+    if nacks and ftype != DATA:
+        raise FrameError(f"an ACK frame with {nacks} piggybacked acks")
+    if nacks > MAX_ACKS_PER_FRAME:
+        raise FrameError(f"{nacks} piggybacked acks (at most {MAX_ACKS_PER_FRAME})")
     return fields
 
 
 def _check_lengths(view: memoryview | None, ftype: int, tag: int, total: int, offset: int,
-                   length: int, max_message_bytes: int | None) -> None:
-    if view is not None and length != view.nbytes - HEADER_SIZE:
-        raise FrameError(f"length field says {length} payload bytes, the frame carries "
-                         f"{view.nbytes - HEADER_SIZE}")
+                   length: int, max_message_bytes: int | None, nacks: int = 0) -> None:
+    if view is not None and length + nacks * ACK_ENTRY.size != view.nbytes - HEADER_SIZE:
+        raise FrameError(f"length field says {length} payload bytes and {nacks} acks, the "
+                         f"frame carries {view.nbytes - HEADER_SIZE} bytes")
     if offset + length > total:
         raise FrameError(f"segment [{offset}, {offset + length}) exceeds the message length {total}")
     if max_message_bytes is not None and total > max_message_bytes:
@@ -237,7 +271,7 @@ def _check_crc(view: memoryview, flags: int, stored: int, require_crc: bool) -> 
         return
     value = zlib.crc32(view[:_CRC_OFFSET])
     value = zlib.crc32(b"\0\0\0\0", value)
-    value = zlib.crc32(view[HEADER_SIZE:], value)
+    value = zlib.crc32(view[HEADER_SIZE:], value)  # payload and piggybacked acks
     if value != stored:
         raise FrameError(f"CRC mismatch (computed 0x{value:08x}, frame says 0x{stored:08x})")
 
@@ -257,6 +291,12 @@ class Header(NamedTuple):
     offset: int
     length: int
     crc: int
+    nacks: int = 0
+
+    @property
+    def trailer_bytes(self) -> int:
+        """Bytes of piggybacked ack entries after the payload."""
+        return self.nacks * ACK_ENTRY.size
 
 
 def decode_header(buf, *, world_size: int | None = None, max_message_bytes: int | None = None,
@@ -276,7 +316,8 @@ def decode_header(buf, *, world_size: int | None = None, max_message_bytes: int 
     if view.nbytes != HEADER_SIZE:
         raise FrameError(f"a header is {HEADER_SIZE} bytes, not {view.nbytes}")
     fields = _header_fields(view)
-    (_, _, ftype, flags, rail, _, src, dst, msg_id, tag, seq, total, offset, length, crc) = fields
+    (_, _, ftype, flags, rail, nacks, src, dst, msg_id, tag, seq, total, offset, length,
+     crc) = fields
     if max_payload is not None and length > max_payload:
         raise FrameError(f"payload of {length} bytes exceeds the maximum {max_payload}")
     _check_lengths(None, ftype, tag, total, offset, length, max_message_bytes)
@@ -287,16 +328,18 @@ def decode_header(buf, *, world_size: int | None = None, max_message_bytes: int 
             raise FrameError("frame has no CRC but this endpoint requires one")
         if crc:
             raise FrameError(f"CRC field is 0x{crc:08x} but FLAG_CRC is not set")
-    return Header(ftype, flags, rail, src, dst, msg_id, tag, seq, total, offset, length, crc)
+    return Header(ftype, flags, rail, src, dst, msg_id, tag, seq, total, offset, length, crc,
+                  nacks)
 
 
-def check_payload(header_bytes, header: Header, payload) -> None:
-    """Verify the CRC of a frame read as header + payload (no-op without ``FLAG_CRC``)."""
+def check_payload(header_bytes, header: Header, payload, trailer=b"") -> None:
+    """Verify the CRC of a frame read as header + payload + trailer (the piggybacked acks);
+    a no-op without ``FLAG_CRC``."""
     if not header.flags & FLAG_CRC:
         return
     value = zlib.crc32(memoryview(header_bytes)[:_CRC_OFFSET])
     value = zlib.crc32(b"\0\0\0\0", value)
-    value = zlib.crc32(payload, value)
+    value = zlib.crc32(trailer, zlib.crc32(payload, value))
     if value != header.crc:
         raise FrameError(f"CRC mismatch (computed 0x{value:08x}, frame says 0x{header.crc:08x})")
 
@@ -308,7 +351,8 @@ def decode(buf, *, world_size: int | None = None, max_message_bytes: int | None 
     Parameters
     ----------
     buf : bytes-like
-        Exactly one frame (a datagram): the header and ``length`` payload bytes, no more.
+        Exactly one frame (a datagram): the header, ``length`` payload bytes and ``nacks``
+        ack entries, no more.
     world_size : int, optional
         When given, ``src`` and ``dst`` must be below it.
     max_message_bytes : int, optional
@@ -331,10 +375,12 @@ def decode(buf, *, world_size: int | None = None, max_message_bytes: int | None 
     except TypeError as e:
         raise FrameError(f"not a contiguous bytes-like object: {e}") from None
     fields = _header_fields(view)
-    (_, _, ftype, flags, rail, _, src, dst, msg_id, tag, seq, total, offset, length, crc) = fields
-    _check_lengths(view, ftype, tag, total, offset, length, max_message_bytes)
+    (_, _, ftype, flags, rail, nacks, src, dst, msg_id, tag, seq, total, offset, length,
+     crc) = fields
+    _check_lengths(view, ftype, tag, total, offset, length, max_message_bytes, nacks)
     if world_size is not None and not (src < world_size and dst < world_size):
         raise FrameError(f"rank out of range: src {src}, dst {dst}, world size {world_size}")
     _check_crc(view, flags, crc, require_crc)
+    end = HEADER_SIZE + length
     return Frame(ftype, flags, rail, src, dst, msg_id, tag, seq, total, offset,
-                 bytes(view[HEADER_SIZE:]))
+                 bytes(view[HEADER_SIZE:end]), bytes(view[end:]))

@@ -33,6 +33,15 @@ Acknowledgement: per segment, batched
     the sender reports ``SendCompleted(peer, msg_id)``. Rail numbers name the same path
     at both ends (the driver's connection ``i`` to a peer is rail ``i`` on both sides).
 
+Delayed acks (``ack_delay`` > 0)
+    Acks of small messages (``total`` <= ``DELAYED_ACK_BYTES``: a driver completes their
+    sends at once, so nobody waits for these acks) are held for up to ``ack_delay`` and
+    ride behind the next DATA frames to that peer, like TCP's delayed ack. A ping-pong
+    then costs no ACK frame and no wake-up per message at either end. Acks of larger
+    messages, duplicates' acks and a full batch go at the next ``poll_transmit``. Whenever
+    DATA frames go to a peer, every ack waiting for it rides on them (``nacks`` entries
+    behind the payload, see ``frames``); an ACK frame is sent only when no data goes.
+
 Retransmission
     Every unacked segment has a deadline: ``rto * backoff**retries`` (capped at
     ``max_rto``) after it was last sent, measured only with the ``now`` values passed in.
@@ -88,6 +97,7 @@ Integrity
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
@@ -97,6 +107,7 @@ from ..errors import TransportError
 from . import frames as F
 
 MIN_SPRAY_BYTES = 512 << 10
+DELAYED_ACK_BYTES = 64 << 10  # acks of messages up to this size may wait (ack_delay)
 
 # ----------------------------------------------------------------------------- events
 
@@ -161,11 +172,12 @@ class Transmit(NamedTuple):
     rail: int
     header: bytes
     payload: object = b""
+    trailer: bytes = b""  # piggybacked ack entries (DATA frames)
 
     @property
     def data(self) -> bytes:
         """The whole frame as one bytes object (a copy of the payload)."""
-        return self.header + bytes(self.payload)
+        return self.header + bytes(self.payload) + self.trailer
 
 
 class ProtocolError(TransportError):
@@ -258,10 +270,13 @@ class _Peer:
     unacked: dict = field(default_factory=dict)  # (msg_id, offset) -> _Segment
     urgent: deque = field(default_factory=deque)  # segment keys to resend now
     inflight: int = 0
+    scan_at: float = math.inf  # no unacked segment's deadline is earlier (a lower bound)
     rail_bytes: list = field(default_factory=list)
     rr: int = 0
     # receiving
     acks_out: dict = field(default_factory=dict)  # rail the data came on -> [(msg_id, offset)]
+    acks_due: float = math.inf  # when the held acks must go (now, for urgent ones)
+    acks_held: int = 0
     recv_done: _IdWindow = field(default_factory=_IdWindow)
     partial: dict = field(default_factory=dict)  # msg_id -> _Reassembly
     streams: dict = field(default_factory=dict)  # tag -> _Stream
@@ -313,13 +328,16 @@ class Endpoint:
         per peer; must be equal on both sides.
     crc : bool
         Protect every frame with a CRC-32 and require it on every frame received.
+    ack_delay : float
+        How long acks of small messages may wait for DATA frames to ride behind (0: every
+        ``poll_transmit`` sends them). See "Delayed acks".
     """
 
     def __init__(self, rank: int, world_size: int, rails: int, segment_bytes: int,
                  max_message_bytes: int, *, rto: float = 0.2, backoff: float = 2.0,
                  max_rto: float = 5.0, max_retries: int = 8, window_bytes: int = 4 << 20,
                  max_reassembly_bytes: int = 64 << 20, max_open_messages: int = 4096,
-                 crc: bool = False):
+                 crc: bool = False, ack_delay: float = 0.0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         if not 1 <= rails <= 256:
@@ -333,9 +351,11 @@ class Endpoint:
         self.rto, self.backoff, self.max_rto, self.max_retries = rto, backoff, max_rto, max_retries
         self.window_bytes, self.max_reassembly_bytes = window_bytes, max_reassembly_bytes
         self.max_open_messages, self.crc = max_open_messages, crc
+        self.ack_delay = ack_delay
+        self._ack_hint = math.inf  # earliest ack deadline set since take_ack_hint()
         self.reassembly_bytes = 0
         self.stats = {"sent": 0, "retransmits": 0, "duplicates": 0, "rejected": 0,
-                      "dropped_full": 0, "acks_sent": 0}
+                      "dropped_full": 0, "acks_sent": 0, "acks_piggybacked": 0}
         self._peers: dict[int, _Peer] = {}
         self._failed: dict[int, str] = {}
         self._dead_rails: set[int] = set()  # rails failed towards every peer
@@ -453,10 +473,10 @@ class Endpoint:
             state = self._peer(frame.src)
         except ProtocolError:
             return
-        if frame.type == F.ACK:
+        if frame.type == F.ACK or frame.piggyback:
             self._on_ack(frame.src, state, frame.acks)
-        else:
-            self._on_data(rail, state, frame)
+        if frame.type == F.DATA:
+            self._on_data(rail, state, frame, now)
 
     def data_target(self, rail: int, header: F.Header):
         """Where a DATA segment announced by ``header`` may be read straight into, or None.
@@ -502,11 +522,15 @@ class Endpoint:
             return None
         return r.buf[start:start + length]
 
-    def data_landed(self, rail: int, header_bytes, header: F.Header, now: float) -> None:
-        """The payload of ``header`` was read into the view ``data_target`` returned."""
+    def data_landed(self, rail: int, header_bytes, header: F.Header, now: float,
+                    trailer=b"") -> None:
+        """The payload of ``header`` was read into the view ``data_target`` returned, and
+        its ``header.nacks`` piggybacked ack entries into ``trailer``."""
         state = self._peers.get(header.src)
         if state is None:
             return  # the peer failed while the payload was being read
+        if header.nacks:  # (never with crc: data_target declines those frames)
+            self._on_ack(header.src, state, F.ACK_ENTRY.iter_unpack(trailer))
         r = state.partial.get(header.msg_id)
         if r is None:
             r = self._start(rail, state, header)
@@ -514,17 +538,17 @@ class Endpoint:
                 return
         view = r.buf[header.offset:header.offset + header.length]
         try:
-            F.check_payload(header_bytes, header, view)
+            F.check_payload(header_bytes, header, view, trailer)
         except F.FrameError as e:
             self._reject(rail, str(e))
             return
         if header.offset in r.lengths:  # the same segment landed twice (two rails): ack again
-            state.acks_out.setdefault(rail, []).append((header.msg_id, header.offset))
+            self._ack(state, rail, header.msg_id, header.offset, header.total, now, urgent=True)
             return
         insort(r.starts, header.offset)
         r.lengths[header.offset] = header.length
         r.received += header.length
-        state.acks_out.setdefault(rail, []).append((header.msg_id, header.offset))
+        self._ack(state, rail, header.msg_id, header.offset, header.total, now)
         if r.complete:
             self._finish(header.src, state, r)
 
@@ -544,11 +568,24 @@ class Endpoint:
         out: list[Transmit] = []
         for peer in sorted(self._peers):
             state = self._peers[peer]
-            self._flush_acks(peer, state, out)
             if not self._resend_due(peer, state, now, out):
                 continue  # the peer just failed
-            self._send_new(peer, state, now, out)
+            self._send_new(peer, state, now, out)  # waiting acks ride on this data
+            if state.acks_out and now >= state.acks_due:
+                self._flush_acks(peer, state, out)
         return out
+
+    def release_acks(self) -> None:
+        """Make every held ack due now (before closing: peers wait for them)."""
+        for state in self._peers.values():
+            if state.acks_out:
+                state.acks_due = -math.inf
+
+    def take_ack_hint(self) -> float:
+        """The earliest ack deadline set since the last call (inf: none): a driver that
+        sleeps until ``next_deadline`` must wake by then."""
+        hint, self._ack_hint = self._ack_hint, math.inf
+        return hint
 
     def events(self) -> list:
         """Events since the last call (``MessageReceived``, ``SendCompleted``, ...), oldest first."""
@@ -556,8 +593,14 @@ class Endpoint:
         return events
 
     def next_deadline(self) -> float | None:
-        """Earliest retransmission deadline, or None: when to call ``poll_transmit`` next."""
-        deadlines = [seg.deadline for s in self._peers.values() for seg in s.unacked.values()]
+        """When to call ``poll_transmit`` next (None: nothing unacknowledged).
+
+        Never later than the earliest retransmission deadline, and possibly earlier (the
+        segment that set it may have been acknowledged since): a ``poll_transmit`` at that
+        time may find nothing due, and the next call then gives the true deadline.
+        """
+        deadlines = [s.scan_at for s in self._peers.values() if s.unacked]
+        deadlines += [s.acks_due for s in self._peers.values() if s.acks_out]
         return min(deadlines, default=None)
 
     def inflight_bytes(self, peer: int) -> int:
@@ -618,12 +661,35 @@ class Endpoint:
     def _transmit(self, peer: int, seg: _Segment, now: float, out: list) -> None:
         msg = seg.msg
         payload = msg.data[seg.offset:seg.offset + seg.length]
-        header = F.encode_header(F.DATA, self.rank, peer, msg_id=msg.msg_id, tag=msg.tag,
-                                 seq=msg.seq, total=msg.data.nbytes, offset=seg.offset,
-                                 payload=payload, rail=seg.rail, crc=self.crc)
-        seg.deadline = now + min(self.rto * self.backoff ** seg.retries, self.max_rto)
+        state = self._peers[peer]
+        trailer = self._take_acks(state) if state.acks_out else b""
+        if self.crc:
+            header = F.encode_header(F.DATA, self.rank, peer, msg_id=msg.msg_id, tag=msg.tag,
+                                     seq=msg.seq, total=msg.data.nbytes, offset=seg.offset,
+                                     payload=payload, rail=seg.rail, crc=True, trailer=trailer)
+        else:
+            header = F.pack_data_header(self.rank, peer, msg.msg_id, msg.tag, msg.seq,
+                                        msg.data.nbytes, seg.offset, seg.length, seg.rail,
+                                        len(trailer) // F.ACK_ENTRY.size)
+        seg.deadline = deadline = now + min(self.rto * self.backoff ** seg.retries, self.max_rto)
+        if deadline < state.scan_at:
+            state.scan_at = deadline
         self.stats["sent"] += 1
-        out.append(Transmit(peer, seg.rail, header, payload))
+        out.append(Transmit(peer, seg.rail, header, payload, trailer))
+
+    def _take_acks(self, state: _Peer) -> bytes:
+        """Every ack waiting for this peer (up to a frame's worth), packed to ride behind a
+        DATA frame's payload."""
+        entries = [e for es in state.acks_out.values() for e in es]
+        take = entries[:F.MAX_ACKS_PER_FRAME]
+        rest = entries[F.MAX_ACKS_PER_FRAME:]
+        if rest:
+            state.acks_out = {self._pick_rail(state): rest}
+            state.acks_held = len(rest)
+        else:
+            state.acks_out, state.acks_due, state.acks_held = {}, math.inf, 0
+        self.stats["acks_piggybacked"] += len(take)
+        return F.pack_acks(take)
 
     def _move(self, state: _Peer, seg: _Segment, rail: int) -> None:
         state.rail_bytes[seg.rail] -= seg.cost
@@ -643,6 +709,8 @@ class Endpoint:
             self._transmit(peer, seg, now, out)
             self.stats["retransmits"] += 1
             resent.add(key)
+        if now < state.scan_at:
+            return True  # nothing can be due yet: spare the scan on every call
         for key, seg in list(state.unacked.items()):
             if seg.deadline > now or key in resent:
                 continue
@@ -654,6 +722,7 @@ class Endpoint:
             self._move(state, seg, self._pick_rail(state, avoid=seg.rail))
             self._transmit(peer, seg, now, out)
             self.stats["retransmits"] += 1
+        state.scan_at = min((seg.deadline for seg in state.unacked.values()), default=math.inf)
         return True
 
     def _window_allows(self, state: _Peer, cost: int) -> bool:
@@ -693,8 +762,25 @@ class Endpoint:
                 state.sent_done.add(msg.msg_id)
                 self._events.append(SendCompleted(peer, msg.msg_id))
 
+    def _ack(self, state: _Peer, rail: int, msg_id: int, offset: int, total: int, now: float,
+             urgent: bool = False) -> None:
+        """Queue the ack of one segment; see "Delayed acks" for when it goes."""
+        entries = state.acks_out.get(rail)
+        if entries is None:
+            entries = state.acks_out[rail] = []
+        entries.append((msg_id, offset))
+        state.acks_held += 1
+        if (urgent or total > DELAYED_ACK_BYTES or self.ack_delay <= 0
+                or state.acks_held >= F.MAX_ACKS_PER_FRAME):
+            state.acks_due = min(state.acks_due, now)
+        elif state.acks_due == math.inf:
+            state.acks_due = due = now + self.ack_delay
+            if due < self._ack_hint:
+                self._ack_hint = due
+
     def _flush_acks(self, peer: int, state: _Peer, out: list) -> None:
         pending, state.acks_out = state.acks_out, {}
+        state.acks_due, state.acks_held = math.inf, 0
         for rail, entries in sorted(pending.items()):
             if not state.rails[rail]:
                 rail = self._pick_rail(state)
@@ -702,16 +788,17 @@ class Endpoint:
                 self._send_ack(peer, rail, entries[i:i + F.MAX_ACKS_PER_FRAME], out)
 
     def _send_ack(self, peer: int, rail: int, chunk: list, out: list) -> None:
-        out.append(Transmit(peer, rail, F.encode_ack(self.rank, peer, chunk, rail=rail,
-                                                     crc=self.crc)))
+        frame = (F.encode_ack(self.rank, peer, chunk, rail=rail, crc=True) if self.crc
+                 else F.pack_ack(self.rank, peer, chunk, rail))
+        out.append(Transmit(peer, rail, frame))
         self.stats["acks_sent"] += 1
 
     # ------------------------------------------------------------------ receiving
 
-    def _on_data(self, rail: int, state: _Peer, frame: F.Frame) -> None:
+    def _on_data(self, rail: int, state: _Peer, frame: F.Frame, now: float) -> None:
         if frame.msg_id in state.recv_done:
             self.stats["duplicates"] += 1
-            state.acks_out.setdefault(rail, []).append((frame.msg_id, frame.offset))
+            self._ack(state, rail, frame.msg_id, frame.offset, frame.total, now, urgent=True)
             return
         if frame.msg_id >= state.recv_done.low + self.max_open_messages:
             self._reject(rail, f"message {frame.msg_id} from rank {frame.src} is beyond the "
@@ -727,9 +814,10 @@ class Endpoint:
                                f"(tag {frame.tag}, seq {frame.seq}, total {frame.total}) differs "
                                f"from its first segment ({r.tag}, {r.seq}, {r.total})")
             return
+        duplicate = r.lengths.get(frame.offset) == len(frame.payload)
         if not self._place(rail, r, frame):
             return
-        state.acks_out.setdefault(rail, []).append((frame.msg_id, frame.offset))
+        self._ack(state, rail, frame.msg_id, frame.offset, frame.total, now, urgent=duplicate)
         if r.complete:
             self._finish(frame.src, state, r)
 

@@ -229,6 +229,28 @@ def test_header_decoder_rejects_garbage_cleanly(raw):
     assert h.src < 4 and h.dst < 4 and h.tag >= 0
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, F.HEADER_SIZE - 1), st.integers(1, 255), st.integers(0, 3),
+       st.sampled_from([0, 1, 9, 1000]), st.integers(0, 2))
+def test_header_fast_path_agrees_with_the_checked_one(at, xor, nacks, length, offset):
+    """decode_header's one-go check of DATA headers accepts exactly what the field-by-field
+    check accepts, with the same fields."""
+    frame = bytearray(F.encode(F.DATA, 1, 0, msg_id=3, tag=2, seq=1, total=offset + length,
+                               offset=offset, payload=bytes(length),
+                               acks=[(5, 0)] * nacks))[:F.HEADER_SIZE]
+    for raw in (bytes(frame), bytes(frame[:at]) + bytes([frame[at] ^ xor]) + bytes(frame[at + 1:])):
+        limits = dict(world_size=2, max_message_bytes=1 << 12, max_payload=512)
+        try:
+            fast = F.decode_header(raw, **limits)
+        except F.FrameError:
+            fast = "rejected"
+        try:
+            slow = F._decode_header_checked(raw, 2, 1 << 12, 512, False)
+        except F.FrameError:
+            slow = "rejected"
+        assert fast == slow
+
+
 def test_no_threads_or_sockets_left():
     before = {t.name for t in threading.enumerate()}
     ts = _pair(rails=2)

@@ -226,6 +226,29 @@ def test_acks_ride_on_replies_and_wait_at_most_ack_delay():
     assert F.decode(ack.data).acks == [(5, 0)]  # b sent pongs 0-4, then this one
 
 
+def test_has_work_says_when_poll_transmit_has_something_to_send():
+    """A driver skips poll_transmit while has_work is False (deadlines aside): it must turn
+    True for new messages, for a window that opens, and for acks that are due now."""
+    a, b = make(2, window_bytes=1000, segment_bytes=256, rails=1, ack_delay=0.01)
+    assert not a.has_work
+    a.send(1, 0, bytes(3000))  # more than the window holds
+    assert a.has_work
+    assert _deliver(a, b, 0.0) and not a.has_work  # the window is full
+    assert not b.has_work  # its acks may wait
+    assert _deliver(b, a, 0.0) == []
+    assert _deliver(b, a, 0.011)  # held acks went at their deadline...
+    assert a.has_work  # ...and opened the window
+    now = 0.011
+    while now < 1.0 and (a.has_work or b.has_work or a.next_deadline() is not None):
+        now += 0.002  # (under the rto: nothing is resent)
+        _deliver(a, b, now)
+        _deliver(b, a, now)
+    assert a.stats["retransmits"] == 0 and now < 0.2
+    assert [bytes(e.data) for e in b.events() if isinstance(e, MessageReceived)] == [bytes(3000)]
+    b.receive(0, F.encode(F.DATA, 0, 1, msg_id=0, total=1, payload=b"x"), now)  # a duplicate
+    assert b.has_work  # its ack goes at once
+
+
 def test_frames_carry_acks_behind_the_payload():
     frame = F.encode(F.DATA, 0, 1, total=3, payload=b"abc", acks=[(7, 0), (9, 512)])
     got = F.decode(frame)

@@ -345,17 +345,19 @@ class RdmTransport:
 
     # ------------------------------------------------------------------ engine
 
-    def _pump(self) -> None:
+    def _pump(self, deadline_passed: bool = False) -> None:
         """Under the lock: act on the endpoint's events (completing requests first, so
         their waiters run while frames go out), then queue the frames it wants sent. The
         caller writes them with ``_send_out`` once it has released the lock: a write may
         take a while (on loopback or veth the kernel delivers to the peer's socket in it),
         and the rdm protocol does not need frames in order, even on one rail."""
         self._handle_events()
-        self._outbox.extend(self.ep.poll_transmit(time.monotonic()))
-        self._handle_events()  # poll_transmit may have declared a peer failed
         if self.ep.take_ack_hint() < self._timer_at:
             self._timer.notify()  # held acks are due before the timer would look
+        if not (self.ep.has_work or deadline_passed):
+            return  # (say, a frame that only completed a receive: nothing to send)
+        self._outbox.extend(self.ep.poll_transmit(time.monotonic()))
+        self._handle_events()  # poll_transmit may have declared a peer failed
 
     def _send_out(self) -> None:
         """Outside the lock: hand the queued frames to their rails."""
@@ -587,7 +589,7 @@ class RdmTransport:
                     return
                 due = deadline is not None and time.monotonic() >= deadline
                 if due:
-                    self._pump()
+                    self._pump(deadline_passed=True)
             if due:
                 self._send_out()
 

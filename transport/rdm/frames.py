@@ -312,6 +312,23 @@ def decode_header(buf, *, world_size: int | None = None, max_message_bytes: int 
     FrameError
         The header is not well-formed under these limits.
     """
+    if len(buf) == HEADER_SIZE:  # fast path: a DATA frame without CRC, checked in one go
+        (magic, version, ftype, flags, rail, nacks, src, dst, msg_id, tag, seq, total, offset,
+         length, crc) = HEADER.unpack_from(buf)
+        if (magic == MAGIC and version == VERSION and ftype == DATA and not flags and not crc
+                and not require_crc and nacks <= MAX_ACKS_PER_FRAME and tag >= 0
+                and offset + length <= total and (length or not total)
+                and (max_payload is None or length <= max_payload)
+                and (max_message_bytes is None or total <= max_message_bytes)
+                and (world_size is None or (src < world_size and dst < world_size))):
+            return Header(ftype, flags, rail, src, dst, msg_id, tag, seq, total, offset,
+                          length, crc, nacks)
+    return _decode_header_checked(buf, world_size, max_message_bytes, max_payload, require_crc)
+
+
+def _decode_header_checked(buf, world_size, max_message_bytes, max_payload,
+                           require_crc) -> Header:
+    """``decode_header`` one check at a time, naming the first that fails."""
     view = memoryview(buf).cast("B")
     if view.nbytes != HEADER_SIZE:
         raise FrameError(f"a header is {HEADER_SIZE} bytes, not {view.nbytes}")

@@ -352,6 +352,10 @@ class Endpoint:
         self.window_bytes, self.max_reassembly_bytes = window_bytes, max_reassembly_bytes
         self.max_open_messages, self.crc = max_open_messages, crc
         self.ack_delay = ack_delay
+        # Something for poll_transmit besides deadlines (new messages, a window that opened,
+        # urgent acks or resends): a driver may skip the call while this is False and no
+        # deadline (next_deadline) has passed.
+        self.has_work = False
         self._ack_hint = math.inf  # earliest ack deadline set since take_ack_hint()
         self.reassembly_bytes = 0
         self.stats = {"sent": 0, "retransmits": 0, "duplicates": 0, "rejected": 0,
@@ -405,6 +409,7 @@ class Endpoint:
         state.next_msg_id += 1
         state.open[msg.msg_id] = msg
         state.queue.append(msg)
+        self.has_work = True
         return msg.msg_id
 
     def post_recv(self, src: int, tag: int, buffer) -> None:
@@ -444,6 +449,7 @@ class Endpoint:
             if not state.rails[rail]:
                 continue
             state.rails[rail] = False
+            self.has_work = True
             if not state.live_rails():
                 self._fail(p, f"all {self.nrails} rails to rank {p} failed")
                 continue
@@ -566,6 +572,7 @@ class Endpoint:
             ``(peer, rail, data)`` for each frame, in the order to send them.
         """
         out: list[Transmit] = []
+        self.has_work = False
         for peer in sorted(self._peers):
             state = self._peers[peer]
             if not self._resend_due(peer, state, now, out):
@@ -580,6 +587,7 @@ class Endpoint:
         for state in self._peers.values():
             if state.acks_out:
                 state.acks_due = -math.inf
+                self.has_work = True
 
     def take_ack_hint(self) -> float:
         """The earliest ack deadline set since the last call (inf: none): a driver that
@@ -749,6 +757,8 @@ class Endpoint:
             self._transmit(peer, seg, now, out)
 
     def _on_ack(self, peer: int, state: _Peer, entries) -> None:
+        if state.queue:
+            self.has_work = True  # the window may open
         for key in entries:
             seg = state.unacked.pop(key, None)
             if seg is None:
@@ -773,6 +783,7 @@ class Endpoint:
         if (urgent or total > DELAYED_ACK_BYTES or self.ack_delay <= 0
                 or state.acks_held >= F.MAX_ACKS_PER_FRAME):
             state.acks_due = min(state.acks_due, now)
+            self.has_work = True
         elif state.acks_due == math.inf:
             state.acks_due = due = now + self.ack_delay
             if due < self._ack_hint:

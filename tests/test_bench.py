@@ -18,7 +18,8 @@ import sys
 import pytest
 
 from neuron_dist.bench import mpi_runner
-from neuron_dist.bench.sweep import OPS, bandwidths, element_count, parse_size, plan, size_range
+from neuron_dist.bench.sweep import (OPS, bandwidths, element_count, ops_per_sample,
+                                     parse_size, plan, size_range, time_iterations)
 
 OP_NAMES = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"]
 
@@ -35,6 +36,20 @@ def test_sweep_conventions():
     assert alg == 1.0 and bus == pytest.approx(1.5)
     assert OPS["all_gather"].bus_factor(4) == pytest.approx(0.75)
     assert OPS["broadcast"].bus_factor(8) == OPS["send_recv"].bus_factor(2) == 1.0
+
+
+def test_samples_time_batches_of_operations():
+    """Small sizes time several operations per barrier (the same count on every rank: it
+    depends on the size only); a sample is their mean."""
+    assert ops_per_sample(8) == 16 and ops_per_sample(256 << 10) == 16
+    assert ops_per_sample(1 << 20) == 4 and ops_per_sample(4 << 20) == 1
+    assert ops_per_sample(1 << 30) == 1 and ops_per_sample(8, max_batch=1) == 1
+    calls = {"run": 0, "barrier": 0, "prepare": 0}
+
+    def count(name):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+    samples = time_iterations(count("run"), count("barrier"), 3, count("prepare"), batch=4)
+    assert len(samples) == 3 and calls == {"run": 12, "barrier": 3, "prepare": 3}
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +85,10 @@ def test_bench_tiny_sweep(bench_run):
         for b in backends:
             mine = [r for r in rows if r["op"] == op and r["backend"] == b]
             assert len(mine) == 5, (op, b, mine)   # 8, 64, 512, 4K, 32K bytes
-            for r in mine:
+            for r in mine:  # (in-place ops repeat on their results: checked apart)
                 assert r["status"] == "ok" and r["check"] == "OK", r
                 assert r["time_us"] > 0 and r["busbw_gbs"] >= 0 and r["world"] == 2
+                assert r["batch"] == 16, r
             if b == "gloo":
                 assert all(r["vs_gloo"] == pytest.approx(1.0) for r in mine)
 

@@ -18,7 +18,8 @@ import shlex
 import sys
 
 from . import report
-from .sweep import OPS, DTYPE_BYTES, human_size, parse_size, progress_line, size_range
+from .sweep import (BATCH_BYTES, DTYPE_BYTES, MAX_BATCH, OPS, human_size, parse_size,
+                    progress_line, size_range)
 
 BACKENDS = ("neuron", "gloo", "mpi")
 
@@ -87,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backends", type=lambda s: _csv_list(s, BACKENDS, "backend"),
                    default=",".join(BACKENDS), help="comma list of " + ",".join(BACKENDS))
     g.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32")
-    g.add_argument("--iters", type=int, default=20, help="timed iterations per size")
+    g.add_argument("--iters", type=int, default=20, help="timed samples per size")
+    g.add_argument("--batch", type=int, default=MAX_BATCH,
+                   help=f"most operations per sample, run back to back after the barrier "
+                        f"(sizes under {BATCH_BYTES >> 20} MiB; 1: one operation per barrier)")
     g.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size")
     g.add_argument("--check", action="store_true", help="verify every result (OK/FAIL)")
     g.add_argument("--threads", type=int, default=0,
@@ -139,8 +143,8 @@ def _run(argv: list[str] | None) -> int:
     except ValueError as exc:
         print(f"neuron-dist-bench: {exc}", file=err)
         return 2
-    if args.iters < 1 or args.warmup < 0:
-        print("neuron-dist-bench: need --iters >= 1 and --warmup >= 0", file=err)
+    if args.iters < 1 or args.warmup < 0 or args.batch < 1:
+        print("neuron-dist-bench: need --iters >= 1, --batch >= 1 and --warmup >= 0", file=err)
         return 2
 
     def log(text: str) -> None:
@@ -172,7 +176,7 @@ def _run(argv: list[str] | None) -> int:
         threads = args.threads or max(1, cores // world)
         threads_used[world] = threads
         cfg = {"ops": args.ops, "dtype": args.dtype, "sizes": sizes, "iters": args.iters,
-               "warmup": args.warmup, "check": args.check, "threads": threads,
+               "batch": args.batch, "warmup": args.warmup, "check": args.check, "threads": threads,
                "pg_timeout": args.pg_timeout, "report_shm": args.report_shm,
                "overlap": ({"bytes": args.overlap_bytes, "matmul": args.overlap_matmul}
                            if args.overlap else None)}
@@ -260,15 +264,17 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
                            if hasattr(os, "getloadavg") else None),
         "python": platform.python_version(), "torch": torch.__version__,
         "neuron_dist": neuron_dist.__version__, "mpi": mpi_meta or None,
-        "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
+        "dtype": args.dtype, "iters": args.iters, "batch": args.batch, "warmup": args.warmup,
         "requested_sizes": sizes, "worlds": args.nprocs, "threads_per_rank": threads,
         "ops": {op: {"bytes": OPS[op].meaning} for op in args.ops},
         "backends": args.backends,
         "neuron_env": {k: v for k, v in os.environ.items() if k.startswith("NEURON_DIST_")},
-        "timing": "per iteration: barrier of the backend under test, then time the op on every "
-                  "rank; iteration time = max over ranks; time_us = median over iterations "
-                  "(min_us = fastest). send_recv: ping-pong rank 0<->1, time = round trip / 2. "
-                  "neuron and gloo run interleaved in the same ranks; MPI runs afterwards.",
+        "timing": f"per sample: barrier of the backend under test, then time `batch` ops back "
+                  f"to back on every rank (min({args.batch}, {BATCH_BYTES >> 20} MiB / bytes), "
+                  f"at least 1), sample = their mean; sample time = max over ranks; time_us = "
+                  f"median over samples (min_us = fastest). send_recv: ping-pong rank 0<->1, "
+                  f"time = round trip / 2. neuron and gloo run interleaved in the same ranks; "
+                  f"MPI runs afterwards.",
         "bandwidth": "algbw = bytes / time (1e9 B/s); busbw = algbw * factor: all_reduce 2(n-1)/n,"
                      " all_gather/reduce_scatter/all_to_all (n-1)/n, broadcast/send_recv 1",
     }
@@ -282,7 +288,8 @@ def _header(meta: dict) -> str:
         f"torch {meta['torch']}, neuron-dist {meta['neuron_dist']}"
         + (f", {meta['mpi']['mpi_library']} (mpi4py {meta['mpi']['mpi4py']})" if meta["mpi"] else ""),
         f"# dtype {meta['dtype']}, sizes {human_size(sizes[0])} .. {human_size(sizes[-1])} "
-        f"({len(sizes)}), iters {meta['iters']}, warmup {meta['warmup']}, threads per rank "
+        f"({len(sizes)}), iters {meta['iters']}, batch up to {meta.get('batch', 1)}, "
+        f"warmup {meta['warmup']}, threads per rank "
         + ", ".join(f"{t} (n={w})" for w, t in meta["threads_per_rank"].items()),
         f"# timing: {meta['timing']}",
         f"# {meta['bandwidth']}; vs gloo = gloo time / this time",

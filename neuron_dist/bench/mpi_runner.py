@@ -24,7 +24,8 @@ import sys
 import time
 
 from .patterns import fill, mismatch, pattern
-from .sweep import DTYPE_BYTES, OPS, combine, make_row, plan, time_iterations
+from .sweep import (DTYPE_BYTES, OPS, combine, make_row, ops_per_sample, plan,
+                    time_iterations)
 
 PREFIX = "@@neuron-bench "
 
@@ -208,6 +209,7 @@ def worker(cfg: dict) -> None:
                 case = _Case(np, MPI, comm, op, count, rank, world, np_dtype)
                 run = case.runner()
                 prepare = case.prepare if case.p.refill else None
+                batch = ops_per_sample(count * DTYPE_BYTES[dtype], cfg["batch"])
                 case.reset()
                 time_iterations(run, barrier, max(1, warmup), prepare)
             except Exception as exc:  # noqa: BLE001 - unsupported: n/a, keep going
@@ -219,7 +221,9 @@ def worker(cfg: dict) -> None:
                 continue
             samples, err = [], None
             try:
-                samples = time_iterations(run, barrier, iters, prepare)
+                samples = time_iterations(run, barrier, iters, prepare, batch)
+                if cfg["check"] and prepare is not None and batch > 1:
+                    time_iterations(run, barrier, 1, prepare)  # check fresh inputs' result
             except Exception as exc:  # noqa: BLE001
                 err = _err(exc)
             bad = case.check() if cfg["check"] and err is None else None
@@ -238,7 +242,8 @@ def worker(cfg: dict) -> None:
                     check = "FAIL" if fails else "OK"
                     note = "; ".join(f"rank {r}: {m}" for r, m in fails[:2])
                 row = make_row(op, world, "mpi", count, dtype, iters,
-                               times=combine([s[0] for s in shared], op), check=check, note=note)
+                               times=combine([s[0] for s in shared], op), check=check, note=note,
+                               batch=batch)
             emit("rows", [row])
     comm.Barrier()
     emit("done")

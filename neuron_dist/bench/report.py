@@ -15,7 +15,7 @@ import csv
 import json
 import math
 
-CSV_FIELDS = ["op", "world", "bytes", "count", "dtype", "backend", "status", "iters",
+CSV_FIELDS = ["op", "world", "bytes", "count", "dtype", "backend", "status", "iters", "batch",
               "time_us", "min_us", "mean_us", "algbw_gbs", "busbw_gbs", "vs_gloo", "check",
               "note"]
 

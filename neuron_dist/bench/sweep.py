@@ -8,12 +8,18 @@ Each size is rounded down to whole elements (and to a multiple of the world size
 buffer is split into one chunk per rank; never below one element per rank), so a row's
 ``bytes`` is what really moved and may differ from the requested size.
 
-Timing (``time_iterations``): for every iteration, the caller's ``prepare`` refills in-place
-buffers (untimed), then a barrier of the backend under test, then ``run`` is timed with
-``time.perf_counter`` on every rank. ``combine`` takes, per iteration, the *maximum over
-ranks* of the per-rank times (the slowest rank defines when the collective is done), and
-reports the median, min and mean over iterations. send_recv is a ping-pong between ranks
-0 and 1 (other ranks idle); its time is half the round trip, i.e. one direction.
+Timing (``time_iterations``): for every sample, the caller's ``prepare`` refills in-place
+buffers (untimed), then a barrier of the backend under test, then ``batch`` operations back
+to back are timed with ``time.perf_counter`` on every rank; the sample is their mean. Small
+sizes run up to ``MAX_BATCH`` operations per sample (``ops_per_sample``), as nccl-tests
+times a loop of operations: a single small operation right after a barrier also times how
+unevenly the ranks left the barrier (a late wake-up of one rank added ~350 µs to a few
+sizes of every sweep, in either backend). In-place operations repeated in a batch work on
+their own results; values are checked on a fresh, separate iteration (see the runners).
+``combine`` takes, per sample, the *maximum over ranks* of the per-rank times (the slowest
+rank defines when the collective is done), and reports the median, min and mean over
+samples. send_recv is a ping-pong between ranks 0 and 1 (other ranks idle); its time is
+half the round trip, i.e. one direction.
 
 Bandwidth as nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * factor(n)`` with
 all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, all_to_all (n-1)/n, broadcast
@@ -108,9 +114,20 @@ def plan(op: str, sizes: list[int], elem: int, world: int) -> list[int]:
     return out
 
 
+MAX_BATCH = 16  # operations per timed sample for the smallest sizes
+BATCH_BYTES = 4 << 20  # from here up, one operation per sample
+
+
+def ops_per_sample(nbytes: int, max_batch: int = MAX_BATCH) -> int:
+    """How many operations one timed sample of an ``nbytes`` buffer runs back to back: a
+    function of the size alone, so every rank (and every backend) runs the same count."""
+    return max(1, min(max_batch, BATCH_BYTES // max(1, nbytes)))
+
+
 def time_iterations(run: Callable[[], None], barrier: Callable[[], None], iters: int,
-                    prepare: Callable[[], None] | None = None) -> list[float]:
-    """This rank's seconds for each of ``iters`` iterations (barrier before each)."""
+                    prepare: Callable[[], None] | None = None, batch: int = 1) -> list[float]:
+    """This rank's mean seconds per operation for each of ``iters`` samples: a barrier,
+    then ``batch`` runs back to back."""
     samples = []
     clock = time.perf_counter
     for _ in range(iters):
@@ -118,8 +135,9 @@ def time_iterations(run: Callable[[], None], barrier: Callable[[], None], iters:
             prepare()
         barrier()
         t0 = clock()
-        run()
-        samples.append(clock() - t0)
+        for _ in range(batch):
+            run()
+        samples.append((clock() - t0) / batch)
     return samples
 
 
@@ -141,11 +159,13 @@ def bandwidths(op: str, nbytes: int, seconds: float, world: int) -> tuple[float,
 
 
 def make_row(op: str, world: int, backend: str, count: int, dtype: str, iters: int,
-             times: dict | None = None, check: str = "-", note: str = "") -> dict:
+             times: dict | None = None, check: str = "-", note: str = "",
+             batch: int = 1) -> dict:
     """One result row (``times`` None = the backend does not support this op: n/a)."""
     nbytes = count * DTYPE_BYTES[dtype]
     row = {"op": op, "world": world, "bytes": nbytes, "count": count, "dtype": dtype,
-           "backend": backend, "iters": iters, "status": "ok" if times else "n/a",
+           "backend": backend, "iters": iters, "batch": batch,
+           "status": "ok" if times else "n/a",
            "time_us": None, "min_us": None, "mean_us": None, "algbw_gbs": None,
            "busbw_gbs": None, "check": check, "note": note}
     if times:

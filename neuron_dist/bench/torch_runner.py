@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from . import overlap as overlap_mod
 from .patterns import fill, mismatch, pattern
-from .sweep import OPS, DTYPE_BYTES, combine, make_row, plan, time_iterations
+from .sweep import (OPS, DTYPE_BYTES, combine, make_row, ops_per_sample, plan,
+                    time_iterations)
 
 TORCH_BACKENDS = ("neuron", "gloo")
 _CTX = mp.get_context("fork")
@@ -119,6 +120,7 @@ def _measure(case: Case, op: str, count: int, backend: str, group, ex: Exchange,
     barrier = lambda: dist.barrier(group=group)  # noqa: E731
     prepare = case.prepare if case.p.refill else None
     run = case.runner(group)
+    batch = ops_per_sample(count * DTYPE_BYTES[dtype], cfg["batch"])
     err = None
     try:
         case.reset()
@@ -131,7 +133,9 @@ def _measure(case: Case, op: str, count: int, backend: str, group, ex: Exchange,
                         note=f"rank {errors[0][0]}: {errors[0][1]}")
     samples, err = [], None
     try:
-        samples = time_iterations(run, barrier, cfg["iters"], prepare)
+        samples = time_iterations(run, barrier, cfg["iters"], prepare, batch)
+        if cfg["check"] and prepare is not None and batch > 1:
+            time_iterations(run, barrier, 1, prepare)  # check one operation on fresh inputs
     except Exception as exc:  # noqa: BLE001
         err = _error_text(exc)
     bad = case.check() if cfg["check"] and err is None else None
@@ -146,7 +150,8 @@ def _measure(case: Case, op: str, count: int, backend: str, group, ex: Exchange,
         check = "FAIL" if fails else "OK"
         note = "; ".join(f"rank {r}: {m}" for r, m in fails[:2])
     return make_row(op, world, backend, count, dtype, cfg["iters"],
-                    times=combine([s[0] for s in shared], op), check=check, note=note)
+                    times=combine([s[0] for s in shared], op), check=check, note=note,
+                    batch=batch)
 
 
 def _shm_report(groups: dict, world: int) -> list[dict]:

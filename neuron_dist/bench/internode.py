@@ -53,8 +53,9 @@ p2p: rank 0 -> rank 1 only (osu_bw style). One iteration = W isends posted at on
 rank 0 and W irecvs on rank 1 (W = clamp(--window-bytes / size, 1, 64)), all waited, then
 a 1-element ack back; time on rank 0 from its first isend to the ack; time_us below = per
 message (iteration / W); GB/s = W x size / time.
-all_reduce: barrier of the backend under test, then the op timed on both ranks; iteration
-time = max over ranks; busbw = algbw x 2(n-1)/n (nccl-tests).
+all_reduce: buffer refilled, barrier of the backend under test, then a batch of ops back to
+back timed on both ranks (16 below 256 KiB, down to 1 from 4 MiB: bench/sweep.py); iteration
+time = their mean, max over ranks; busbw = algbw x 2(n-1)/n (nccl-tests).
 Both: median over iterations; iterations per size = clamp(--iter-bytes / size, --min-iters,
 --iters). Backends take turns in a rotating order per size, in the same processes.
 
@@ -520,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         "worker_seconds": done[0]["seconds"] if done else None,
         "timing": ("p2p: rank 0 -> 1, window of W isend/irecv in flight + 1-element ack, "
                    "rank 0's clock, time_us per message, GB/s = bytes/time (1e9). all_reduce: barrier, "
-                   "then op timed on both ranks, max over ranks, median over iterations; "
+                   "then a batch of ops back to back (up to 16, one from 4 MiB) timed on both "
+                   "ranks, mean per op, max over ranks, median over iterations; "
                    "busbw = algbw x 2(n-1)/n. Ratios: busbw of the first / the second "
                    "(> 1 = first is faster). '!' after GB/s = result check failed."),
     }

@@ -25,8 +25,10 @@ isend to the arrival of the ack, on its own clock. GB/s = W x size / time.
 ``W = clamp(window_bytes / size, 1, 64)`` keeps messages in flight at small sizes and
 amortises the ack's latency; large messages go one per iteration.
 
-all_reduce (SUM, float32, in place): per iteration a barrier of the backend under test,
-then the op timed on every rank; iteration time = max over ranks (as ``bench/sweep.py``).
+all_reduce (SUM, float32, in place): per iteration the buffer is refilled, then a barrier
+of the backend under test, then a batch of ops back to back (``sweep.ops_per_sample``: up
+to 16 for small sizes) is timed on every rank; iteration time = their mean, max over ranks
+(as ``bench/sweep.py``).
 
 Both: time = median over iterations (min also kept). Before timing, warm-up iterations,
 after which the result is checked once (p2p: the received bytes; all_reduce: the sum).
@@ -52,6 +54,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .sweep import ops_per_sample, time_iterations
 
 TAG = "INTERNODE "
 
@@ -163,17 +167,6 @@ def _p2p_run(rank: int, views, ack, window: int, group):
     return run
 
 
-def _time(run, barrier, n: int) -> list[float]:
-    out = []
-    clock = time.perf_counter
-    for _ in range(n):
-        barrier()
-        t0 = clock()
-        run()
-        out.append(clock() - t0)
-    return out
-
-
 def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl: Control,
             args, bufs: dict) -> dict:
     """One (op, size, backend) cell; every rank returns the same row."""
@@ -194,22 +187,23 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
             flat, views, ack = bufs["p2p"]
             flat.fill_(7.0 if rank == 0 else -1.0)
             run = _p2p_run(rank, views, ack, window, group)
-            _time(run, barrier, warmup)
+            time_iterations(run, barrier, warmup)
             if rank == 1 and not bool((flat == 7.0).all()):
                 bad = f"rank 1 received wrong data (first value {flat[0].item()})"
-            samples = _time(run, barrier, iters)
+            samples = time_iterations(run, barrier, iters)
         else:
             buf = bufs["all_reduce"]
             buf.fill_(float(rank + 1))
             run = lambda: dist.all_reduce(buf, group=group)  # noqa: E731
-            _time(run, barrier, 1)
+            time_iterations(run, barrier, 1)
             want = world * (world + 1) / 2
             if not bool((buf == want).all()):
                 bad = f"rank {rank}: sum wrong (got {buf[0].item()}, want {want})"
-            buf.fill_(1.0)  # doubles per iteration from here: exact in float32
+            batch = row["batch"] = ops_per_sample(nbytes)
+            refill = lambda: buf.fill_(1.0)  # noqa: E731 - doubles per op: exact in float32
             if warmup > 1:
-                _time(run, barrier, warmup - 1)
-            samples = _time(run, barrier, iters)
+                time_iterations(run, barrier, warmup - 1, refill, batch)
+            samples = time_iterations(run, barrier, iters, refill, batch)
     except Exception as exc:  # noqa: BLE001 - a failing backend must not stop the others
         err = _err(exc)
         if args.verbose:

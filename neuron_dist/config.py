@@ -44,7 +44,7 @@ class Settings:
         """Read the environment.
 
         NEURON_DIST_SHM_SLOT_BYTES     1M    bytes per rank per collective step (x2 buffers)
-        NEURON_DIST_SHM_MAILBOX_BYTES  4M    send/recv ring per ordered rank pair (on first use)
+        NEURON_DIST_SHM_MAILBOX_BYTES  1M    send/recv ring per ordered rank pair (on first use)
         NEURON_DIST_SMALL_BYTES        64K   all_reduce up to this size uses one step
         NEURON_DIST_SPIN               auto  polls before a wait yields (0 when oversubscribed)
         NEURON_DIST_SHM_DIR            /dev/shm
@@ -68,7 +68,7 @@ class Settings:
         spin = _env("NEURON_DIST_SPIN", "auto")
         settings = cls(
             slot_bytes=parse_bytes(_env("NEURON_DIST_SHM_SLOT_BYTES", "1M")),
-            mailbox_bytes=parse_bytes(_env("NEURON_DIST_SHM_MAILBOX_BYTES", "4M")),
+            mailbox_bytes=parse_bytes(_env("NEURON_DIST_SHM_MAILBOX_BYTES", "1M")),
             small_bytes=parse_bytes(_env("NEURON_DIST_SMALL_BYTES", "64K")),
             spin=None if spin == "auto" else int(spin),
             shm_dir=_env("NEURON_DIST_SHM_DIR", "/dev/shm"),

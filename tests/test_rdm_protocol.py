@@ -249,6 +249,47 @@ def test_has_work_says_when_poll_transmit_has_something_to_send():
     assert b.has_work  # its ack goes at once
 
 
+def _land(ep, frame_bytes, rail=0, now=0.0):
+    """What a stream driver does with a frame: header, data_target, payload, data_landed."""
+    header_bytes = frame_bytes[:F.HEADER_SIZE]
+    h = F.decode_header(header_bytes)
+    target = ep.data_target(rail, h)
+    assert target is not None
+    return lambda: (target.__setitem__(slice(None), frame_bytes[F.HEADER_SIZE:F.HEADER_SIZE + h.length]),
+                    ep.data_landed(rail, header_bytes, h, now, frame_bytes[F.HEADER_SIZE + h.length:]))
+
+
+def test_landing_in_place_delivers_once_even_when_two_copies_land():
+    """Whole messages landing in their posted receive are delivered at once, in stream
+    order; a second copy that got its target before the first landed (a resend on another
+    rail) is acknowledged again and delivered nowhere."""
+    ep = Endpoint(1, 2, rails=2, segment_bytes=64, max_message_bytes=1024)
+    bufs = [bytearray(4), bytearray(4), bytearray(100)]
+    for b in bufs:
+        ep.post_recv(0, 7, b)
+    first = F.encode(F.DATA, 0, 1, msg_id=0, tag=7, seq=0, total=4, payload=b"abcd")
+    second = F.encode(F.DATA, 0, 1, msg_id=1, tag=7, seq=1, total=4, payload=b"efgh",
+                      acks=[(3, 0)])  # (an ack of nothing: ignored)
+    land_a, land_b = _land(ep, first, rail=0), _land(ep, first, rail=1)
+    land_second = _land(ep, second)
+    land_second()  # out of order: waits for the first
+    assert ep.events() == []
+    land_a()
+    land_b()
+    got = ep.events()
+    assert [(e.msg_id, bytes(e.data)) for e in got] == [(0, b"abcd"), (1, b"efgh")]
+    assert all(e.posted for e in got) and bufs[0] == b"abcd" and bufs[1] == b"efgh"
+    assert ep.stats["duplicates"] == 1 and ep.stats["rejected"] == 0
+    acks = [a for tx in ep.poll_transmit(0.0) for a in F.decode(tx.data).acks]
+    assert sorted(acks) == [(0, 0), (0, 0), (1, 0)]
+    for off in (0, 64):  # a two-segment message takes the general path
+        frame = F.encode(F.DATA, 0, 1, msg_id=2, tag=7, seq=2, total=100, offset=off,
+                         payload=bytes(range(off, min(100, off + 64))))
+        _land(ep, frame)()
+    (e,) = ep.events()
+    assert bytes(e.data) == bytes(range(100)) and bufs[2] == bytes(range(100))
+
+
 def test_frames_carry_acks_behind_the_payload():
     frame = F.encode(F.DATA, 0, 1, total=3, payload=b"abc", acks=[(7, 0), (9, 512)])
     got = F.decode(frame)

@@ -538,6 +538,15 @@ class Endpoint:
         if header.nacks:  # (never with crc: data_target declines those frames)
             self._on_ack(header.src, state, F.ACK_ENTRY.iter_unpack(trailer))
         r = state.partial.get(header.msg_id)
+        if r is None and header.msg_id in state.recv_done:
+            # Both copies of a resent segment got a target before either landed (two
+            # rails): the message is complete already; ack again, deliver nothing.
+            self.stats["duplicates"] += 1
+            self._ack(state, rail, header.msg_id, header.offset, header.total, now, urgent=True)
+            return
+        if r is None and header.length == header.total and self._landed_whole(rail, state,
+                                                                              header, now):
+            return
         if r is None:
             r = self._start(rail, state, header)
             if r is None:
@@ -557,6 +566,29 @@ class Endpoint:
         self._ack(state, rail, header.msg_id, header.offset, header.total, now)
         if r.complete:
             self._finish(header.src, state, r)
+
+    def _landed_whole(self, rail: int, state: _Peer, header: F.Header, now: float) -> bool:
+        """Fast path of ``data_landed``: a whole message in one frame, next in its stream,
+        landed in the receive posted for it, is delivered at once (no reassembly record).
+        False: not that case, take the general path."""
+        stream = state.streams.get(header.tag)
+        if (stream is None or header.seq != stream.next_deliver
+                or stream.owner.get(header.seq, header.msg_id) != header.msg_id):
+            return False
+        posted = stream.bound.get(header.seq)
+        if posted is None or posted.nbytes < header.total:
+            return False  # (data_target put it in a reassembly buffer)
+        state.recv_done.add(header.msg_id)
+        self._ack(state, rail, header.msg_id, 0, header.total, now)
+        del stream.bound[header.seq]
+        stream.owner.pop(header.seq, None)
+        stream.next_deliver += 1
+        self._events.append(MessageReceived(header.src, header.tag, header.msg_id,
+                                            posted[:header.total], True))
+        while stream.next_deliver in stream.ready:  # later ones that waited for it
+            self._deliver(header.src, stream, stream.ready.pop(stream.next_deliver))
+            stream.next_deliver += 1
+        return True
 
     def poll_transmit(self, now: float) -> list[Transmit]:
         """Frames to send now: acks, resends (timed out or moved off a dead rail), new segments.

@@ -290,6 +290,24 @@ def test_landing_in_place_delivers_once_even_when_two_copies_land():
     assert bytes(e.data) == bytes(range(100)) and bufs[2] == bytes(range(100))
 
 
+def test_segments_spray_over_the_least_loaded_live_rails_in_turn():
+    a, b = make(2, rails=3, segment_bytes=1 << 20, window_bytes=1 << 30)
+    for _ in range(6):  # equal loads: round-robin
+        a.send(1, 0, b"x")
+    assert [tx.rail for tx in a.poll_transmit(0.0)] == [0, 1, 2, 0, 1, 2]
+    a.send(1, 0, bytes(1 << 20))  # two 512 KiB segments (>= MIN_SPRAY_BYTES each): 0, 1
+    a.send(1, 0, b"y")  # then the small ones go to the least loaded rail
+    a.send(1, 0, b"z")
+    assert [tx.rail for tx in a.poll_transmit(0.0)] == [0, 1, 2, 2]
+    a.rail_failed(1)
+    for _ in range(3):
+        a.send(1, 0, b"w")
+    assert {tx.rail for tx in a.poll_transmit(0.0)} <= {0, 2}
+    a.rail_failed(0)  # its unacked segments move to the only rail left, with the new one
+    a.send(1, 0, b"v")
+    assert {tx.rail for tx in a.poll_transmit(0.0)} == {2}
+
+
 def test_frames_carry_acks_behind_the_payload():
     frame = F.encode(F.DATA, 0, 1, total=3, payload=b"abc", acks=[(7, 0), (9, 512)])
     got = F.decode(frame)

@@ -690,13 +690,19 @@ class Endpoint:
     # ------------------------------------------------------------------ sending
 
     def _pick_rail(self, state: _Peer, avoid: int | None = None) -> int:
-        live = state.live_rails()
-        if avoid is not None and len(live) > 1:
-            live = [r for r in live if r != avoid]
-        n = self.nrails
-        rail = min(live, key=lambda r: (state.rail_bytes[r], (r - state.rr) % n))
-        state.rr = (rail + 1) % n
-        return rail
+        """The live rail with the fewest unacked bytes; ties go round-robin from ``rr``."""
+        n, rails, load, rr = self.nrails, state.rails, state.rail_bytes, state.rr
+        if avoid is not None and sum(rails) < 2:
+            avoid = None
+        best, best_key = -1, None
+        for i in range(n):
+            r = (rr + i) % n  # visiting from rr makes the first of equal loads the next in turn
+            if rails[r] and r != avoid and (best_key is None or load[r] < best_key):
+                best, best_key = r, load[r]
+        if best < 0:
+            raise ValueError("no live rail")  # (a peer without one has failed already)
+        state.rr = (best + 1) % n
+        return best
 
     def _transmit(self, peer: int, seg: _Segment, now: float, out: list) -> None:
         msg = seg.msg
@@ -765,9 +771,6 @@ class Endpoint:
         state.scan_at = min((seg.deadline for seg in state.unacked.values()), default=math.inf)
         return True
 
-    def _window_allows(self, state: _Peer, cost: int) -> bool:
-        return state.inflight == 0 or state.inflight + cost <= self.window_bytes
-
     def _send_new(self, peer: int, state: _Peer, now: float, out: list) -> None:
         while state.queue:
             msg = state.queue[0]
@@ -775,12 +778,12 @@ class Endpoint:
                 return
             offset = msg.next_seg * msg.seg_bytes
             length = min(msg.seg_bytes, msg.data.nbytes - offset)
-            seg = _Segment(msg, offset, length, rail=-1)
-            if not self._window_allows(state, seg.cost):
-                return
-            seg.rail = self._pick_rail(state)
-            state.rail_bytes[seg.rail] += seg.cost
-            state.inflight += seg.cost
+            cost = length + F.HEADER_SIZE  # (_Segment.cost)
+            if state.inflight and state.inflight + cost > self.window_bytes:
+                return  # the window is full (one segment may always be outstanding)
+            seg = _Segment(msg, offset, length, rail=self._pick_rail(state))
+            state.rail_bytes[seg.rail] += cost
+            state.inflight += cost
             state.unacked[(msg.msg_id, offset)] = seg
             msg.unacked += 1
             msg.next_seg += 1

@@ -48,7 +48,8 @@ from ..errors import ABORTED, ChannelClosed, PeerAborted, PeerTimeout, PeerUnrea
 from ..requests import Request, run_callbacks
 from . import frames as F
 from . import handshake
-from .protocol import Endpoint, FrameRejected, MessageReceived, PeerFailed, SendCompleted
+from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived, PeerFailed,
+                       SendCompleted)
 
 log = logging.getLogger("neuron_dist.rdm")
 
@@ -345,16 +346,17 @@ class RdmTransport:
 
     # ------------------------------------------------------------------ engine
 
-    def _pump(self, deadline_passed: bool = False) -> None:
+    def _pump(self, deadline_passed: bool = False, hold: bool = False) -> None:
         """Under the lock: act on the endpoint's events (completing requests first, so
         their waiters run while frames go out), then queue the frames it wants sent. The
         caller writes them with ``_send_out`` once it has released the lock: a write may
         take a while (on loopback or veth the kernel delivers to the peer's socket in it),
-        and the rdm protocol does not need frames in order, even on one rail."""
+        and the rdm protocol does not need frames in order, even on one rail. ``hold``:
+        a reader has more frames to read right away; what is due goes after them."""
         self._handle_events()
         if self.ep.take_ack_hint() < self._timer_at:
             self._timer.notify()  # held acks are due before the timer would look
-        if not (self.ep.has_work or deadline_passed):
+        if hold or not (self.ep.has_work or deadline_passed):
             return  # (say, a frame that only completed a receive: nothing to send)
         self._outbox.extend(self.ep.poll_transmit(time.monotonic()))
         self._handle_events()  # poll_transmit may have declared a peer failed
@@ -550,9 +552,12 @@ class RdmTransport:
                     if h.nacks:
                         trailer = bytearray(h.trailer_bytes)
                         _recv_exact(sock, memoryview(trailer))
+                    # A segment of a large message is acked at once (its sender waits), but
+                    # not while more of a burst is already here: one ack frame per burst.
+                    burst = h.total > DELAYED_ACK_BYTES and _readable(sock)
                     with self._lock:
                         ep.data_landed(rail.index, hbuf, h, time.monotonic(), trailer)
-                        self._pump()
+                        self._pump(hold=burst)
                     self._send_out()
                     continue
                 frame = bytearray(F.HEADER_SIZE + h.length + h.trailer_bytes)
@@ -690,6 +695,16 @@ def _send_all(sock: socket.socket, views: list) -> None:
     while views:
         chunk, rest = views[:_IOV_MAX], views[_IOV_MAX:]
         views = _trim(chunk, sock.sendmsg(chunk)) + rest
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Are bytes waiting on ``sock`` (without reading them)?"""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return False  # the next read meets the error
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:

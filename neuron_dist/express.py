@@ -1,6 +1,6 @@
-"""The express lane: a small synchronous all_reduce, broadcast or all_gather_into_tensor of a
-one-node group, start to finish in the caller's thread, with nothing on the way that a
-repeated call does not need.
+"""The express lane: a small synchronous all_reduce, broadcast, all_gather_into_tensor or
+evenly split all_to_all_single of a one-node group, start to finish in the caller's thread,
+with nothing on the way that a repeated call does not need.
 
 The general path builds, per call, a closure, a ``Context``, a call descriptor lookup and the
 engine's task bookkeeping; at 8 bytes that Python work is most of the latency (the data
@@ -11,12 +11,14 @@ views of every rank for both step parities, the reduction. A call then does: cla
 engine (it must be idle: issue order is kept), record the call in the flight recorder, stage
 the input in this rank's slot (all_reduce, all_gather: every rank; broadcast: the root), one
 channel step carrying the descriptor, compare the peers' descriptors, then reduce the slots
-into the tensor (all_reduce), copy the root's slot into it (broadcast, the other ranks) or
-concatenate every rank's slot into the output (all_gather).
+into the tensor (all_reduce), copy the root's slot into it (broadcast, the other ranks),
+concatenate every rank's slot into the output (all_gather), or, for all_to_all, stage the
+split-size header and one block per peer, check every rank's header after the step and
+copy each peer's block for us out of its slot.
 
-These are the algorithms of ``allreduce._fits_one_slot``, ``broadcast.broadcast`` and
-``allgather.all_gather`` for one slot's worth, so both paths interoperate step for step (a
-rank may take either). Anything unusual takes the general path: async_op, the profiler on,
+These are the algorithms of ``allreduce._fits_one_slot``, ``broadcast.broadcast``,
+``allgather.all_gather`` and ``alltoall.all_to_all`` for one slot's worth, so both paths
+interoperate step for step (a rank may take either). Anything unusual takes the general path: async_op, the profiler on,
 PREMUL_SUM (its factor changes per call), a non-contiguous or large tensor, a group that
 spans nodes, or an engine with work queued. Failures go through the engine's error handling, so they are reported
 exactly as on the general path.
@@ -24,6 +26,7 @@ exactly as on the general path.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
 
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from torch.autograd import profiler as _profiler
 
 from . import stats
+from .collectives import alltoall, single_copy
 from .collectives.descriptor import DTYPE_CODES, NWORDS, Call, check_all_match
 from .collectives.reduce_ops import ReduceSpec, check_supported, reduce_into
 from .flight_recorder import recorder
@@ -44,7 +48,7 @@ _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM
 class _Plan:
     """What one (op, dtype, shape, reduce op or root) needs, computed on its first call."""
 
-    __slots__ = ("call", "words", "spec", "root", "slots", "nbytes", "work")
+    __slots__ = ("call", "words", "spec", "root", "slots", "nbytes", "work", "blocks")
 
     def __init__(self, channel, t: torch.Tensor, call: Call, spec: ReduceSpec | None = None,
                  root: int | None = None, flat: bool = False):
@@ -53,11 +57,31 @@ class _Plan:
         self.spec, self.root = spec, root
         self.nbytes = t.numel() * t.element_size()
         self.work = None  # the last call's Work, recycled once nobody else holds it
+        self.blocks = None  # all_to_all: _Blocks
         # slots[parity] = every rank's slot of that parity, viewed with t's dtype and shape
         # (flat: as a vector of t's elements)
         like = t.reshape(-1) if flat else t
         self.slots = [[channel._shaped(k, parity, like) for k in range(channel.size)]
                       for parity in (0, 1)]
+
+
+class _Blocks:
+    """The slot layout of ``alltoall.all_to_all`` for blocks of ``block`` bytes: addresses
+    of every rank's slot of both parities, the header words this rank posts, and the table
+    of split sizes every rank must post for the call to be consistent."""
+
+    __slots__ = ("block", "header", "per", "addr", "words", "expect")
+
+    def __init__(self, channel, block: int, element_size: int):
+        n = channel.size
+        self.block = block
+        self.header = -(-16 * n // alltoall.ALIGN_BYTES) * alltoall.ALIGN_BYTES
+        self.per = ((channel.slot_bytes - self.header) // n) // alltoall.ALIGN_BYTES \
+            * alltoall.ALIGN_BYTES
+        self.addr = [[channel._typed(k, parity, None).data_ptr() for k in range(n)]
+                     for parity in (0, 1)]
+        self.words = (ctypes.c_int64 * (2 * n))(*([block] * (2 * n)))
+        self.expect = list(self.words)
 
 
 class ExpressLane:
@@ -111,6 +135,20 @@ class ExpressLane:
                          flat=True)
         return self._remember(key, plan)
 
+    def _all_to_all_plan(self, key, out: torch.Tensor, inp: torch.Tensor):
+        plan = None
+        n = self._channel.size
+        nbytes = inp.numel() * inp.element_size()
+        if (out.dtype == inp.dtype and out.numel() == inp.numel() and self._eligible(inp)
+                and nbytes % n == 0 and inp.dim() and out.dim()
+                and inp.shape[0] % n == 0 and out.shape[0] % n == 0):
+            blocks = _Blocks(self._channel, nbytes // n, inp.element_size())
+            # One step on the general path too (larger blocks may take a second one there).
+            if blocks.block <= blocks.per and blocks.block < single_copy.MIN_BYTES:
+                plan = _Plan(self._channel, inp, Call("all_to_all", inp.dtype, 0), flat=True)
+                plan.blocks = blocks
+        return self._remember(key, plan)
+
     @staticmethod
     def _usable(t) -> bool:
         return (type(t) is torch.Tensor and t.is_cpu and t.is_contiguous()
@@ -151,6 +189,17 @@ class ExpressLane:
             plan = self._all_gather_plan(key, out, inp)
         return None if plan is None else self._run(plan, inp, out, seconds)
 
+    def all_to_all(self, out, inp, seconds: float):
+        """Run an evenly split all_to_all_single(``out``, ``inp``) now and return its
+        completed Work, or None if this call must take the general path."""
+        if not (self._usable(inp) and self._usable(out)):
+            return None
+        key = ("all_to_all", inp.dtype, inp.shape, out.shape)
+        plan = self._plans.get(key, _MISSING)
+        if plan is _MISSING:
+            plan = self._all_to_all_plan(key, out, inp)
+        return None if plan is None else self._run(plan, inp, out, seconds)
+
     def _run(self, plan: _Plan, t, out, seconds: float):
         """Run ``plan`` with input ``t`` and output ``out`` (the same tensor but for
         all_gather)."""
@@ -180,7 +229,9 @@ class ExpressLane:
             x = t.detach() if t.requires_grad else t
             gather = plan.call.op == "all_gather"
             root = plan.root
-            if gather:
+            if plan.blocks is not None:
+                _stage_blocks(channel, plan.blocks, epoch, t)
+            elif gather:
                 views[channel.rank].copy_(x.reshape(-1))
             elif root is None or root == channel.rank:
                 views[channel.rank].copy_(x)
@@ -191,6 +242,8 @@ class ExpressLane:
                     check_all_match(channel, plan.call, seq, epoch)  # raises, naming the calls
             if gather:
                 torch.cat(views, out=(out.detach() if out.requires_grad else out).view(-1))
+            elif plan.blocks is not None:
+                _take_blocks(channel, plan, seq, epoch, t, out)
             elif root is None:
                 reduce_into(x, views, plan.spec, channel.size, self._pg._scratch)
             elif root != channel.rank:
@@ -205,6 +258,42 @@ class ExpressLane:
             engine.release_inline()
             stats.add_blocked(time.monotonic() - started)
         return work
+
+
+def _stage_blocks(channel, b: _Blocks, epoch: int, inp) -> None:
+    """Before ``alltoall.all_to_all``'s single step: the split-size header and a block for
+    every peer in this rank's slot (memmove from prepared addresses)."""
+    n, r, size = channel.size, channel.rank, b.block
+    mine, src = b.addr[epoch & 1][r], inp.data_ptr()
+    ctypes.memmove(mine, b.words, 16 * n)
+    for k in range(n):
+        if k != r:
+            ctypes.memmove(mine + b.header + k * b.per, src + k * size, size)
+
+
+def _take_blocks(channel, plan: _Plan, seq: int, epoch: int, inp, out) -> None:
+    """After the step: every rank must have posted the even split we expect (else the same
+    error as the general path), then our own block and each peer's block for us."""
+    b = plan.blocks
+    n, r, size = channel.size, channel.rank, b.block
+    src, dst = inp.data_ptr(), out.data_ptr()
+    slots = b.addr[epoch & 1]
+    table = [list((ctypes.c_int64 * (2 * n)).from_address(slots[k])) for k in range(n)]
+    if any(row != b.expect for row in table):
+        alltoall._check_splits(table, n, inp.element_size(), _Named(plan.call, seq))
+    ctypes.memmove(dst + r * size, src + r * size, size)
+    for k in range(n):
+        if k != r:
+            ctypes.memmove(dst + k * size, slots[k] + b.header + r * b.per, size)
+
+
+class _Named:
+    """What ``alltoall._check_splits`` reads from a Context: the call and its number."""
+
+    __slots__ = ("call", "seq")
+
+    def __init__(self, call, seq):
+        self.call, self.seq = call, seq
 
 
 _MISSING = object()

@@ -570,6 +570,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             list(output_tensors), opts, sum(t.numel() * es for t in input_tensors), fo)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        if (opts is not None and not opts.asyncOp and not output_split_sizes
+                and not input_split_sizes):
+            work = self._express.all_to_all(output, input, self._deadline_seconds(opts))
+            if work is not None:
+                return work
         opts = opts or dist.AllToAllOptions()
         checks.tensor(output, "all_to_all_single output")
         checks.tensor(input, "all_to_all_single input")

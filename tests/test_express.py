@@ -1,4 +1,5 @@
-"""The express lane (small synchronous all_reduce, broadcast and all_gather_into_tensor run in
+"""The express lane (small synchronous all_reduce, broadcast, all_gather_into_tensor and
+evenly split all_to_all_single run in
 the caller's thread).
 
 It must be indistinguishable from the general path: the two interoperate step for step,
@@ -225,3 +226,80 @@ def test_express_all_gather_mismatch_names_both_calls():
     for msg in results.values():
         assert msg.startswith("CollectiveMismatchError"), msg
         assert "all_gather(float32, 4 elements)" in msg and "all_gather(float32, 6 elements)" in msg
+
+
+def all_to_all_mixed_paths(rank, world):
+    """Small evenly split all_to_all_single calls, ranks alternating between the express lane
+    and the general path, over dtypes and shapes, in place too, and the same call with the
+    split sizes spelled out (general path) against the even form on the others."""
+    fails = []
+    for i in range(24):
+        rows = world * (1 + i % 3)
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            inp = (torch.arange(rows * 2, dtype=torch.int64).view(rows, 2) + 100 * rank + i).to(dtype)
+            out = torch.full((rows, 2), -1, dtype=dtype)
+            if (i + rank) % 3 == 1:
+                dist.all_to_all_single(out, inp, async_op=True).wait()
+            elif (i + rank) % 3 == 2:
+                split = [rows // world] * world
+                dist.all_to_all_single(out, inp, split, split)
+            else:
+                dist.all_to_all_single(out, inp)
+            per = rows // world
+            expect = torch.cat([(torch.arange(rows * 2, dtype=torch.int64).view(rows, 2)
+                                 + 100 * k + i)[rank * per:(rank + 1) * per] for k in range(world)])
+            if not torch.equal(out, expect.to(dtype)):
+                fails.append((i, str(dtype), out.tolist()))
+    t = torch.arange(world * 3).float() + 10 * rank
+    dist.all_to_all_single(t, t)  # in place
+    expect = torch.cat([torch.arange(rank * 3, rank * 3 + 3).float() + 10 * k for k in range(world)])
+    if not torch.equal(t, expect):
+        fails.append(("in place", t.tolist()))
+    plans = [k for k, plan in _pg()._express._plans.items()
+             if k[0] == "all_to_all" and plan is not None]
+    records = [r for r in recorder._ring if r.op == "all_to_all"]
+    return fails, len(plans), {r.state for r in records}
+
+
+def test_express_all_to_all_interoperates_with_the_general_path():
+    results = run_ranks(all_to_all_mixed_paths, 3, timeout=120)
+    for rank, (fails, plans, states) in results.items():
+        assert fails == [], (rank, fails)
+        # a rank takes the lane when (i + rank) % 3 == 0: one row count, three dtypes, and
+        # the in-place call
+        assert plans == 3 + 1, plans
+        assert states == {"completed"}, states
+
+
+def all_to_all_mismatch(rank, world):
+    """Rank 0 asks for uneven splits (general path), rank 1 calls the even form (express):
+    both fail naming the disagreeing pair; then a call that differs in dtype."""
+    out = []
+    inp = torch.ones(4)
+    try:
+        if rank == 0:
+            dist.all_to_all_single(torch.empty(4), inp, [1, 3], [1, 3])
+        else:
+            dist.all_to_all_single(torch.empty(4), inp)
+    except Exception as e:  # noqa: BLE001
+        out.append(f"{type(e).__name__}: {e}")
+    else:
+        out.append("no error")
+    try:
+        t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int64)
+        dist.all_to_all_single(torch.empty_like(t), t)
+    except Exception as e:  # noqa: BLE001
+        out.append(f"{type(e).__name__}: {e}")
+    else:
+        out.append("no error")
+    return out
+
+
+def test_express_all_to_all_mismatch_names_the_ranks():
+    results = run_ranks(all_to_all_mismatch, 2, timeout=60)
+    for rank, (splits, dtype) in results.items():
+        assert splits.startswith("CollectiveMismatchError"), splits
+        assert "rank 0 sends 3 elements to rank 1 but rank 1 expects 2 from rank 0" in splits, splits
+        assert "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1" in splits, splits
+        assert dtype.startswith("CollectiveMismatchError"), dtype
+        assert "all_to_all(float32" in dtype and "all_to_all(int64" in dtype, dtype

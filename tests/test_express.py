@@ -271,28 +271,24 @@ def test_express_all_to_all_interoperates_with_the_general_path():
         assert states == {"completed"}, states
 
 
+def _outcome(call) -> str:
+    """``call()``'s error as "Type: message", or "no error"."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def all_to_all_mismatch(rank, world):
     """Rank 0 asks for uneven splits (general path), rank 1 calls the even form (express):
     both fail naming the disagreeing pair; then a call that differs in dtype."""
-    out = []
     inp = torch.ones(4)
-    try:
-        if rank == 0:
-            dist.all_to_all_single(torch.empty(4), inp, [1, 3], [1, 3])
-        else:
-            dist.all_to_all_single(torch.empty(4), inp)
-    except Exception as e:  # noqa: BLE001
-        out.append(f"{type(e).__name__}: {e}")
-    else:
-        out.append("no error")
-    try:
-        t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int64)
-        dist.all_to_all_single(torch.empty_like(t), t)
-    except Exception as e:  # noqa: BLE001
-        out.append(f"{type(e).__name__}: {e}")
-    else:
-        out.append("no error")
-    return out
+    uneven = _outcome(lambda: dist.all_to_all_single(torch.empty(4), inp, [1, 3], [1, 3])
+                      if rank == 0 else dist.all_to_all_single(torch.empty(4), inp))
+    t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int64)
+    dtype = _outcome(lambda: dist.all_to_all_single(torch.empty_like(t), t))
+    return uneven, dtype
 
 
 def test_express_all_to_all_mismatch_names_the_ranks():

@@ -97,9 +97,9 @@ class ExpressLane:
         self._limit = min(pg.settings.small_bytes, self._channel.slot_bytes)
         self._enabled = pg._net is None  # not for groups that span nodes
 
-    def _eligible(self, t) -> bool:
+    def _eligible(self, t, limit: int | None = None) -> bool:
         return (self._enabled and t.layout is torch.strided and t.dtype in DTYPE_CODES
-                and t.numel() * t.element_size() <= self._limit)
+                and t.numel() * t.element_size() <= (self._limit if limit is None else limit))
 
     def _remember(self, key, plan):
         if len(self._plans) >= _MAX_PLANS:
@@ -139,7 +139,10 @@ class ExpressLane:
         plan = None
         n = self._channel.size
         nbytes = inp.numel() * inp.element_size()
-        if (out.dtype == inp.dtype and out.numel() == inp.numel() and self._eligible(inp)
+        # Any size the general path moves in its one step (not just NEURON_DIST_SMALL_BYTES,
+        # a threshold between all_reduce algorithms): blocks up to a slot's share.
+        if (out.dtype == inp.dtype and out.numel() == inp.numel()
+                and self._eligible(inp, self._channel.slot_bytes)
                 and nbytes % n == 0 and inp.dim() and out.dim()
                 and inp.shape[0] % n == 0 and out.shape[0] % n == 0):
             blocks = _Blocks(self._channel, nbytes // n, inp.element_size())

@@ -250,6 +250,12 @@ def all_to_all_mixed_paths(rank, world):
                                  + 100 * k + i)[rank * per:(rank + 1) * per] for k in range(world)])
             if not torch.equal(out, expect.to(dtype)):
                 fails.append((i, str(dtype), out.tolist()))
+    big = torch.arange(world * 16384).float() + 1e6 * rank  # 64 KiB blocks: the lane too
+    got = torch.empty_like(big)
+    dist.all_to_all_single(got, big)
+    if not torch.equal(got, torch.cat([big[rank * 16384:(rank + 1) * 16384] - 1e6 * (rank - k)
+                                       for k in range(world)])):
+        fails.append("64 KiB blocks")
     t = torch.arange(world * 3).float() + 10 * rank
     dist.all_to_all_single(t, t)  # in place
     expect = torch.cat([torch.arange(rank * 3, rank * 3 + 3).float() + 10 * k for k in range(world)])
@@ -265,9 +271,9 @@ def test_express_all_to_all_interoperates_with_the_general_path():
     results = run_ranks(all_to_all_mixed_paths, 3, timeout=120)
     for rank, (fails, plans, states) in results.items():
         assert fails == [], (rank, fails)
-        # a rank takes the lane when (i + rank) % 3 == 0: one row count, three dtypes, and
-        # the in-place call
-        assert plans == 3 + 1, plans
+        # a rank takes the lane when (i + rank) % 3 == 0: one row count, three dtypes; and
+        # the 64 KiB-block and in-place calls
+        assert plans == 3 + 2, plans
         assert states == {"completed"}, states
 
 

@@ -1,6 +1,6 @@
-"""The express lane: a small synchronous all_reduce, broadcast, all_gather_into_tensor or
-evenly split all_to_all_single of a one-node group, start to finish in the caller's thread,
-with nothing on the way that a repeated call does not need.
+"""The express lane: a small synchronous all_reduce, broadcast, all_gather_into_tensor,
+reduce_scatter_tensor or evenly split all_to_all_single of a one-node group, start to finish
+in the caller's thread, with nothing on the way that a repeated call does not need.
 
 The general path builds, per call, a closure, a ``Context``, a call descriptor lookup and the
 engine's task bookkeeping; at 8 bytes that Python work is most of the latency (the data
@@ -12,13 +12,14 @@ engine (it must be idle: issue order is kept), record the call in the flight rec
 the input in this rank's slot (all_reduce, all_gather: every rank; broadcast: the root), one
 channel step carrying the descriptor, compare the peers' descriptors, then reduce the slots
 into the tensor (all_reduce), copy the root's slot into it (broadcast, the other ranks),
-concatenate every rank's slot into the output (all_gather), or, for all_to_all, stage the
-split-size header and one block per peer, check every rank's header after the step and
-copy each peer's block for us out of its slot.
+concatenate every rank's slot into the output (all_gather), reduce block r of every slot
+into the output (reduce_scatter: each rank staged its whole input, block k for rank k), or,
+for all_to_all, stage the split-size header and one block per peer, check every rank's
+header after the step and copy each peer's block for us out of its slot.
 
 These are the algorithms of ``allreduce._fits_one_slot``, ``broadcast.broadcast``,
-``allgather.all_gather`` and ``alltoall.all_to_all`` for one slot's worth, so both paths
-interoperate step for step (a rank may take either). Anything unusual takes the general path: async_op, the profiler on,
+``allgather.all_gather``, ``reduce_scatter.reduce_scatter`` and ``alltoall.all_to_all``
+for one slot's worth, so both paths interoperate step for step (a rank may take either). Anything unusual takes the general path: async_op, the profiler on,
 PREMUL_SUM (its factor changes per call), a non-contiguous or large tensor, a group that
 spans nodes, or an engine with work queued. Failures go through the engine's error handling, so they are reported
 exactly as on the general path.
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch.autograd import profiler as _profiler
 
 from . import stats
-from .collectives import alltoall, single_copy
+from .collectives import alltoall, reduce_scatter, single_copy
 from .collectives.descriptor import DTYPE_CODES, NWORDS, Call, check_all_match
 from .collectives.reduce_ops import ReduceSpec, check_supported, reduce_into
 from .flight_recorder import recorder
@@ -48,7 +49,7 @@ _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM
 class _Plan:
     """What one (op, dtype, shape, reduce op or root) needs, computed on its first call."""
 
-    __slots__ = ("call", "words", "spec", "root", "slots", "nbytes", "work", "blocks")
+    __slots__ = ("call", "words", "spec", "root", "slots", "nbytes", "work", "blocks", "scatter")
 
     def __init__(self, channel, t: torch.Tensor, call: Call, spec: ReduceSpec | None = None,
                  root: int | None = None, flat: bool = False):
@@ -58,6 +59,7 @@ class _Plan:
         self.nbytes = t.numel() * t.element_size()
         self.work = None  # the last call's Work, recycled once nobody else holds it
         self.blocks = None  # all_to_all: _Blocks
+        self.scatter = None  # reduce_scatter: _Scatter
         # slots[parity] = every rank's slot of that parity, viewed with t's dtype and shape
         # (flat: as a vector of t's elements)
         like = t.reshape(-1) if flat else t
@@ -84,6 +86,21 @@ class _Blocks:
         self.expect = list(self.words)
 
 
+class _Scatter:
+    """``reduce_scatter.reduce_scatter``'s slot layout for one step: this rank stages block
+    k of its input at ``k * per`` elements of its slot (addresses of both parities), and
+    reduces every rank's block r into the (1-D) output."""
+
+    __slots__ = ("block", "per", "addr", "views")
+
+    def __init__(self, channel, out: torch.Tensor, per: int):
+        es, r = out.element_size(), channel.rank
+        self.block, self.per = out.numel() * es, per * es
+        self.addr = [channel._typed(r, parity, None).data_ptr() for parity in (0, 1)]
+        self.views = [[channel._typed(k, parity, out.dtype)[r * per:r * per + out.numel()]
+                       for k in range(channel.size)] for parity in (0, 1)]
+
+
 class ExpressLane:
     """Small synchronous all_reduce, broadcast and all_gather_into_tensor for the group ``pg``
     (see the module docstring)."""
@@ -107,15 +124,23 @@ class ExpressLane:
         self._plans[key] = plan
         return plan
 
+    def _spec(self, op, dtype):
+        """The reduction of ``op`` on ``dtype``, or None: PREMUL_SUM (its factor changes per
+        call) and unsupported pairs (the general path raises the error) are not served."""
+        if op.op == _PREMUL_SUM:
+            return None
+        spec = self._reduce_spec(op)
+        try:
+            check_supported(spec, dtype)
+        except ValueError:
+            return None
+        return spec
+
     def _all_reduce_plan(self, key, t: torch.Tensor, op):
         """The plan for ``key``, or None if such calls must take the general path."""
         plan = None
-        if op.op != _PREMUL_SUM and self._eligible(t):
-            spec = self._reduce_spec(op)
-            try:
-                check_supported(spec, t.dtype)
-            except ValueError:
-                return None  # the general path raises it
+        spec = self._spec(op, t.dtype) if self._eligible(t) else None
+        if spec is not None:
             plan = _Plan(self._channel, t, Call("all_reduce", t.dtype, t.numel(),
                                                 reduce=spec.kind), spec=spec)
         return self._remember(key, plan)
@@ -150,6 +175,25 @@ class ExpressLane:
             if blocks.block <= blocks.per and blocks.block < single_copy.MIN_BYTES:
                 plan = _Plan(self._channel, inp, Call("all_to_all", inp.dtype, 0), flat=True)
                 plan.blocks = blocks
+        return self._remember(key, plan)
+
+    def _reduce_scatter_plan(self, key, out: torch.Tensor, inp: torch.Tensor, op):
+        plan = None
+        n = self._channel.size
+        es = out.element_size()
+        per = (self._channel.slot_bytes // n) // reduce_scatter.ALIGN_BYTES \
+            * reduce_scatter.ALIGN_BYTES // es
+        spec = None
+        if (out.dtype == inp.dtype and out.dim() == 1
+                and inp.numel() == out.numel() * n and 0 < out.numel() <= per
+                and out.numel() * es < single_copy.MIN_BYTES  # one step on the general path
+                and self._eligible(inp, self._channel.slot_bytes)):
+            spec = self._spec(op, out.dtype)
+        if spec is not None:
+            plan = _Plan(self._channel, out, Call("reduce_scatter", out.dtype, inp.numel(),
+                                                  reduce=spec.kind), spec=spec)
+            plan.scatter = _Scatter(self._channel, out, per)
+            plan.nbytes = inp.numel() * inp.element_size()  # (as the general path counts it)
         return self._remember(key, plan)
 
     @staticmethod
@@ -203,6 +247,18 @@ class ExpressLane:
             plan = self._all_to_all_plan(key, out, inp)
         return None if plan is None else self._run(plan, inp, out, seconds)
 
+    def reduce_scatter(self, out, inp, opts, seconds: float):
+        """Run reduce_scatter_tensor(``out``, ``inp``) now and return its completed Work, or
+        None if this call must take the general path."""
+        if not (self._usable(inp) and self._usable(out)):
+            return None
+        op = opts.reduceOp
+        key = ("reduce_scatter", inp.dtype, inp.shape, out.shape, op.op)
+        plan = self._plans.get(key, _MISSING)
+        if plan is _MISSING:
+            plan = self._reduce_scatter_plan(key, out, inp, op)
+        return None if plan is None else self._run(plan, inp, out, seconds)
+
     def _run(self, plan: _Plan, t, out, seconds: float):
         """Run ``plan`` with input ``t`` and output ``out`` (the same tensor but for
         all_gather)."""
@@ -234,6 +290,11 @@ class ExpressLane:
             root = plan.root
             if plan.blocks is not None:
                 _stage_blocks(channel, plan.blocks, epoch, t)
+            elif plan.scatter is not None:
+                sc = plan.scatter
+                src, mine = t.data_ptr(), sc.addr[epoch & 1]
+                for k in range(channel.size):
+                    ctypes.memmove(mine + k * sc.per, src + k * sc.block, sc.block)
             elif gather:
                 views[channel.rank].copy_(x.reshape(-1))
             elif root is None or root == channel.rank:
@@ -247,6 +308,10 @@ class ExpressLane:
                 torch.cat(views, out=(out.detach() if out.requires_grad else out).view(-1))
             elif plan.blocks is not None:
                 _take_blocks(channel, plan, seq, epoch, t, out)
+            elif plan.scatter is not None:
+                reduce_into(out.detach() if out.requires_grad else out,
+                            plan.scatter.views[epoch & 1], plan.spec, channel.size,
+                            self._pg._scratch)
             elif root is None:
                 reduce_into(x, views, plan.spec, channel.size, self._pg._scratch)
             elif root != channel.rank:

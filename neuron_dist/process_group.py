@@ -448,6 +448,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             [out], opts, sum(sizes) * out.element_size(), [fo])
 
     def reduce_scatter_single(self, output, input, opts=None):
+        if opts is not None and not opts.asyncOp:
+            work = self._express.reduce_scatter(output, input, opts, self._deadline_seconds(opts))
+            if work is not None:
+                return work
         opts = opts or dist.ReduceScatterOptions()
         checks.tensor(output, "reduce_scatter output")
         checks.tensor(input, "reduce_scatter input")

@@ -1,6 +1,5 @@
-"""The express lane (small synchronous all_reduce, broadcast, all_gather_into_tensor and
-evenly split all_to_all_single run in
-the caller's thread).
+"""The express lane (small synchronous all_reduce, broadcast, all_gather_into_tensor,
+reduce_scatter_tensor and evenly split all_to_all_single run in the caller's thread).
 
 It must be indistinguishable from the general path: the two interoperate step for step,
 keep issue order behind queued async work, report mismatches and failures the same way,
@@ -20,6 +19,18 @@ def _pg():
     return dist.distributed_c10d._get_default_group()
 
 
+def _expected(op, fold, values):
+    """What reducing ``values`` (one per rank) with ``op`` gives."""
+    if op == dist.ReduceOp.PRODUCT:
+        out = 1
+        for v in values:
+            out *= v
+        return out
+    if op == dist.ReduceOp.AVG:
+        return sum(values) / len(values)
+    return fold(values)
+
+
 def mixed_paths(rank, world):
     """Ranks alternate between the express lane and the general (async) path, with every
     dtype and op the lane serves, and results must be exact."""
@@ -32,15 +43,7 @@ def mixed_paths(rank, world):
             if op == dist.ReduceOp.AVG and dtype == torch.int64:
                 continue
             t = torch.full((3,), rank + 1 + i % 3, dtype=dtype)
-            values = [k + 1 + i % 3 for k in range(world)]
-            if op == dist.ReduceOp.PRODUCT:
-                expect = 1
-                for v in values:
-                    expect *= v
-            elif op == dist.ReduceOp.AVG:
-                expect = sum(values) / world
-            else:
-                expect = fold(values)
+            expect = _expected(op, fold, [k + 1 + i % 3 for k in range(world)])
             if (i + rank) % 2:  # ranks disagree on the path for every other call
                 dist.all_reduce(t, op=op, async_op=True).wait()
             else:
@@ -305,3 +308,54 @@ def test_express_all_to_all_mismatch_names_the_ranks():
         assert "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1" in splits, splits
         assert dtype.startswith("CollectiveMismatchError"), dtype
         assert "all_to_all(float32" in dtype and "all_to_all(int64" in dtype, dtype
+
+
+def reduce_scatter_mixed_paths(rank, world):
+    """Small reduce_scatter_tensor calls, ranks alternating between the express lane and the
+    general path, over ops, dtypes and output shapes (the lane takes 1-D outputs, as FSDP's;
+    0-d and 2-D ones take the general path): exact results."""
+    fails = []
+    ops = [(dist.ReduceOp.SUM, sum), (dist.ReduceOp.MAX, max), (dist.ReduceOp.AVG, None),
+           (dist.ReduceOp.PRODUCT, None)]
+    shapes = [(), (3,), (2, 5)]
+    for i in range(24):
+        op, fold = ops[i % len(ops)]
+        shape = shapes[i % len(shapes)]
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            if op == dist.ReduceOp.AVG and dtype == torch.int64:
+                continue
+            m = max(1, int(torch.tensor(shape).prod()))
+            inp = torch.cat([torch.full((m,), rank + 1 + k + i % 2, dtype=dtype)
+                             for k in range(world)])
+            out = torch.full(shape, -7, dtype=dtype)
+            if (i + rank) % 2:
+                dist.reduce_scatter_tensor(out, inp, op=op, async_op=True).wait()
+            else:
+                dist.reduce_scatter_tensor(out, inp, op=op)
+            # rank j's block `rank` holds j + 1 + rank + i % 2
+            expect = _expected(op, fold, [j + 1 + rank + i % 2 for j in range(world)])
+            if not torch.equal(out, torch.full(shape, expect, dtype=dtype)):
+                fails.append((i, str(op), str(dtype), out.tolist(), expect))
+    plans = [k for k, plan in _pg()._express._plans.items()
+             if k[0] == "reduce_scatter" and plan is not None]
+    return fails, sorted({len(k[3]) for k in plans}), len(plans)
+
+
+def test_express_reduce_scatter_interoperates_with_the_general_path():
+    results = run_ranks(reduce_scatter_mixed_paths, 3, timeout=120)
+    for rank, (fails, dims, plans) in results.items():
+        assert fails == [], (rank, fails)
+        assert dims == [1] and plans >= 3, (dims, plans)  # served: 1-D outputs only
+
+
+def reduce_scatter_mismatch(rank, world):
+    n = 2 + rank
+    return _outcome(lambda: dist.reduce_scatter_tensor(torch.empty(n), torch.ones(world * n)))
+
+
+def test_express_reduce_scatter_mismatch_names_both_calls():
+    results = run_ranks(reduce_scatter_mismatch, 2, timeout=60)
+    for msg in results.values():
+        assert msg.startswith("CollectiveMismatchError"), msg
+        assert "reduce_scatter(float32, 4 elements, SUM)" in msg, msg
+        assert "reduce_scatter(float32, 6 elements, SUM)" in msg, msg

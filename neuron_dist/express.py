@@ -19,10 +19,11 @@ header after the step and copy each peer's block for us out of its slot.
 
 These are the algorithms of ``allreduce._fits_one_slot``, ``broadcast.broadcast``,
 ``allgather.all_gather``, ``reduce_scatter.reduce_scatter`` and ``alltoall.all_to_all``
-for one slot's worth, so both paths interoperate step for step (a rank may take either). Anything unusual takes the general path: async_op, the profiler on,
-PREMUL_SUM (its factor changes per call), a non-contiguous or large tensor, a group that
-spans nodes, or an engine with work queued. Failures go through the engine's error handling, so they are reported
-exactly as on the general path.
+for one slot's worth, so both paths interoperate step for step (a rank may take either).
+Anything unusual takes the general path: async_op, the profiler on, PREMUL_SUM (its factor
+changes per call), a non-contiguous or large tensor, uneven splits, a group that spans
+nodes, or an engine with work queued. Failures go through the engine's error handling, so
+they are reported exactly as on the general path.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class _Plan:
     __slots__ = ("call", "words", "spec", "root", "slots", "nbytes", "work", "blocks", "scatter")
 
     def __init__(self, channel, t: torch.Tensor, call: Call, spec: ReduceSpec | None = None,
-                 root: int | None = None, flat: bool = False):
+                 root: int | None = None, flat: bool = False, views: bool = True):
         self.call = call
         self.words = self.call.words(0)[1:]  # everything but the sequence number
         self.spec, self.root = spec, root
@@ -61,10 +62,11 @@ class _Plan:
         self.blocks = None  # all_to_all: _Blocks
         self.scatter = None  # reduce_scatter: _Scatter
         # slots[parity] = every rank's slot of that parity, viewed with t's dtype and shape
-        # (flat: as a vector of t's elements)
+        # (flat: as a vector of t's elements); not made for plans that address slots by
+        # pointer (all_to_all, reduce_scatter)
         like = t.reshape(-1) if flat else t
         self.slots = [[channel._shaped(k, parity, like) for k in range(channel.size)]
-                      for parity in (0, 1)]
+                      for parity in (0, 1)] if views else None
 
 
 class _Blocks:
@@ -74,7 +76,7 @@ class _Blocks:
 
     __slots__ = ("block", "header", "per", "addr", "words", "expect")
 
-    def __init__(self, channel, block: int, element_size: int):
+    def __init__(self, channel, block: int):
         n = channel.size
         self.block = block
         self.header = -(-16 * n // alltoall.ALIGN_BYTES) * alltoall.ALIGN_BYTES
@@ -102,8 +104,8 @@ class _Scatter:
 
 
 class ExpressLane:
-    """Small synchronous all_reduce, broadcast and all_gather_into_tensor for the group ``pg``
-    (see the module docstring)."""
+    """Small synchronous all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor
+    and evenly split all_to_all_single for the group ``pg`` (see the module docstring)."""
 
     def __init__(self, pg, reduce_spec):
         self._pg = pg
@@ -170,10 +172,11 @@ class ExpressLane:
                 and self._eligible(inp, self._channel.slot_bytes)
                 and nbytes % n == 0 and inp.dim() and out.dim()
                 and inp.shape[0] % n == 0 and out.shape[0] % n == 0):
-            blocks = _Blocks(self._channel, nbytes // n, inp.element_size())
+            blocks = _Blocks(self._channel, nbytes // n)
             # One step on the general path too (larger blocks may take a second one there).
             if blocks.block <= blocks.per and blocks.block < single_copy.MIN_BYTES:
-                plan = _Plan(self._channel, inp, Call("all_to_all", inp.dtype, 0), flat=True)
+                plan = _Plan(self._channel, inp, Call("all_to_all", inp.dtype, 0),
+                             views=False)
                 plan.blocks = blocks
         return self._remember(key, plan)
 
@@ -191,7 +194,7 @@ class ExpressLane:
             spec = self._spec(op, out.dtype)
         if spec is not None:
             plan = _Plan(self._channel, out, Call("reduce_scatter", out.dtype, inp.numel(),
-                                                  reduce=spec.kind), spec=spec)
+                                                  reduce=spec.kind), spec=spec, views=False)
             plan.scatter = _Scatter(self._channel, out, per)
             plan.nbytes = inp.numel() * inp.element_size()  # (as the general path counts it)
         return self._remember(key, plan)
@@ -284,7 +287,7 @@ class ExpressLane:
                 rec.start()
             channel = self._channel
             epoch = channel.epoch + 1
-            views = plan.slots[epoch & 1]
+            views = plan.slots[epoch & 1] if plan.slots is not None else None
             x = t.detach() if t.requires_grad else t
             gather = plan.call.op == "all_gather"
             root = plan.root

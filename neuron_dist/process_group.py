@@ -699,8 +699,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             error = req.error
             if error is not None:
                 error = self._on_error(error, what)[0]
-            elif f is not None:
-                f.finish()
+            elif f is not None and not is_send:
+                f.finish()  # a receive into a non-contiguous tensor: copy it back
             work._complete(error, req.source if req.source is not None else -1)
 
         req.on_complete(finish)

@@ -3,8 +3,8 @@
 The sweep (``python -m neuron_dist.bench``) puts a barrier before every timed sample of up
 to 16 operations, so its small-message times still carry a share of how unevenly ranks
 leave that barrier. This loop issues the operation back to back for a fixed time, with no
-barrier at all, and prints the mean time per operation. Run it under a sampling profiler to see where a small collective's time
-goes, e.g.::
+barrier at all, and prints the mean time per operation. Run it under a sampling profiler
+to see where a small collective's time goes, e.g.::
 
     py-spy record -r 300 -f raw -o prof.txt -- python -m neuron_dist.bench.hotloop -n 1
     python -m neuron_dist.bench.hotloop --summarise prof.txt   # share of time per frame

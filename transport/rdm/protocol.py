@@ -585,9 +585,7 @@ class Endpoint:
         stream.next_deliver += 1
         self._events.append(MessageReceived(header.src, header.tag, header.msg_id,
                                             posted[:header.total], True))
-        while stream.next_deliver in stream.ready:  # later ones that waited for it
-            self._deliver(header.src, stream, stream.ready.pop(stream.next_deliver))
-            stream.next_deliver += 1
+        self._deliver_ready(header.src, stream)  # later ones that waited for it
         return True
 
     def poll_transmit(self, now: float) -> list[Transmit]:
@@ -913,6 +911,10 @@ class Endpoint:
         state.recv_done.add(r.msg_id)
         stream = self._stream(state, r.tag)
         stream.ready[r.seq] = r
+        self._deliver_ready(src, stream)
+
+    def _deliver_ready(self, src: int, stream: _Stream) -> None:
+        """Deliver the complete messages that are next in ``stream``'s order."""
         while stream.next_deliver in stream.ready:
             self._deliver(src, stream, stream.ready.pop(stream.next_deliver))
             stream.next_deliver += 1

@@ -136,6 +136,35 @@ def test_last_message_of_a_peer_that_closed_is_still_delivered():
         b.close()
 
 
+def test_a_receiver_that_closes_at_once_still_acks_the_last_message(monkeypatch):
+    # The receiver's reader hands the ack of a large message to its rail while the
+    # receiver's caller, woken by the same landing, is already closing. The close must
+    # wait for that hand-off: an ack written after the rail's half-close is lost, and the
+    # sender (waiting for it) would see the peer vanish instead of its send completing.
+    from neuron_dist.transport.rdm import driver as D
+    push = D._Rail.push
+
+    def slow_push(rail, tx):
+        if rail.peer == 1:  # frames of rank 0 (the receiver) to rank 1
+            time.sleep(0.05)
+        push(rail, tx)
+
+    a, b = _pair(rails=1)
+    try:
+        monkeypatch.setattr(D._Rail, "push", slow_push)
+        data = np.arange(1 << 20, dtype=np.uint8)  # not eager: completes on its ack
+        buf = np.zeros_like(data)
+        r = a.irecv(1, 3, buf)
+        s = b.isend(0, 3, data)
+        r.wait(time.monotonic() + 10)
+        a.close()
+        s.wait(time.monotonic() + 10)
+        assert np.array_equal(buf, data)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_crc_frames_roundtrip():
     ts = _pair(rails=2, crc=True)
     try:

@@ -149,6 +149,7 @@ class RdmTransport:
         # Completion callbacks run here, never under the lock: they may post new requests.
         self._callbacks = queue.SimpleQueue()
         self._outbox = deque()  # frames to write, queued under the lock (see _pump)
+        self._handing: set = set()  # threads moving frames from the outbox to rails
         self._listener = socket.create_server((host, 0), backlog=128,
                                               family=_family(host))
         self.address = f"{_bracket(host)}:{self._listener.getsockname()[1]}"
@@ -362,17 +363,28 @@ class RdmTransport:
         self._handle_events()  # poll_transmit may have declared a peer failed
 
     def _send_out(self) -> None:
-        """Outside the lock: hand the queued frames to their rails."""
+        """Outside the lock: hand the queued frames to their rails.
+
+        A thread is listed in ``_handing`` from before it takes a frame until the frame is
+        on its rail, so a draining close sees a frame that is in nobody's queue (see
+        ``_drain``)."""
         out = self._outbox
-        while out:
-            try:
-                tx = out.popleft()
-            except IndexError:  # another thread took the last one
-                return
-            rails = self._rails.get(tx.peer)
-            rail = rails[tx.rail] if rails else None
-            if rail is not None and rail.alive:
-                rail.push(tx)
+        if not out:
+            return
+        me = threading.get_ident()
+        self._handing.add(me)
+        try:
+            while out:
+                try:
+                    tx = out.popleft()
+                except IndexError:  # another thread took the last one
+                    return
+                rails = self._rails.get(tx.peer)
+                rail = rails[tx.rail] if rails else None
+                if rail is not None and rail.alive:
+                    rail.push(tx)
+        finally:
+            self._handing.discard(me)
 
     def _handle_events(self) -> None:
         for ev in self.ep.events():
@@ -665,7 +677,9 @@ class RdmTransport:
         def settled():
             with self._lock:
                 unacked = sum(self.ep.inflight_bytes(p) for p in peers if p not in self._failed)
-            return unacked == 0 and all(r.idle for r in rails)
+            # In this order: a frame leaves the outbox only after its mover is listed.
+            return (unacked == 0 and not self._outbox and not self._handing
+                    and all(r.idle for r in rails))
 
         while time.monotonic() < deadline and not settled():
             time.sleep(0.001)

@@ -10,7 +10,9 @@ all_reduce, nodes of equal size (hierarchical)
     slice with the ranks of the same local index on the other nodes -> local all-gather.
     Every local rank drives its own share of the network traffic, in parallel.
     Among 3+ nodes, slices of RING_BYTES and more go around a ring of those ranks instead
-    of straight to every other node (see bench/costmodel.py).
+    of straight to every other node (see bench/costmodel.py). Between two nodes, slices of
+    HALVES_BYTES and more are exchanged in halves: each rank reduces one half and sends it
+    back (half the additions of the full exchange, the same bytes on the link).
 all_reduce, uneven nodes (leader)
     local all-reduce -> node leaders (local index 0) exchange and reduce -> local broadcast.
 broadcast
@@ -51,6 +53,7 @@ from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_in
 COLLECTIVE_TAG = 1
 PIGGYBACK_BYTES = 64 << 10  # data up to this size travels in one message with the descriptor
 RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
+HALVES_BYTES = 16 << 20  # network all-reduce between two peers: halves from here, else direct
 ALIGN_BYTES = 64
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
 _SUM = ReduceSpec(SUM)
@@ -135,28 +138,37 @@ class Net:
     def _words(self) -> bytes:
         return _DESC.pack(*self.call.words(self.seq), 0)
 
-    def send(self, peer: int, buf) -> None:
+    def send(self, peer: int, buf):
+        """Post a send of ``buf`` to ``peer``; returns its request (done: ``buf`` is free)."""
         data = as_bytes(buf)
         if peer not in self._told:
             self._told.add(peer)
             if _nbytes(data) <= PIGGYBACK_BYTES:
-                self._pending.append(self.transport.isend(
-                    peer, COLLECTIVE_TAG, self._words() + bytes(memoryview(data).cast("B"))))
-                return
+                req = self.transport.isend(
+                    peer, COLLECTIVE_TAG, self._words() + bytes(memoryview(data).cast("B")))
+                self._pending.append(req)
+                return req
             self._pending.append(self.transport.isend(peer, COLLECTIVE_TAG, self._words()))
-        self._pending.append(self.transport.isend(peer, COLLECTIVE_TAG, data))
+        req = self.transport.isend(peer, COLLECTIVE_TAG, data)
+        self._pending.append(req)
+        return req
 
-    def recv(self, peer: int, buf) -> None:
+    def recv(self, peer: int, buf):
+        """Post a receive from ``peer`` into ``buf``. Returns its request, or None for the
+        call's first message from ``peer`` when it is small (it travels with the
+        descriptor and is copied into ``buf`` by ``check``)."""
         data = as_bytes(buf)
         if peer not in self._heard:
             n = _nbytes(data)
             if n <= PIGGYBACK_BYTES:
                 box = bytearray(_DESC.size + n)
                 self._heard[peer] = (box, self.transport.irecv(peer, COLLECTIVE_TAG, box), data)
-                return
+                return None
             box = bytearray(_DESC.size)
             self._heard[peer] = (box, self.transport.irecv(peer, COLLECTIVE_TAG, box), None)
-        self._pending.append(self.transport.irecv(peer, COLLECTIVE_TAG, data))
+        req = self.transport.irecv(peer, COLLECTIVE_TAG, data)
+        self._pending.append(req)
+        return req
 
     def buffer(self, key: str, numel: int, dtype) -> torch.Tensor:
         """A scratch tensor kept across calls (allocating fresh pages every call costs more
@@ -176,6 +188,14 @@ class Net:
 
     def wait(self) -> None:
         """Wait for everything posted; check the peers' descriptors first."""
+        self.check()
+        pending, self._pending = self._pending, []
+        for req in pending:
+            req.wait(self.deadline)
+
+    def check(self) -> None:
+        """Wait for the descriptors of the peers heard from so far and check them: a peer
+        that made another call raises ``CollectiveMismatch`` here, naming both calls."""
         for peer, (box, req, dest) in sorted(self._heard.items()):
             if box is None:
                 continue
@@ -192,9 +212,6 @@ class Net:
             if dest is not None:
                 memoryview(dest).cast("B")[:] = memoryview(box)[_DESC.size:]
             self._heard[peer] = (None, req, None)
-        pending, self._pending = self._pending, []
-        for req in pending:
-            req.wait(self.deadline)
 
     def _check(self, peer: int, words: bytes) -> None:
         theirs = _DESC.unpack(words)[:NWORDS]
@@ -254,9 +271,12 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     others = [p for p in peers if p != me]
     if not others:
         return
-    if len(peers) >= 3 and buf.numel() * buf.element_size() >= RING_BYTES \
-            and buf.numel() >= len(peers):
+    nbytes = buf.numel() * buf.element_size()
+    if len(peers) >= 3 and nbytes >= RING_BYTES and buf.numel() >= len(peers):
         _ring_all_reduce(ctx, buf, peers, spec)
+        return
+    if len(peers) == 2 and nbytes >= HALVES_BYTES:
+        _halves(ctx, buf, peers, spec)
         return
     got = {p: net.buffer(f"got{i}", buf.numel(), buf.dtype) for i, p in enumerate(others)}
     for p in others:
@@ -271,6 +291,32 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     acc = net.buffer("acc", buf.numel(), buf.dtype)
     reduce_into(acc, views, spec, len(peers), ctx.scratch)
     buf.copy_(acc)
+
+
+def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+    """All-reduce of a large ``buf`` between two ranks: each rank reduces one half and
+    sends it back (a two-rank ring). The same bytes cross the link as in the direct
+    exchange, but each rank adds half as much.
+
+    The other half comes back into the memory its send read from, so that receive is
+    posted only once the send has completed (been acknowledged): a resend can never
+    read the answer."""
+    net, me = ctx.net, ctx.net.topo.rank
+    i = peers.index(me)
+    peer = peers[1 - i]
+    halves = partition(buf.numel(), 2, max(1, ALIGN_BYTES // buf.element_size()))
+    (ms, mm), (ts, tm) = halves[i], halves[1 - i]
+    got = net.buffer("half", mm, buf.dtype)
+    arrived = net.recv(peer, got)
+    sent = net.send(peer, buf[ts:ts + tm])
+    net.check()  # (halves are large: neither travels inside the descriptor)
+    sent.wait(net.deadline)
+    net.recv(peer, buf[ts:ts + tm])
+    arrived.wait(net.deadline)
+    ours = buf[ms:ms + mm]
+    reduce_into(ours, [ours, got] if i == 0 else [got, ours], spec, 2, ctx.scratch)
+    net.send(peer, ours)
+    net.wait()
 
 
 def _ring_all_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:

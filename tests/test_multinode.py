@@ -9,6 +9,7 @@ memory *cannot* cross nodes) is tested with the virtual-node launcher (test_vnod
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -56,6 +57,53 @@ def test_big_all_reduce_across_nodes(algo, names):
                         env=_env(names, NEURON_DIST_ALGO=algo, NEURON_DIST_RAILS="3"),
                         timeout=100)
     assert not any(results.values()), results
+
+
+def _halves(rank, world):
+    # Between two ranks, buffers of twolevel.HALVES_BYTES and more are reduced in halves:
+    # an odd length (halves of unequal size), each op, bf16, then a size mismatch between
+    # the two calls.
+    from neuron_dist.collectives import twolevel
+    out = {}
+    n = twolevel.HALVES_BYTES // 4 + 3  # float32
+    base = torch.arange(n, dtype=torch.float32).remainder_(89) - 44
+    mine = base * (rank + 1) + 0.25 * rank
+    cases = {"sum": (dist.ReduceOp.SUM, mine * 2 - 1), "max": (dist.ReduceOp.MAX, mine),
+             "avg": (dist.ReduceOp.AVG, mine), "product": (dist.ReduceOp.PRODUCT, mine / 7)}
+    for name, (op, t) in cases.items():
+        t = t.clone()
+        dist.all_reduce(t, op=op)
+        others = [(base * (r + 1) + 0.25 * r) for r in range(world)]
+        inputs = {"sum": [x * 2 - 1 for x in others], "max": others, "avg": others,
+                  "product": [x / 7 for x in others]}[name]
+        combine = {"sum": torch.add, "max": torch.maximum, "avg": torch.add,
+                   "product": torch.mul}[name]
+        ref = functools.reduce(combine, inputs) / (world if name == "avg" else 1)
+        # (small integers and quarters: sums and maxima are exact in any order)
+        out[name] = torch.equal(t, ref) if name in ("sum", "max") else torch.allclose(t, ref)
+    t = (base * (rank + 1)).to(torch.bfloat16).repeat(2)  # 2n bf16: the same byte size x2
+    dist.all_reduce(t)
+    ref = (base * (world * (world + 1) // 2)).to(torch.bfloat16).float().repeat(2)
+    out["bf16"] = torch.allclose(t.float(), ref, rtol=1e-2)
+    try:
+        dist.all_reduce(torch.ones(n + 1000 * rank))
+        out["mismatch"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("names,algo", [(["a", "b"], "auto"), (["a", "a", "b", "b"], "leader")],
+                         ids=["1+1", "leaders-2x2"])
+def test_all_reduce_in_halves_between_two_nodes(names, algo):
+    results = run_ranks(_halves, len(names),
+                        env=_env(names, NEURON_DIST_ALGO=algo,
+                                 NEURON_DIST_NET_SEGMENT_BYTES="1M"),
+                        timeout=150, pg_timeout=30)
+    for rank, out in results.items():
+        assert all(out[k] for k in ("sum", "max", "avg", "product", "bf16")), (rank, out)
+        assert "collective mismatch" in out["mismatch"], (rank, out)
 
 
 def _p2p_and_mismatch(rank, world):

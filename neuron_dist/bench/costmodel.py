@@ -45,6 +45,8 @@ Models (n = bytes per rank, N nodes, L ranks per node, P = N L; x_L = n / L)
                   x_L, plus a call descriptor per peer; reduce N slices) -> local all-gather.
                   Node link per direction: L ranks x (N-1) x x_L = (N-1) n.
                   A rank alone on its node (L = 1) exchanges the whole buffer the same way.
+                  Between two nodes, from twolevel.HALVES_BYTES, the exchange runs in halves
+                  (a two-rank ring: two dependent phases of x_L / 2, half the additions).
                   neuron picks it when n >= 64 L elements, else leader.
     leader        neuron, any nodes: local all-reduce -> the node leader exchanges the full
                   buffer directly with the N-1 other leaders (reduces N buffers) -> local
@@ -287,16 +289,27 @@ class Machine:
     slot: int = SLOT_BYTES
     small: int = SMALL_BYTES
     piggyback: int = 0            # data up to this size carries the call descriptor itself
+    halves: float = math.inf      # two ranks exchange in halves (a 2-rank ring) from here
+
+
+def _twolevel_constant(name: str, default):
+    try:
+        from ..collectives import twolevel
+    except Exception:  # noqa: BLE001 - the model works without the code
+        return default
+    return getattr(twolevel, name, default)
 
 
 def piggyback_bytes() -> int:
     """``collectives/twolevel.py``'s PIGGYBACK_BYTES: up to this size the call descriptor
     travels in the data's message, above it as a message of its own (0: always separate)."""
-    try:
-        from ..collectives import twolevel
-    except Exception:  # noqa: BLE001 - the model works without the code
-        return 0
-    return int(getattr(twolevel, "PIGGYBACK_BYTES", 0))
+    return int(_twolevel_constant("PIGGYBACK_BYTES", 0))
+
+
+def halves_bytes() -> float:
+    """``collectives/twolevel.py``'s HALVES_BYTES: from this size two ranks all-reduce in
+    halves (each reduces one and sends it back) instead of exchanging everything."""
+    return float(_twolevel_constant("HALVES_BYTES", math.inf))
 
 
 @dataclass(frozen=True)
@@ -378,9 +391,12 @@ def net_phase(x: float, peers: int, sharers: int, m: Machine, msgs: int | None =
 def direct_exchange(x: float, N: int, sharers: int, m: Machine) -> float:
     """twolevel._exchange_reduce among N ranks: descriptor + payload to each of N-1 peers
     (one message if the payload is small enough to carry the descriptor), then reduce N
-    buffers of x (in place for N = 2, else into a scratch and copied back)."""
+    buffers of x (in place for N = 2, else into a scratch and copied back). Two ranks with
+    x >= HALVES_BYTES run the two-rank ring instead."""
     if N <= 1:
         return 0.0
+    if N == 2 and x >= m.halves:
+        return ring_among(x, 2, sharers, m)
     per_peer = 1 if x <= m.piggyback else 2
     t = net_phase(x, N - 1, sharers, m, msgs=per_peer * (N - 1))
     t += reduce_work(N, x).time(m.intra)
@@ -508,7 +524,8 @@ def internode_model(backend: str, n: int, net: Net, intra: Intra, before: bool,
                     piggyback: int = 0) -> float:
     """The 2 nodes x 1 rank all_reduce that internode-veth.json measured (``before``: the
     code path before CODE_CHANGE, which always sent descriptors separately)."""
-    m = Machine(intra, net, piggyback=0 if before else piggyback)
+    m = Machine(intra, net, piggyback=0 if before else piggyback,
+                halves=math.inf if before else halves_bytes())
     if backend == "gloo":
         return t_flat_ring(n, 2, 1, m)
     return t_alone_before_change(n, 2, m) if before else t_alone(n, 2, m)
@@ -807,7 +824,7 @@ def run(args) -> tuple[str, dict]:
     nf = net_fits[args.transport][0]
     net = Net(nf["alpha"], nf["beta"], nf["beta"], lat=lats[args.transport]["lat"])
     pig = piggyback_bytes()
-    machine = Machine(intra2, net, piggyback=pig)
+    machine = Machine(intra2, net, piggyback=pig, halves=halves_bytes())
     js["meta"]["descriptor_piggyback_bytes"] = pig
 
     # ------------------------------------------------------------------ 2. check

@@ -290,22 +290,40 @@ def test_landing_in_place_delivers_once_even_when_two_copies_land():
     assert bytes(e.data) == bytes(range(100)) and bufs[2] == bytes(range(100))
 
 
-def test_segments_spray_over_the_least_loaded_live_rails_in_turn():
-    a, b = make(2, rails=3, segment_bytes=1 << 20, window_bytes=1 << 30)
-    for _ in range(6):  # equal loads: round-robin
+def test_rails_fill_in_turn_then_the_least_loaded_takes_the_next_segment():
+    from neuron_dist.transport.rdm.protocol import FILL_BYTES
+    seg = 1 << 20
+    a, b = make(2, rails=3, segment_bytes=seg, window_bytes=1 << 30, max_message_bytes=1 << 30)
+    for _ in range(6):  # small traffic keeps to the first rail
         a.send(1, 0, b"x")
-    assert [tx.rail for tx in a.poll_transmit(0.0)] == [0, 1, 2, 0, 1, 2]
-    a.send(1, 0, bytes(1 << 20))  # two 512 KiB segments (>= MIN_SPRAY_BYTES each): 0, 1
-    a.send(1, 0, b"y")  # then the small ones go to the least loaded rail
-    a.send(1, 0, b"z")
-    assert [tx.rail for tx in a.poll_transmit(0.0)] == [0, 1, 2, 2]
-    a.rail_failed(1)
-    for _ in range(3):
-        a.send(1, 0, b"w")
-    assert {tx.rail for tx in a.poll_transmit(0.0)} <= {0, 2}
-    a.rail_failed(0)  # its unacked segments move to the only rail left, with the new one
+    assert [tx.rail for tx in a.poll_transmit(0.0)] == [0] * 6
+    per_rail = -(-FILL_BYTES // (seg + F.HEADER_SIZE))  # segments until a rail is full
+    a.send(1, 0, bytes((3 * per_rail + 4) * seg))
+    rails = [tx.rail for tx in a.poll_transmit(0.0)]
+    assert rails[:3 * per_rail] == [0] * per_rail + [1] * per_rail + [2] * per_rail
+    # all full: the least loaded (rail 0 also carries the small ones, so it comes last)
+    assert rails[3 * per_rail:] == [1, 2, 0, 1]
+    a.rail_failed(1)  # its unacked segments move to the least loaded rail left, with a new one
+    a.send(1, 0, b"w")
+    moved = [tx.rail for tx in a.poll_transmit(0.0)]
+    assert len(moved) == per_rail + 3 and set(moved) <= {0, 2}
+    a.rail_failed(0)
     a.send(1, 0, b"v")
     assert {tx.rail for tx in a.poll_transmit(0.0)} == {2}
+
+
+def test_acked_rail_takes_the_traffic_again():
+    a, b = make(2, rails=2, segment_bytes=1 << 20, window_bytes=1 << 30,
+                max_message_bytes=1 << 30)
+    a.send(1, 0, bytes(12 << 20))  # fills rail 0, then rail 1
+    first = [tx for tx in a.poll_transmit(0.0)]
+    assert {tx.rail for tx in first} == {0, 1}
+    for tx in first:  # everything arrives and is acked
+        b.receive(tx.rail, tx.header + bytes(tx.payload), 0.0)
+    for tx in b.poll_transmit(0.0):
+        a.receive(tx.rail, tx.header + bytes(tx.payload) + bytes(tx.trailer), 0.0)
+    a.send(1, 0, b"y")
+    assert [tx.rail for tx in a.poll_transmit(0.0)] == [0]
 
 
 def test_frames_carry_acks_behind_the_payload():
@@ -355,9 +373,9 @@ def test_rail_dying_mid_transfer_loses_nothing(drop, rto):
     def kill(net):
         if net.now >= 0.01 and not net.dead:
             assert eps[0].inflight_bytes(1) > 0, "the rail must die mid-transfer"
-            net.cut(0, 1, 1)
+            net.cut(0, 1, 0)  # the rail that carries it all (see FILL_BYTES)
             for ep in eps:  # both drivers see the connection reset
-                ep.rail_failed(1, peer=1 - ep.rank)
+                ep.rail_failed(0, peer=1 - ep.rank)
     net.on_step.append(kill)
     net.run(all_delivered(net, sent, ids), max_time=30)
     check_delivery(net, sent, ids)

@@ -165,6 +165,44 @@ def test_a_receiver_that_closes_at_once_still_acks_the_last_message(monkeypatch)
         b.close()
 
 
+def test_copy_pool_reuses_only_buffers_nothing_points_into():
+    from neuron_dist.transport.rdm.driver import _CopyPool
+    pool = _CopyPool(limit=3 << 16)
+    a = pool.take(40_000)
+    assert len(a) == 1 << 16  # size classes are powers of two
+    view = memoryview(a)[:10]  # a resend still queued on a rail
+    pool.give(a)
+    assert pool.take(40_000) is not a, "a buffer with a live view was handed out again"
+    del view
+    pool.give(a)
+    assert pool.take(50_000) is a and len(a) == 1 << 16
+    for _ in range(4):
+        pool.give(bytearray(1 << 16))
+    assert pool._bytes == 3 << 16  # never more than the limit is kept
+
+
+def test_eager_copies_go_back_to_the_pool_once_acked(pair):
+    a, b = pair
+    bufs = [np.full(40_000, k, np.uint8) for k in range(20)]
+    for _ in range(2):
+        got = [np.zeros(40_000, np.uint8) for _ in bufs]
+        rs = [b.irecv(0, 4, g) for g in got]
+        for x in bufs:
+            assert a.isend(1, 4, x).test()  # eager: complete at once
+        for r in rs:
+            r.wait(time.monotonic() + 10)
+        assert all(np.array_equal(g, x) for g, x in zip(got, bufs))
+        b.ep.release_acks()  # (acks of small messages may wait up to ack_delay)
+        with b._lock:
+            b._pump()
+        b._send_out()
+        deadline = time.monotonic() + 5
+        while a._copies and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not a._copies, "acked eager copies are still held"
+    assert a._pool._bytes > 0
+
+
 def test_crc_frames_roundtrip():
     ts = _pair(rails=2, crc=True)
     try:

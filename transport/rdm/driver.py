@@ -55,9 +55,45 @@ log = logging.getLogger("neuron_dist.rdm")
 
 _IOV_MAX = 512
 EAGER_BYTES = 64 << 10
+_SMALL_COPY = 512  # eager copies up to this size come from Python's small-object allocator
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
 _CLEAN_EOF = "connection closed by the peer (0 of"
 _HANDSHAKE_TIMEOUT = 10.0
+
+
+class _CopyPool:
+    """Buffers for the copies of eager sends, reused once their message is acknowledged.
+
+    A fresh 64 KiB copy costs ~40 µs here when the allocator has handed freed memory back
+    to the kernel in between (page faults), a reused one ~7. A copy comes back when its
+    message is acknowledged, and is reused only if no frame refers to it any more (a
+    resend still queued on a rail holds a view of it: a bytearray with live views cannot
+    change size, which is how that is checked). Holds at most ``limit`` bytes.
+    """
+
+    def __init__(self, limit: int = 8 << 20):
+        self._free: dict = {}  # size class -> [bytearray]
+        self._bytes, self._limit = 0, limit
+
+    def take(self, n: int) -> bytearray:
+        size = 1 << max(10, (n - 1).bit_length())
+        free = self._free.get(size)
+        if free:
+            self._bytes -= size
+            return free.pop()
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        size = len(buf)
+        if self._bytes + size > self._limit:
+            return
+        try:
+            buf.append(0)
+        except BufferError:
+            return  # still referred to: let it go
+        buf.pop()
+        self._free.setdefault(size, []).append(buf)
+        self._bytes += size
 
 
 class _Rail:
@@ -137,6 +173,8 @@ class RdmTransport:
         self._expected: set[int] = set()
         self._connected = threading.Condition(self._lock)
         self._sends: dict = {}
+        self._copies: dict = {}  # (peer, msg_id) -> the copy of an eager send, until acked
+        self._pool = _CopyPool()
         self._recvs: dict = {}  # (peer, tag) -> deque of posted Requests
         self._unexpected: dict = {}  # (peer, tag) -> deque of (arrival number, bytearray)
         self._arrivals = 0
@@ -267,14 +305,20 @@ class RdmTransport:
         view = memoryview(buf).cast("B")
         req = Request(peer, tag, view, True, self._callbacks)
         req.callback = callback
-        eager = view.nbytes <= EAGER_BYTES
+        n = view.nbytes
+        eager = n <= EAGER_BYTES
         with self._lock:
             self._check_usable(peer)
-            msg_id = self.ep.send(peer, tag, bytes(view) if eager else view)
-            if eager:
+            if not eager:
+                self._sends[(peer, self.ep.send(peer, tag, view))] = req
+            elif n <= _SMALL_COPY:
+                self.ep.send(peer, tag, bytes(view))
                 req._finish()
             else:
-                self._sends[(peer, msg_id)] = req
+                copy = self._pool.take(n)
+                copy[:n] = view
+                self._copies[(peer, self.ep.send(peer, tag, memoryview(copy)[:n]))] = copy
+                req._finish()
             self._pump()
         self._send_out()
         return req
@@ -392,6 +436,10 @@ class RdmTransport:
                 req = self._sends.pop((ev.peer, ev.msg_id), None)
                 if req is not None:
                     req._finish()
+                else:
+                    copy = self._copies.pop((ev.peer, ev.msg_id), None)
+                    if copy is not None:
+                        self._pool.give(copy)
             elif isinstance(ev, MessageReceived):
                 self._on_message(ev)
             elif isinstance(ev, PeerFailed):
@@ -443,6 +491,8 @@ class RdmTransport:
             self._any.clear()
         for key in [k for k in self._sends if k[0] == peer]:
             self._sends.pop(key)._finish(error)
+        for key in [k for k in self._copies if k[0] == peer]:
+            del self._copies[key]
         for key in [k for k in self._recvs if k[0] == peer]:
             for req in self._recvs.pop(key):
                 req._finish(error)
@@ -534,6 +584,7 @@ class RdmTransport:
                 rail.busy = False
                 self._rail_down(rail, f"send failed: {e}")
                 break
+            del buffers  # (views of eager copies: see _CopyPool)
             rail.busy = False
 
     def _read_loop(self, rail: _Rail) -> None:
@@ -643,6 +694,7 @@ class RdmTransport:
                 for req in q:
                     req._finish(error)
             self._sends.clear()
+            self._copies.clear()
             self._recvs.clear()
             self._any.clear()
             self._unexpected.clear()

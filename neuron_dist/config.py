@@ -51,7 +51,8 @@ class Settings:
         NEURON_DIST_NODE_NAME          hostname+boot id: ranks with equal names share memory
         NEURON_DIST_DEBUG              WARN  WARN, INFO or TRACE
         NEURON_DIST_RAILS              4     TCP connections ("rails") per pair of ranks on
-                                             different nodes; messages are sprayed over all
+                                             different nodes; each takes traffic once the
+                                             ones before it hold 4 MiB unacknowledged
         NEURON_DIST_NET_SEGMENT_BYTES  8M    largest piece of a message on one rail
         NEURON_DIST_SOCKET_IFNAME      auto  interface for inter-node traffic (default: the
                                              one that routes to the rendezvous host)

@@ -113,11 +113,23 @@ def test_bench_plot(bench_run):
 def test_hotloop_runs_and_summarises(tmp_path):
     for nodes in (1, 2):  # 2: virtual nodes, so the inter-node transport on loopback
         out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",
-                              "--nodes", str(nodes), "--seconds", "0.3"],
+                              "--nodes", str(nodes), "--seconds", "0.3", "--thread-cpu"],
                              capture_output=True, text=True, timeout=100)
         assert out.returncode == 0, out.stderr
         assert f"neuron all_reduce 8 B, 2 rank(s) on {nodes} node(s):" in out.stdout
         assert "us per operation" in out.stdout
+        for rank in (0, 1):
+            lines = [x for x in out.stdout.splitlines()
+                     if x.startswith(f"rank {rank} CPU per operation")]
+            assert len(lines) == 1, out.stdout
+            line = lines[0]
+            assert "MainThread " in line, line
+            if nodes == 2:  # the rail's reader thread receives the peer's messages
+                assert f"neuron-rdm-r{rank}-{1 - rank}.0 " in line, line
+    from neuron_dist.bench.hotloop import _cpu_line, thread_cpu
+    assert "MainThread" in thread_cpu()
+    line = _cpu_line(3, {"a": (1.0, 0.5)}, {"a": (1.2, 0.6), "b": (0.0, 0.1), "c": (0, 0)}, 1000)
+    assert line == "rank 3 CPU per operation, user+system us by thread: a 200+100, b 0+100"
     raw = tmp_path / "prof.txt"
     raw.write_text("main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);f (a.py:3) 3\n"
                    "main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);g (b.py:4) 1\n"

@@ -290,6 +290,36 @@ def test_landing_in_place_delivers_once_even_when_two_copies_land():
     assert bytes(e.data) == bytes(range(100)) and bufs[2] == bytes(range(100))
 
 
+def test_a_message_nobody_asked_for_yet_is_read_straight_into_its_reassembly_buffer():
+    """Without a posted receive, a message's first segment opens its reassembly buffer in
+    data_target, so the payload is read there and not aside. A message that is not next in
+    its stream and would pass max_reassembly_bytes is declined (receive() then drops it,
+    and the sender resends); the next one in its stream is always taken."""
+    ep = Endpoint(1, 2, rails=2, segment_bytes=64, max_message_bytes=1024,
+                  max_reassembly_bytes=150)
+
+    def frame(seq, off=0, total=100):
+        return F.encode(F.DATA, 0, 1, msg_id=seq, tag=3, seq=seq, total=total, offset=off,
+                        payload=bytes(range(seq, seq + total))[off:off + 64])
+
+    ep.post_recv(0, 9, bytearray(1))  # (a peer's state exists once anything involved it)
+    for off in (64, 0):  # out of order
+        _land(ep, frame(0, off))()
+    (e,) = ep.events()
+    assert not e.posted and bytes(e.data) == bytes(range(100))  # kept for a later receive
+    _land(ep, frame(2))()  # not next (1 is), but 100 bytes fit
+    late = frame(3)
+    assert ep.data_target(0, F.decode_header(late[:F.HEADER_SIZE])) is None  # 200 would not
+    ep.receive(0, late, 0.0)
+    assert ep.stats["dropped_full"] == 1
+    _land(ep, frame(1))()  # next in its stream: taken whatever the memory
+    _land(ep, frame(1, 64))()
+    _land(ep, frame(2, 64))()
+    got = [(e.msg_id, bytes(e.data)) for e in ep.events() if isinstance(e, MessageReceived)]
+    assert got == [(1, bytes(range(1, 101))), (2, bytes(range(2, 102)))]
+    assert ep.stats["rejected"] == 0
+
+
 def test_rails_fill_in_turn_then_the_least_loaded_takes_the_next_segment():
     from neuron_dist.transport.rdm.protocol import FILL_BYTES
     seg = 1 << 20

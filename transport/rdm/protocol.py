@@ -498,10 +498,13 @@ class Endpoint:
         the driver asks for the segment's place in its message (the posted receive buffer
         or the reassembly buffer) and reads the payload there, then calls ``data_landed``.
         None means "read the payload aside and hand the whole frame to ``receive``": ACKs,
-        duplicates, garbage and every other case take that path. Nothing changes here until
-        ``data_landed``; bytes read into the returned view but never landed are overwritten
-        by the retransmission. With ``crc`` it is always None: a frame is verified before
-        any byte of it is placed, so a corrupted header cannot aim its payload anywhere.
+        duplicates, garbage and every other case take that path. The first segment of a
+        message that no receive is posted for opens the message's reassembly buffer here
+        (as ``receive`` would, within ``max_reassembly_bytes``); otherwise nothing changes
+        until ``data_landed``. Bytes read into the returned view but never landed are
+        overwritten by the retransmission. With ``crc`` it is always None: a frame is
+        verified before any byte of it is placed, so a corrupted header cannot aim its
+        payload anywhere.
         """
         if self.crc or header.type != F.DATA or header.dst != self.rank or header.src == self.rank:
             return None
@@ -515,14 +518,21 @@ class Endpoint:
         r = state.partial.get(header.msg_id)
         if r is None:
             stream = state.streams.get(header.tag)
-            if stream is None or header.seq < stream.next_deliver:
+            next_deliver = 0 if stream is None else stream.next_deliver
+            if header.seq < next_deliver or (stream is not None and stream.owner.get(
+                    header.seq, header.msg_id) != header.msg_id):
                 return None
-            if stream.owner.get(header.seq, header.msg_id) != header.msg_id:
+            posted = None if stream is None else stream.bound.get(header.seq)
+            if posted is not None and posted.nbytes >= header.total:
+                return posted[header.offset:header.offset + header.length]
+            # Nobody has asked for it yet: open its reassembly buffer now, as receive()
+            # would, and read straight into it (aside, it would cost two more copies).
+            if (header.seq != next_deliver
+                    and self.reassembly_bytes + header.total > self.max_reassembly_bytes):
+                return None  # receive() drops it, and counts that
+            r = self._start(rail, state, header)
+            if r is None:
                 return None
-            posted = stream.bound.get(header.seq)
-            if posted is None or posted.nbytes < header.total:
-                return None  # private reassembly: let receive() decide (memory limits)
-            return posted[header.offset:header.offset + header.length]
         if (r.tag, r.seq, r.total) != (header.tag, header.seq, header.total):
             return None
         start, length = header.offset, header.length

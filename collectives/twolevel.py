@@ -48,6 +48,7 @@ from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs, ro
 from . import alltoall
 from .context import Context, partition
 from .descriptor import NWORDS, Call, CollectiveMismatch
+from ..transport.errors import MessageSizeMismatch
 from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_into
 
 COLLECTIVE_TAG = 1
@@ -202,8 +203,8 @@ class Net:
             try:
                 req.wait(self.deadline)
                 words = bytes(box[:_DESC.size])
-            except ValueError as e:  # a message of another size: another call?
-                words = bytes(getattr(e, "data", b""))[:_DESC.size]
+            except MessageSizeMismatch as e:  # a message of another size: another call?
+                words = bytes(e.message)[:_DESC.size]
                 if len(words) < _DESC.size:
                     raise
                 self._check(peer, words)

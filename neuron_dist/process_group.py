@@ -708,16 +708,23 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         def drive(deadline):
             try:
                 req.wait(min(deadline, op_deadline))
-            except PeerTimeout:
+            except PeerTimeout as e:
                 if deadline < op_deadline:
                     raise PeerTimeoutError(f"{what}: Work.wait timed out") from None
+                error = PeerTimeoutError(
+                    f"{what} timed out after {self._timeout_text()}: {who} did not "
+                    f"{'receive' if is_send else 'send'} it")
+                # Withdrawn before the Work fails: the tensor is the caller's again, a late
+                # message never lands in it, and later traffic with that peer fails loudly
+                # instead of matching the wrong message (the peer is told).
+                if not self._net.cancel(req, e):
+                    finish(req)  # it completed in the meantime after all
+                    return
                 with lock:
                     if done:
                         return
                     done.append(True)
-                work._complete(PeerTimeoutError(
-                    f"{what} timed out after {self._timeout_text()}: {who} did not "
-                    f"{'receive' if is_send else 'send'} it"), -1)
+                work._complete(error, -1)
                 return
             except Exception:  # noqa: BLE001 - finish() reports it
                 pass

@@ -475,7 +475,7 @@ def test_receive_from_any_source():
         # an eager send completes before it arrives: let it land before the next one, so
         # that the arrival order (what any-source receives follow) is known
         deadline = time.monotonic() + 5
-        while not ts[0]._unexpected.get((1, 4)) and time.monotonic() < deadline:
+        while not ts[0].ep.reassembly_bytes and time.monotonic() < deadline:
             time.sleep(0.001)
         ts[2].isend(0, 4, np.full(3, 9, np.uint8)).wait(time.monotonic() + 5)
         got = []
@@ -490,3 +490,90 @@ def test_receive_from_any_source():
     finally:
         for t in ts:
             t.close()
+
+
+def _until(cond, seconds=5.0):
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def test_a_withdrawn_receive_gets_nothing_and_both_ranks_are_told(pair):
+    """Fault: a receive that timed out stayed posted; the late message landed in the
+    tensor the caller gave up on and the next receive of that stream got the message after
+    it. Withdrawn, its buffer is the caller's; both ranks fail further traffic by name."""
+    from neuron_dist.transport.errors import PeerAborted, PeerTimeout
+    buf = np.zeros(300_000, np.uint8)
+    req = pair[1].irecv(0, 7, buf)
+    with pytest.raises(PeerTimeout):
+        req.wait(time.monotonic() + 0.01)
+    gave_up = PeerTimeout([0], 0.01, "rank 0 did not send it in time")
+    assert pair[1].cancel(req, gave_up) and not pair[1].cancel(req, gave_up)
+    with pytest.raises(PeerTimeout, match="did not send it"):
+        req.wait(time.monotonic() + 1)
+    try:  # the late message: refused at once, or sent and discarded by the receiver
+        pair[0].isend(1, 7, np.full(300_000, 7, np.uint8))
+    except PeerAborted:
+        pass
+    _until(lambda: 1 in pair[0]._failed)
+    with pytest.raises(PeerAborted, match="withdrew a request"):
+        pair[0].isend(1, 7, np.ones(3, np.uint8))
+    with pytest.raises(PeerTimeout, match="did not send it"):
+        pair[1].irecv(0, 7, np.zeros(3, np.uint8))
+    time.sleep(0.05)
+    assert not buf.any()
+
+
+def test_a_withdrawn_send_leaves_the_callers_buffer_alone(pair):
+    """A large send the peer does not take (its memory for unposted messages is full, so
+    nothing is acknowledged) is withdrawn: no frame refers to the buffer any more, nothing
+    is resent, and the peer hears of it."""
+    from neuron_dist.transport.errors import PeerAborted, PeerTimeout
+    pair[1].ep.max_reassembly_bytes = 0
+    data = np.full(8 << 20, 3, np.uint8)
+    req = pair[0].isend(1, 2, data)
+    with pytest.raises(PeerTimeout):
+        req.wait(time.monotonic() + 0.05)
+    assert pair[0].cancel(req, PeerTimeout([1], 0.05, "rank 1 did not take it"))
+    obj = req.buf.obj
+    with pair[0]._lock:
+        assert pair[0]._inside(obj, 1) == ([], False)
+        assert not any(m.data.obj is obj for m in pair[0].ep._peers[1].open.values())
+    with pytest.raises(PeerTimeout, match="did not take it"):
+        req.wait(time.monotonic() + 1)
+    _until(lambda: 0 in pair[1]._failed)
+    assert isinstance(pair[1]._failed[0], PeerAborted)
+
+
+def test_a_receive_being_read_is_withdrawn_only_once_its_reader_is_out(pair, monkeypatch):
+    """A reader stalled in the middle of a payload that lands in a withdrawn receive's
+    buffer: cancel returns only after the reader has left the buffer (the rail is cut
+    after CANCEL_GRACE), so nothing writes into it afterwards."""
+    from neuron_dist.transport.errors import PeerTimeout
+    from neuron_dist.transport.rdm import driver as D
+    monkeypatch.setattr(D, "CANCEL_GRACE", 0.2)
+    real = D._recv_exact
+    inside = threading.Event()
+
+    def stalling(sock, view):  # the payload of the 1 MiB message stalls half way through
+        if view.nbytes == 1 << 18:
+            real(sock, view[:1000])
+            inside.set()
+            time.sleep(1.0)
+            real(sock, view[1000:])
+            return
+        real(sock, view)
+    monkeypatch.setattr(D, "_recv_exact", stalling)
+    buf = np.zeros(1 << 20, np.uint8)
+    req = pair[1].irecv(0, 5, buf)
+    pair[0].isend(1, 5, np.full(1 << 20, 9, np.uint8))
+    assert inside.wait(5)
+    start = time.monotonic()
+    assert pair[1].cancel(req, PeerTimeout([0], 0, "gave up"))
+    assert time.monotonic() - start >= 0.2  # it waited for the reader
+    assert not any(r is not None and r.reading is req.buf.obj
+                   for rails in pair[1]._rails.values() for r in rails)
+    snapshot = buf.copy()
+    time.sleep(1.2)  # the stalled reader would have finished its write by now
+    assert np.array_equal(buf, snapshot)

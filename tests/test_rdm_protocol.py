@@ -141,6 +141,11 @@ def check_delivery(net, sent, ids):
             assert set(msg_ids) == ids[key]
     for rank in net.events:
         assert not net.of(rank, PeerFailed)
+    for ep in net.eps:  # messages no receive was posted for wait in the endpoint until taken
+        for src, dst, tag in sent:
+            if dst == ep.rank:
+                while ep.take_early(src, tag) is not None:
+                    pass
 
 
 # ---------------------------------------------------------------- delivery under faults
@@ -259,64 +264,228 @@ def _land(ep, frame_bytes, rail=0, now=0.0):
                     ep.data_landed(rail, header_bytes, h, now, frame_bytes[F.HEADER_SIZE + h.length:]))
 
 
-def test_landing_in_place_delivers_once_even_when_two_copies_land():
-    """Whole messages landing in their posted receive are delivered at once, in stream
-    order; a second copy that got its target before the first landed (a resend on another
-    rail) is acknowledged again and delivered nowhere."""
+def test_a_range_being_read_in_place_has_one_reader_and_nothing_lands_after_completion():
+    """Fault: a resend on a second rail after a stall longer than the RTO got the posted
+    buffer too, and kept writing old bytes into it after the first copy completed the
+    receive. Now a claimed range is handed to nobody else: the second copy is read aside
+    and dropped unacked while the first is read, and is a plain duplicate afterwards."""
     ep = Endpoint(1, 2, rails=2, segment_bytes=64, max_message_bytes=1024)
-    bufs = [bytearray(4), bytearray(4), bytearray(100)]
-    for b in bufs:
-        ep.post_recv(0, 7, b)
+    buf = bytearray(4)
+    ep.post_recv(0, 7, buf)
     first = F.encode(F.DATA, 0, 1, msg_id=0, tag=7, seq=0, total=4, payload=b"abcd")
-    second = F.encode(F.DATA, 0, 1, msg_id=1, tag=7, seq=1, total=4, payload=b"efgh",
-                      acks=[(3, 0)])  # (an ack of nothing: ignored)
-    land_a, land_b = _land(ep, first, rail=0), _land(ep, first, rail=1)
-    land_second = _land(ep, second)
-    land_second()  # out of order: waits for the first
-    assert ep.events() == []
-    land_a()
-    land_b()
-    got = ep.events()
-    assert [(e.msg_id, bytes(e.data)) for e in got] == [(0, b"abcd"), (1, b"efgh")]
-    assert all(e.posted for e in got) and bufs[0] == b"abcd" and bufs[1] == b"efgh"
-    assert ep.stats["duplicates"] == 1 and ep.stats["rejected"] == 0
-    acks = [a for tx in ep.poll_transmit(0.0) for a in F.decode(tx.data).acks]
-    assert sorted(acks) == [(0, 0), (0, 0), (1, 0)]
-    for off in (0, 64):  # a two-segment message takes the general path
-        frame = F.encode(F.DATA, 0, 1, msg_id=2, tag=7, seq=2, total=100, offset=off,
-                         payload=bytes(range(off, min(100, off + 64))))
-        _land(ep, frame)()
+    h = F.decode_header(first[:F.HEADER_SIZE])
+    target = ep.data_target(0, h)  # rail 0 reads the header, then stalls in the payload
+    assert target is not None
+    assert ep.data_target(1, h) is None  # the resend on rail 1 does not get the buffer
+    ep.receive(1, first, 0.0)  # it is read aside: dropped, not acked (rail 0 will ack)
+    assert ep.stats["dropped_claimed"] == 1 and ep.events() == []
+    assert ep.poll_transmit(0.0) == []
+    target[:] = b"abcd"
+    ep.data_landed(0, first[:F.HEADER_SIZE], h, 0.0)
     (e,) = ep.events()
-    assert bytes(e.data) == bytes(range(100)) and bufs[2] == bytes(range(100))
+    assert e.posted and bytes(e.data) == b"abcd"
+    buf[:] = b"USER"  # the caller owns its buffer again and reuses it
+    assert ep.data_target(1, h) is None  # later copies are duplicates: acked, placed nowhere
+    ep.receive(1, first, 0.0)
+    assert buf == b"USER" and ep.events() == [] and ep.stats["duplicates"] == 1
+    acks = [a for tx in ep.poll_transmit(0.0) for a in F.decode(tx.data).acks]
+    assert acks == [(0, 0), (0, 0)]
+    second = F.encode(F.DATA, 0, 1, msg_id=1, tag=7, seq=1, total=4, payload=b"efgh")
+    h2 = F.decode_header(second[:F.HEADER_SIZE])
+    t2 = ep.data_target(0, h2)  # no receive posted: its own reassembly buffer
+    ep.release_claims(0, 0)  # rail 0's reader died in the payload: the claim ends unlanded
+    t2b = ep.data_target(1, h2)  # so the resend on rail 1 may read it
+    assert t2 is not None and t2b is not None
+    ep.data_landed(0, second[:F.HEADER_SIZE], h2, 0.0)  # (a late landing of a dead claim)
+    assert ep.events() == []
+    t2b[:] = b"efgh"
+    ep.data_landed(1, second[:F.HEADER_SIZE], h2, 0.0)
+    (e,) = ep.events()
+    assert not e.posted and bytes(e.data) == b"efgh"
+
+
+class StreamNet(Net):
+    """``Net`` as a stream driver sees it: a DATA frame's header is read, the payload is
+    read straight into ``data_target``'s view over a random time (a reader that stalls,
+    longer than the RTO at times), then ``data_landed``; the rest goes through ``receive``.
+    Every receive is posted; once a receive completes, the test writes a sentinel into its
+    buffer at once (the caller reuses it), so a byte written into it later is caught."""
+
+    def __init__(self, eps, seed, stall=(0.0, 0.2)):
+        super().__init__(eps, seed=seed, delay=(0.001, 0.01))
+        self.stall = stall
+        self.landing = []  # (time, ep, rail, frame bytes, target view)
+
+    def step(self):
+        self.now += DT
+        for ep in self.eps:
+            for tx in ep.poll_transmit(self.now):
+                self._put(ep.rank, tx)
+        by_rank = {ep.rank: ep for ep in self.eps}
+        while self.queue and self.queue[0][0] <= self.now:
+            _, _, src, dst, rail, data = heapq.heappop(self.queue)
+            ep = by_rank[dst]
+            h = F.decode_header(data[:F.HEADER_SIZE])
+            target = ep.data_target(rail, h)
+            if target is None:
+                ep.receive(rail, data, self.now)
+                continue
+            done = self.now + self.rng.uniform(*self.stall)
+            self.landing.append((done, ep, rail, data, target))
+        still = []
+        for item in self.landing:
+            done, ep, rail, data, target = item
+            if done > self.now:
+                still.append(item)
+                continue
+            h = F.decode_header(data[:F.HEADER_SIZE])
+            target[:] = data[F.HEADER_SIZE:F.HEADER_SIZE + h.length]  # the reader's write
+            ep.data_landed(rail, data[:F.HEADER_SIZE], h, self.now,
+                           data[F.HEADER_SIZE + h.length:])
+        self.landing = still
+        for ep in self.eps:
+            for e in ep.events():
+                self.events[ep.rank].append(e)
+                if isinstance(e, MessageReceived) and e.posted:
+                    self.results.append(bytes(e.data))
+                    e.data[:] = b"\xee" * e.data.nbytes  # the caller reuses its buffer
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_stalled_readers_never_write_into_a_completed_receive(seed):
+    rng = random.Random(seed)
+    eps = make(2, rails=3, segment_bytes=64, rto=0.02, max_rto=0.05, max_retries=1000)
+    net = StreamNet(eps, seed)
+    net.results = []
+    msgs = [payload(rng, rng.choice((1, 40, 64, 65, 200))) for _ in range(40)]
+    bufs = [bytearray(len(m)) for m in msgs]
+    for b in bufs:
+        eps[1].post_recv(0, 2, b)
+    for m in msgs:
+        eps[0].send(1, 2, m)
+    net.run(lambda: len(net.results) == len(msgs) and not net.landing)
+    for _ in range(200):  # let every resend still in flight arrive
+        net.step()
+    assert net.results == msgs
+    assert all(b == b"\xee" * len(b) for b in bufs)  # nothing written after completion
+    assert eps[0].stats["retransmits"] > 0 and eps[1].stats["dropped_claimed"] > 0
+
+
+def test_a_cancelled_receive_gets_no_byte_and_its_message_is_discarded():
+    """Fault: a receive that timed out stayed posted; its late message landed in the
+    buffer the caller gave up on. Withdrawn, it gets nothing more; the rails still reading
+    into it are named (the driver waits for them); its message is acked and discarded."""
+    ep = Endpoint(1, 2, rails=2, segment_bytes=64, max_message_bytes=1024)
+    buf, nxt = bytearray(100), bytearray(3)
+    pos = ep.post_recv(0, 5, buf)
+    assert ep.post_recv(0, 5, nxt) == pos + 1
+    frames = [F.encode(F.DATA, 0, 1, msg_id=0, tag=5, seq=0, total=100, offset=o,
+                       payload=bytes(range(o, min(100, o + 64)))) for o in (0, 64)]
+    h0 = F.decode_header(frames[0][:F.HEADER_SIZE])
+    t0 = ep.data_target(1, h0)  # rail 1 is reading the first segment into buf
+    assert ep.cancel_recv(0, 5, pos) == [1]
+    assert ep.cancel_recv(0, 5, pos) == []  # (once)
+    h1 = F.decode_header(frames[1][:F.HEADER_SIZE])
+    assert ep.data_target(0, h1) is None  # nothing new is aimed at buf
+    ep.receive(0, frames[1], 0.0)
+    t0[:] = b"x" * 64  # rail 1's reader finishes its write, then lands
+    ep.data_landed(1, frames[0][:F.HEADER_SIZE], h0, 0.0)
+    assert ep.events() == [] and ep.stats["discarded"] == 1
+    assert bytes(buf[64:]) == bytes(36)  # only the claimed range was ever written
+    acks = sorted(a for tx in ep.poll_transmit(0.0) for a in F.decode(tx.data).acks)
+    assert acks == [(0, 0), (0, 64)]
+    late = F.encode(F.DATA, 0, 1, msg_id=1, tag=5, seq=1, total=3, payload=b"abc")
+    ep.receive(0, late, 0.0)  # the next message goes to the next receive
+    (e,) = ep.events()
+    assert e.posted and nxt == b"abc"
+    # a withdrawn receive whose message had not started: discarded when it comes
+    pos = ep.post_recv(0, 5, buf)
+    assert ep.cancel_recv(0, 5, pos) == []
+    ep.receive(0, F.encode(F.DATA, 0, 1, msg_id=2, tag=5, seq=2, total=2, payload=b"zz"), 0.0)
+    assert ep.events() == [] and ep.stats["discarded"] == 2 and ep.reassembly_bytes == 0
+
+
+def test_a_cancelled_send_is_never_sent_or_resent_again():
+    a, b = make(2, rails=2, segment_bytes=100, window_bytes=250)
+    data = bytearray(1000)
+    msg_id = a.send(1, 0, data)
+    first = a.poll_transmit(0.0)
+    assert first and a.inflight_bytes(1) > 0
+    assert a.cancel_send(1, msg_id) and not a.cancel_send(1, msg_id)
+    assert a.inflight_bytes(1) == 0
+    later = a.poll_transmit(10.0)  # long after every deadline
+    assert all(F.decode(tx.data).msg_id != msg_id for tx in later)
+    a.send(1, 1, b"next")  # the window is free for others
+    assert [F.decode(tx.data).payload for tx in a.poll_transmit(10.0)] == [b"next"]
+
+
+def test_headers_cannot_make_a_rank_allocate_beyond_its_budget():
+    """Fault: max_reassembly_bytes was skipped for the message due next on its stream, and
+    every new tag has one: one header claiming 2**44 bytes made the rank allocate them."""
+    ep = Endpoint(1, 2, rails=1, segment_bytes=64, max_message_bytes=1 << 48,
+                  max_reassembly_bytes=4096)
+    huge = F.encode(F.DATA, 0, 1, msg_id=0, tag=1, seq=0, total=1 << 44, payload=b"x" * 64)
+    assert ep.data_target(0, F.decode_header(huge[:F.HEADER_SIZE])) is None
+    ep.receive(0, huge, 0.0)
+    for i in range(1, 200):  # a new tag each: every message is due next on its stream
+        f = F.encode(F.DATA, 0, 1, msg_id=i, tag=100 + i, seq=0, total=1000, payload=b"y" * 64)
+        h = F.decode_header(f[:F.HEADER_SIZE])
+        if ep.data_target(0, h) is None:
+            ep.receive(0, f, 0.0)
+    assert ep.reassembly_bytes <= 4096 and ep.stats["dropped_full"] >= 196
+    # an allocation that fails drops the frame too (the budget allows it here)
+    ep = Endpoint(1, 2, rails=1, segment_bytes=64, max_message_bytes=1 << 48,
+                  max_reassembly_bytes=1 << 50)
+    ep.receive(0, huge, 0.0)
+    assert ep.stats["dropped_full"] == 1 and ep.reassembly_bytes == 0
+
+
+def test_early_messages_count_against_the_budget_until_taken():
+    """Messages no receive was posted for wait in the endpoint, counted against the peer's
+    budget; taking them frees it. A receive posted later takes the oldest first."""
+    a, b = make(2, rails=1, segment_bytes=100, max_reassembly_bytes=250)
+    net = Net([a, b], seed=4)
+    for i in range(4):
+        a.send(1, 9, bytes([i]) * 100)
+    for _ in range(50):
+        net.step()
+    assert len(net.of(1, MessageReceived)) == 2 and b.reassembly_bytes == 200
+    assert b.stats["dropped_full"] > 0  # the third waits (resent) until memory is free
+    assert b.post_recv(0, 9, bytearray(100)) == bytes([0]) * 100
+    assert b.take_early_any(9) == (0, bytearray(bytes([1]) * 100))
+    net.run(lambda: len(net.of(1, MessageReceived)) == 4)
+    assert b.take_early(0, 9) == bytes([2]) * 100 and b.take_early(0, 9) == bytes([3]) * 100
+    assert b.take_early(0, 9) is None and b.reassembly_bytes == 0
 
 
 def test_a_message_nobody_asked_for_yet_is_read_straight_into_its_reassembly_buffer():
     """Without a posted receive, a message's first segment opens its reassembly buffer in
-    data_target, so the payload is read there and not aside. A message that is not next in
-    its stream and would pass max_reassembly_bytes is declined (receive() then drops it,
-    and the sender resends); the next one in its stream is always taken."""
+    data_target, so the payload is read there and not aside. A message that would pass
+    max_reassembly_bytes is declined (receive() then drops it, and the sender resends),
+    even the next one in its stream: taking early messages frees the memory."""
     ep = Endpoint(1, 2, rails=2, segment_bytes=64, max_message_bytes=1024,
-                  max_reassembly_bytes=150)
+                  max_reassembly_bytes=250)
 
     def frame(seq, off=0, total=100):
         return F.encode(F.DATA, 0, 1, msg_id=seq, tag=3, seq=seq, total=total, offset=off,
                         payload=bytes(range(seq, seq + total))[off:off + 64])
 
-    ep.post_recv(0, 9, bytearray(1))  # (a peer's state exists once anything involved it)
     for off in (64, 0):  # out of order
         _land(ep, frame(0, off))()
     (e,) = ep.events()
     assert not e.posted and bytes(e.data) == bytes(range(100))  # kept for a later receive
-    _land(ep, frame(2))()  # not next (1 is), but 100 bytes fit
-    late = frame(3)
-    assert ep.data_target(0, F.decode_header(late[:F.HEADER_SIZE])) is None  # 200 would not
-    ep.receive(0, late, 0.0)
-    assert ep.stats["dropped_full"] == 1
-    _land(ep, frame(1))()  # next in its stream: taken whatever the memory
+    _land(ep, frame(1))()
     _land(ep, frame(1, 64))()
+    assert len(ep.events()) == 1 and ep.reassembly_bytes == 200  # two early messages
+    for late in (frame(3), frame(2)):  # 300: over half the budget (not due), over it (due)
+        assert ep.data_target(0, F.decode_header(late[:F.HEADER_SIZE])) is None
+        ep.receive(0, late, 0.0)
+    assert ep.stats["dropped_full"] == 2
+    assert ep.take_early(0, 3) == bytes(range(100))
+    _land(ep, frame(2))()
     _land(ep, frame(2, 64))()
     got = [(e.msg_id, bytes(e.data)) for e in ep.events() if isinstance(e, MessageReceived)]
-    assert got == [(1, bytes(range(1, 101))), (2, bytes(range(2, 102)))]
+    assert got == [(2, bytes(range(2, 102)))]
     assert ep.stats["rejected"] == 0
 
 
@@ -458,7 +627,8 @@ def test_window_bounds_inflight_bytes():
 
 
 def test_reassembly_memory_is_bounded():
-    """Messages stuck behind an incomplete earlier one stop being accepted at the limit."""
+    """Messages stuck behind an incomplete earlier one stop being accepted at the limit;
+    the application takes what was delivered, which frees memory for the rest."""
     eps = make(2, rails=1, segment_bytes=100, max_reassembly_bytes=1000, window_bytes=1 << 20)
     rng = random.Random(9)
     sent = {(0, 1, 0): [payload(rng, 300) for _ in range(20)]}
@@ -466,20 +636,27 @@ def test_reassembly_memory_is_bounded():
     net = Net(eps, seed=9)
     hold = {"on": True}
     real_put = net._put
+    taken = []
 
     def put(src, tx):  # withhold the first message's first segment for a while
         frame = F.decode(tx.data)
         if hold["on"] and frame.type == F.DATA and frame.msg_id == 0 and frame.offset == 0:
             return
         real_put(src, tx)
+
+    def consume(net):  # the application receives what arrived
+        while (m := eps[1].take_early(0, 0)) is not None:
+            taken.append(bytes(m))
     net._put = put
+    net.on_step.append(consume)
     for _ in range(200):
         net.step()
     assert eps[1].stats["dropped_full"] > 0
-    assert net.max_reassembly[1] <= 1000 + 300  # limit + the message due next on the stream
+    assert net.max_reassembly[1] <= 1000
     hold["on"] = False
     net.run(all_delivered(net, sent, ids))
     check_delivery(net, sent, ids)
+    assert taken == sent[(0, 1, 0)]
     assert eps[1].reassembly_bytes == 0
 
 
@@ -498,7 +675,9 @@ def test_posted_buffers_receive_in_place_and_in_order():
         eps[0].send(1, 3, m)
     net.run(lambda: len(net.of(1, MessageReceived)) == 4)
     late = bytearray(400)
-    eps[1].post_recv(0, 3, late)  # every message was already delivered: binds to the next one
+    assert eps[1].post_recv(0, 3, late) == msgs[2]  # early messages first, oldest first
+    assert eps[1].post_recv(0, 3, late) == msgs[3]
+    assert isinstance(eps[1].post_recv(0, 3, late), int)  # then it binds to the next one
     got = net.of(1, MessageReceived)
     assert [bytes(e.data) for e in got] == msgs
     assert [e.posted for e in got] == [True, True, False, False]

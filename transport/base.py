@@ -9,6 +9,8 @@ Two shapes of communication, because shared memory and networks differ in kind:
   step also carries a small call descriptor, which is how collectives detect that ranks
   called different things.
 * ``Mailbox`` — two-sided, ordered byte streams between a pair of ranks, for send/recv.
+* ``NetTransport`` — between nodes: tagged messages between any two ranks of a group
+  (``rdm`` over TCP rails, ``mpi`` over MPI), with ``NetRequest`` handles.
 
 Every wait takes a deadline and raises a ``transport.errors`` exception naming the peer.
 """
@@ -68,3 +70,86 @@ class Mailbox(Protocol):
 
     def read_into(self, dst, nbytes: int) -> None:
         """Consume ``nbytes`` bytes into the uint8 tensor ``dst`` (at most ``available()``)."""
+
+
+class NetRequest(Protocol):
+    """A posted send or receive of a ``NetTransport``.
+
+    Attributes: ``peer`` (None: a receive from any rank), ``tag``, ``nbytes``, ``is_send``,
+    ``source`` (the sender, once a receive completed), ``error`` (once failed).
+    """
+
+    def test(self) -> bool:
+        """True once complete; raises the request's error if it failed."""
+
+    def wait(self, deadline: float) -> None:
+        """Block until complete or ``deadline`` (``time.monotonic()``).
+
+        Raises ``PeerTimeout`` naming the peer past the deadline; the request then stays
+        posted and still owns its buffer: wait again, or ``NetTransport.cancel`` it.
+        Raises the request's error if it failed.
+        """
+
+    def on_complete(self, callback) -> None:
+        """Run ``callback(request)`` once it completes (now, if it has), never under a
+        transport lock and never twice; it may post new requests."""
+
+
+class NetTransport(Protocol):
+    """Reliable tagged messages between the ranks of one group, across nodes.
+
+    The contract both between-node transports keep (tested by the same contract tests):
+
+    * **Matching.** ``isend(peer, tag, buf)`` and ``irecv(peer, tag, buf)`` match per
+      ``(peer, tag)`` in posting order (MPI's non-overtaking rule); tags are integers in
+      ``[0, 2**64)``. A message sent before its receive is posted is kept by the transport
+      (within its memory limit) until a receive takes it. ``irecv_any(tag, buf)`` takes the
+      earliest message of ``tag`` that no receive naming its source was waiting for.
+    * **Exact sizes.** A receive's buffer must be exactly the message's size; otherwise the
+      receive fails with ``MessageSizeMismatch`` (naming both sizes, carrying the message)
+      and the message is consumed.
+    * **Buffer ownership.** A send's buffer must stay unchanged, and a receive's buffer is
+      written only by its own message, from posting until the request completes, fails or
+      is withdrawn by ``cancel``; after that the transport never touches it again. Bytes
+      that arrive later for it are discarded.
+    * **Deadlines and withdrawal.** Every wait takes a deadline (``PeerTimeout``).
+      ``cancel(req, error)`` withdraws a request that has not completed and returns True
+      (False: it had completed). A withdrawn message leaves the stream between the two
+      ranks out of step, so the peer is failed on both sides: later requests with it
+      raise ``error``, and the peer is told (its requests with this rank fail with
+      ``PeerAborted``). A withdrawn receive from any rank binds no stream: only it ends.
+    * **Failure.** A peer that becomes unreachable fails every request with it with
+      ``PeerUnreachable`` naming it; ``abort(reason, kind)`` tells every peer this rank
+      failed the group (their requests with it fail with ``PeerAborted(kind, reason)``),
+      then closes. ``close(error)`` fails what is pending with ``error``; without one it
+      first lets sent messages be acknowledged (a graceful end).
+    * **Memory.** What the transport keeps for receives not yet posted is bounded per
+      peer; past the bound the peer is held back (not acknowledged), never a crash.
+    * **Progress.** A thread waiting on a request drives what it needs; completions of
+      requests nobody waits for happen in the background (callbacks run off any lock).
+    """
+
+    rank: int
+    world_size: int
+    address: str  # where peers reach this rank (for logs)
+
+    def connect(self, peers, deadline: float) -> None:
+        """Reach every rank of ``peers`` ({rank: address} or ranks), or ``PeerTimeout``."""
+
+    def isend(self, peer: int, tag: int, buf, callback=None) -> NetRequest:
+        """Send the bytes of ``buf`` to ``peer`` on stream ``tag``."""
+
+    def irecv(self, peer: int, tag: int, buf, callback=None) -> NetRequest:
+        """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size)."""
+
+    def irecv_any(self, tag: int, buf, callback=None) -> NetRequest:
+        """Receive the next message of ``tag`` from any rank (``request.source`` says which)."""
+
+    def cancel(self, req: NetRequest, error: Exception) -> bool:
+        """Withdraw ``req`` if it has not completed (see "Deadlines and withdrawal")."""
+
+    def abort(self, reason: str, kind: int = ...) -> None:
+        """Tell every peer this rank failed the group, then close."""
+
+    def close(self, error: Exception | None = None) -> None:
+        """Release everything; pending requests fail with ``error``."""

@@ -53,3 +53,24 @@ class PeerUnreachable(PeerDied):
 
     def __init__(self, rank, detail):
         super().__init__(rank, None, detail)
+
+
+class MessageSizeMismatch(TransportError, ValueError):
+    """A message's size differs from its receive's buffer. The receive fails with this and
+    the message is consumed (the next receive of the stream gets the next message).
+
+    Attributes
+    ----------
+    src, tag : int
+        Where the message came from.
+    sent, expected : int
+        Its size, and the size of the receive's buffer.
+    message : bytes-like
+        The message itself (callers read a header in it to explain the mismatch).
+    """
+
+    def __init__(self, src, tag, sent, expected, message=b""):
+        self.src, self.tag, self.sent, self.expected = src, tag, sent, expected
+        self.message = message
+        super().__init__(f"rank {src} sent {sent} bytes, the receive expects {expected} "
+                         f"(tag {tag})")

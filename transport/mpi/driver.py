@@ -11,8 +11,9 @@ Communicator rank ``k`` is group rank ``k``: no rank translation afterwards.
 
 *Matching.* Messages are not received with ``MPI_Irecv`` but matched with ``MPI_Improbe`` and
 received with ``MPI_Imrecv``: the probe gives the message's size before a byte lands, so a
-receive whose buffer is not exactly the message's size fails with a ``ValueError`` naming
-both sizes (the message is consumed into scratch memory; MPI never reports a truncation)
+receive whose buffer is not exactly the message's size fails with ``MessageSizeMismatch``
+naming both sizes and carrying the message (it is consumed into scratch memory; MPI never
+reports a truncation)
 and the next receive of that ``(peer, tag)`` gets the next message. Only the head of each
 ``(peer, tag)`` queue of posted receives is probed, and MPI matches messages of one
 ``(source, tag, communicator)`` in send order, so receives match sends in order. A message
@@ -59,8 +60,8 @@ progress thread is inside MPI corrupts MPI's state (crashes, hangs). With ``FUNN
 
 *Failures.* ``Request.wait(deadline)`` raises ``PeerTimeout`` (``network=True``) naming the
 peer (none for a receive from any rank), after a 0.5 s grace in which an abort notice from
-a peer that failed at the same moment may still arrive; the request stays posted (MPI
-cannot reliably cancel a matched receive or a send). ``abort(reason, kind)`` sends every
+a peer that failed at the same moment may still arrive; the request stays posted until
+``cancel`` withdraws it (see there: MPI cannot withdraw a matched receive or a send). ``abort(reason, kind)`` sends every
 peer a notice; a peer's requests to or from the aborting rank then fail with
 ``PeerAborted`` (``network=True``), as in the rdm transport. An MPI error on a request
 fails the peer with ``PeerUnreachable``. MPI itself does not report dead peers: with most
@@ -90,8 +91,8 @@ import weakref
 from collections import deque
 
 from ..requests import Request as _Request, run_callbacks
-from ..errors import (ABORTED, ChannelClosed, PeerAborted, PeerTimeout, PeerUnreachable,
-                      TransportError)
+from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismatch, PeerAborted,
+                      PeerTimeout, PeerUnreachable, TransportError)
 
 log = logging.getLogger("neuron_dist.mpi")
 
@@ -104,9 +105,10 @@ _IDLE_POLLS = 4                      # the progress thread's back-to-back polls,
 _COLD_SLEEP = 2e-3                   # sleeps growing to this between polls
 _PARK_AFTER = 0.05                   # idle this long: sleep until woken (no polling)
 _DRAIN_SECONDS = 2.0                 # graceful close: how long sends may take to finish
+CANCEL_GRACE = 1.0                   # a withdrawn request MPI already owns may finish this long
 
 # what an active MPI request is
-_SEND, _RECV, _NOTE_SEND, _DISCARD, _HELLO_SEND, _HELLO_RECV, _ABORT_SEND = range(7)
+_SEND, _RECV, _NOTE_SEND, _DISCARD, _HELLO_SEND, _HELLO_RECV, _ABORT_SEND, _MISMATCH = range(8)
 _OUTGOING = (_SEND, _NOTE_SEND, _HELLO_SEND, _ABORT_SEND)
 
 _SERIALIZED_LOCK = threading.Lock()  # every transport's MPI calls, below THREAD_MULTIPLE
@@ -389,8 +391,8 @@ class MpiTransport:
     def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
         """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size).
 
-        A message of another size fails the request with ``ValueError`` naming both sizes
-        (and is consumed).
+        A message of another size fails the request with ``MessageSizeMismatch`` (a
+        ``ValueError``) naming both sizes (and is consumed).
         """
         view = _writable(buf)
         req = Request(peer, tag, view, False, self)
@@ -461,6 +463,58 @@ class MpiTransport:
                     break
             time.sleep(0.001)
         self.close(PeerAborted(self.rank, reason, kind))
+
+    def cancel(self, req: Request, error: Exception) -> bool:
+        """Withdraw ``req`` unless it has completed; True if it was withdrawn.
+
+        A receive MPI has not matched yet is withdrawn at once. A receive MPI has matched
+        (the message is arriving) or a send it has started cannot be undone in MPI
+        (``MPI_Cancel`` cannot withdraw them): the caller's thread drives MPI for up to
+        ``CANCEL_GRACE`` seconds so it can finish (then False: it completed); if it does
+        not, MPI keeps the buffer (held alive here until MPI is done with it) and the
+        request fails with ``error``. Either way the peer is failed on both sides, as in
+        the rdm transport: later requests with it raise ``error`` and it is told.
+        """
+        with self._lock:
+            if req._event.is_set():
+                return False
+            if req.peer is None:
+                q = self._anyq.get(req.tag)
+                if q is not None and req in q:
+                    q.remove(req)
+                    req._finish(error)
+                    return True
+            else:
+                q = self._recvq.get((req.peer, req.tag))
+                if q is not None and req in q:  # not matched yet: MPI never saw it
+                    q.remove(req)
+                    req._finish(error)
+                    self._break_peer(req.peer, error)
+                    return True
+        self._drive(req._event, time.monotonic() + CANCEL_GRACE)
+        with self._lock:
+            if req._event.is_set():
+                return False
+            log.error("neuron %s: MPI still owns the buffer of a withdrawn %s (%d bytes, tag "
+                      "%d); it is kept alive until MPI is done with it", self._label,
+                      "send to" if req.is_send else "receive from", req.nbytes, req.tag)
+            self._break_peer(req.source, error)  # (fails req, and keeps its buffer alive)
+            req._finish(error)
+        return True
+
+    def _break_peer(self, peer, error: Exception) -> None:
+        """Under the lock: after a withdrawn request, stop talking to ``peer`` and tell it."""
+        if peer is None or peer in self._failed:
+            return
+        kind = ABORTED_TIMEOUT if isinstance(error, PeerTimeout) else ABORTED
+        payload = bytes([kind]) + (f"rank {self.rank} withdrew a request with this rank: "
+                                   f"{error}").encode("utf-8", "replace")[:_ABORT_REASON_BYTES]
+        try:
+            self._add(self._comm.Isend([payload, self._MPI.BYTE], peer, self._abort_tag),
+                      _ABORT_SEND, peer, payload)
+        except self._MPI.Exception:  # noqa: BLE001 - best effort
+            pass
+        self._fail_peer(peer, error)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -612,11 +666,9 @@ class MpiTransport:
         if n == req.nbytes:
             self._add(msg.Irecv([req.buf, MPI.BYTE]), _RECV, req, req.buf)
             return
-        scratch = bytearray(n)
-        self._add(msg.Irecv([scratch, MPI.BYTE]), _DISCARD, src, scratch)
+        scratch = bytearray(n)  # the request fails with the message once it is in
+        self._add(msg.Irecv([scratch, MPI.BYTE]), _MISMATCH, req, scratch)
         self._stats["size_mismatches"] += 1
-        req._finish(ValueError(f"rank {src} sent {n} bytes, the receive expects {req.nbytes} "
-                               f"(tag {req.tag})"))
 
     # ------------------------------------------------------------------ progress
 
@@ -679,6 +731,8 @@ class MpiTransport:
             self._stats["messages_received"] += 1
             self._stats["bytes_received"] += obj.nbytes
             obj._finish()
+        elif kind == _MISMATCH:
+            obj._finish(MessageSizeMismatch(obj.source, obj.tag, len(buf), obj.nbytes, buf))
         elif kind == _HELLO_RECV:
             self._hello.add(obj)
             self._cond.notify_all()
@@ -692,7 +746,7 @@ class MpiTransport:
         keep_r, keep_e, orphans = [], [], []
         for r, e in zip(self._reqs, self._entries):
             kind, obj, buf = e
-            if kind in (_SEND, _RECV) and obj.source == peer:
+            if kind in (_SEND, _RECV, _MISMATCH) and obj.source == peer:
                 obj._finish(error)
                 orphans.append((r, buf))
             else:

@@ -44,7 +44,8 @@ import threading
 import time
 from collections import deque
 
-from ..errors import ABORTED, ChannelClosed, PeerAborted, PeerTimeout, PeerUnreachable
+from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismatch, PeerAborted,
+                      PeerTimeout, PeerUnreachable)
 from ..requests import Request, run_callbacks
 from . import frames as F
 from . import handshake
@@ -59,6 +60,7 @@ _SMALL_COPY = 512  # eager copies up to this size come from Python's small-objec
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
 _CLEAN_EOF = "connection closed by the peer (0 of"
 _HANDSHAKE_TIMEOUT = 10.0
+CANCEL_GRACE = 1.0  # a rail still inside a withdrawn request's buffer after this is cut
 
 
 class _CopyPool:
@@ -97,7 +99,8 @@ class _CopyPool:
 
 
 class _Rail:
-    __slots__ = ("sock", "peer", "index", "out", "cond", "alive", "busy")
+    __slots__ = ("sock", "peer", "index", "out", "cond", "alive", "busy", "reading",
+                 "writing")
 
     def __init__(self, sock, peer, index):
         self.sock, self.peer, self.index = sock, peer, index
@@ -105,6 +108,8 @@ class _Rail:
         self.cond = threading.Condition(threading.Lock())
         self.alive = True
         self.busy = False  # the writer is sending a batch
+        self.reading = None  # the buffer object the reader is writing a payload into
+        self.writing = ()  # the batch the writer is sending (views), while busy
 
     @property
     def idle(self) -> bool:
@@ -154,6 +159,9 @@ class RdmTransport:
         Largest DATA payload, unacknowledged bytes allowed per peer.
     crc : bool
         CRC-32 on every frame (end-to-end check on top of TCP's).
+    max_unexpected_bytes : int
+        Memory per peer for messages that arrive before their receive is posted
+        (``Endpoint``'s ``max_reassembly_bytes``); beyond it the peer is held back.
     label : str
         Names the group in log messages.
     """
@@ -161,13 +169,14 @@ class RdmTransport:
     def __init__(self, rank: int, world_size: int, *, host: str, rails: int, key: bytes,
                  group: bytes, segment_bytes: int = 1 << 20, window_bytes: int = 32 << 20,
                  crc: bool = False, rto: float = 5.0, ack_delay: float = 0.005,
-                 label: str = ""):
+                 max_unexpected_bytes: int = 512 << 20, label: str = ""):
         self.rank, self.world_size, self.nrails = rank, world_size, rails
         self.segment_bytes = segment_bytes
         self._key, self._group, self._label = key, group, label or f"rank {rank}"
         self.ep = Endpoint(rank, world_size, rails, segment_bytes, 1 << 48, rto=rto,
                            max_rto=max(rto, 30.0), max_retries=6, window_bytes=window_bytes,
-                           max_reassembly_bytes=1 << 30, crc=crc, ack_delay=ack_delay)
+                           max_reassembly_bytes=max_unexpected_bytes, crc=crc,
+                           ack_delay=ack_delay, notice_tags=(ABORT_TAG,))
         self._lock = threading.Lock()
         self._rails: dict[int, list] = {}
         self._expected: set[int] = set()
@@ -176,8 +185,8 @@ class RdmTransport:
         self._copies: dict = {}  # (peer, msg_id) -> the copy of an eager send, until acked
         self._pool = _CopyPool()
         self._recvs: dict = {}  # (peer, tag) -> deque of posted Requests
-        self._unexpected: dict = {}  # (peer, tag) -> deque of (arrival number, bytearray)
-        self._arrivals = 0
+        self._positions: dict = {}  # receive Request -> its stream position (cancel_recv)
+        self._deferred: list = []  # (Request, error): failed while a reader wrote into it
         self._any: dict = {}  # tag -> deque of receives from any source
         self._failed: dict[int, Exception] = {}
         self._closed = False
@@ -333,12 +342,12 @@ class RdmTransport:
                 raise ChannelClosed(f"rdm transport of {self._label} is closed")
             # A message that arrived whole is delivered even if its sender has since closed
             # or failed: a peer that sends its last message and exits is normal.
-            early = self._unexpected.get((peer, tag))
-            if early:
-                self._complete_recv(req, early.popleft()[1])
+            early = self.ep.take_early(peer, tag)
+            if early is not None:
+                self._complete_recv(req, early)
                 return req
             self._check_usable(peer)
-            self.ep.post_recv(peer, tag, view)
+            self._positions[req] = self.ep.post_recv(peer, tag, view)
             self._recvs.setdefault((peer, tag), deque()).append(req)
         return req
 
@@ -355,19 +364,110 @@ class RdmTransport:
         with self._lock:
             if self._closed:
                 raise ChannelClosed(f"rdm transport of {self._label} is closed")
-            best = None
-            for (src, t), q in self._unexpected.items():
-                if t == tag and q and (best is None or q[0][0] < best[1][0][0]):
-                    best = (src, q)
-            if best is not None:
-                req.source = best[0]
-                self._complete_recv(req, best[1].popleft()[1])
+            early = self.ep.take_early_any(tag)
+            if early is not None:
+                req.source = early[0]
+                self._complete_recv(req, early[1])
                 return req
             alive = [p for p in self._rails if p not in self._failed]
             if not alive:
                 raise next(iter(self._failed.values()), ValueError("no peer connected"))
             self._any.setdefault(tag, deque()).append(req)
         return req
+
+    def cancel(self, req: Request, error: Exception) -> bool:
+        """Withdraw ``req`` unless it has completed; True if it was withdrawn.
+
+        On return the transport no longer touches the request's buffer: frames still
+        queued with views of a send's data are copied, and a rail whose reader or writer
+        is still inside the buffer after ``CANCEL_GRACE`` seconds is cut (its other
+        traffic is resent on the remaining rails). The request fails with ``error``. A
+        withdrawn message leaves its stream between the two ranks out of step, so the
+        peer is failed on both sides: later requests with it raise ``error`` here, and it
+        is told (its requests with this rank fail with ``PeerAborted``). A receive from
+        any source binds no stream and is simply withdrawn.
+        """
+        obj, peer = req.buf.obj, req.peer
+        with self._lock:
+            if req._event.is_set():
+                return False
+            if not req.is_send:
+                if peer is None:
+                    self._any.get(req.tag, deque()).remove(req)
+                    req._finish(error)
+                    return True
+                try:
+                    self._recvs.get((peer, req.tag), deque()).remove(req)
+                except ValueError:
+                    pass
+                position = self._positions.pop(req, None)
+                if position is not None:
+                    self.ep.cancel_recv(peer, req.tag, position)
+                self._fail_recv(req, error)  # (finished once no reader is in its buffer)
+            else:
+                key = next((k for k, r in self._sends.items() if r is req), None)
+                if key is not None:
+                    del self._sends[key]
+                    self.ep.cancel_send(*key)
+            self._break_peer(peer, error)
+            self._pump()
+        self._send_out()
+        end = time.monotonic() + CANCEL_GRACE
+        while True:
+            with self._lock:
+                inside, handing = self._inside(obj, peer)
+            if not inside and not handing:
+                break
+            if inside and time.monotonic() > end:
+                for rail in inside:
+                    self._rail_down(rail, f"still inside the buffer of a withdrawn request "
+                                          f"after {CANCEL_GRACE:g} s (the peer stalls)")
+                end = math.inf  # cut: its reader and writer leave at once
+            time.sleep(0.0005)
+        if req.is_send:
+            req._finish(error)
+        return True
+
+    def _inside(self, obj, peer: int):
+        """Under the lock: rails to ``peer`` whose threads still use buffer ``obj``, and
+        whether a frame is being handed to a rail; queued frames that refer to ``obj``
+        are replaced by copies."""
+        def refers(tx):
+            return getattr(tx.payload, "obj", None) is obj
+
+        if any(refers(tx) for tx in self._outbox):
+            # In place: another thread may be taking frames from it (a frame it took
+            # meanwhile goes out twice, which the protocol treats as a duplicate).
+            frames = [tx._replace(payload=bytes(tx.payload)) if refers(tx) else tx
+                      for tx in self._outbox]
+            self._outbox.clear()
+            self._outbox.extend(frames)
+        inside = []
+        for rail in self._rails.get(peer, ()):
+            if rail is None:
+                continue
+            with rail.cond:
+                if any(v.obj is obj for v in rail.out):
+                    rail.out = deque(memoryview(bytes(v)) if v.obj is obj else v
+                                     for v in rail.out)
+                writing = rail.busy and any(v.obj is obj for v in rail.writing)
+            if writing or rail.reading is obj:
+                inside.append(rail)
+        return inside, bool(self._handing)  # (handing: a frame between outbox and a rail)
+
+    def _break_peer(self, peer: int, error: Exception) -> None:
+        """Under the lock: stop talking to ``peer`` after a withdrawn request, and tell it."""
+        if peer in self._failed:
+            return
+        self._failed[peer] = error
+        kind = ABORTED_TIMEOUT if isinstance(error, PeerTimeout) else ABORTED
+        payload = bytes([kind]) + (f"rank {self.rank} withdrew a request with this rank: "
+                                   f"{error}").encode("utf-8", "replace")[:4000]
+        try:
+            self.ep.send(peer, ABORT_TAG, payload)
+        except Exception:  # noqa: BLE001 - the peer is gone already
+            pass
+        self._fail_peer_requests(peer, error)
 
     def _check_usable(self, peer: int) -> None:
         if self._closed:
@@ -380,10 +480,7 @@ class RdmTransport:
     def _complete_recv(self, req: Request, data) -> None:
         n = len(data) if not isinstance(data, memoryview) else data.nbytes
         if n != req.nbytes:
-            error = ValueError(f"rank {req.source} sent {n} bytes, the receive expects "
-                               f"{req.nbytes} (tag {req.tag})")
-            error.data = data
-            req._finish(error)
+            req._finish(MessageSizeMismatch(req.source, req.tag, n, req.nbytes, data))
             return
         if not (isinstance(data, memoryview) and data.obj is req.buf.obj):
             req.buf[:n] = data
@@ -456,24 +553,20 @@ class RdmTransport:
             self._on_abort(ev.src, bytes(ev.data))
             return
         waiting = self._recvs.get((ev.src, ev.tag))
-        if waiting:
+        if waiting:  # (its buffer was bound to this position: posted, or too small)
             req = waiting.popleft()
+            self._positions.pop(req, None)
             if ev.posted:
                 self._complete_recv(req, ev.data)
             else:
-                error = ValueError(f"rank {ev.src} sent {len(ev.data)} bytes, the receive "
-                                   f"expects {req.nbytes} (tag {ev.tag})")
-                error.data = ev.data  # the refused message, for the caller's diagnosis
-                req._finish(error)
+                req._finish(MessageSizeMismatch(ev.src, ev.tag, len(ev.data), req.nbytes,
+                                                ev.data))
             return
         anyone = self._any.get(ev.tag)
-        if anyone:
+        if anyone:  # an early message (kept by the endpoint): the oldest such receive takes it
             req = anyone.popleft()
             req.source = ev.src
-            self._complete_recv(req, ev.data)
-            return
-        self._arrivals += 1
-        self._unexpected.setdefault((ev.src, ev.tag), deque()).append((self._arrivals, ev.data))
+            self._complete_recv(req, self.ep.take_early(ev.src, ev.tag))
 
     def _on_abort(self, peer: int, data: bytes) -> None:
         kind = data[0] if data else ABORTED
@@ -495,7 +588,28 @@ class RdmTransport:
             del self._copies[key]
         for key in [k for k in self._recvs if k[0] == peer]:
             for req in self._recvs.pop(key):
-                req._finish(error)
+                self._fail_recv(req, error)
+
+    def _fail_recv(self, req: Request, error: Exception) -> None:
+        """Under the lock: fail a receive, once no reader writes into its buffer any more
+        (until then it waits in ``_deferred``; readers finish it when they leave it)."""
+        self._positions.pop(req, None)
+        if self._reading(req.buf.obj):
+            self._deferred.append((req, error))
+        else:
+            req._finish(error)
+
+    def _reading(self, obj) -> bool:
+        return any(r is not None and r.reading is obj
+                   for rails in self._rails.values() for r in rails)
+
+    def _done_reading(self, rail: _Rail) -> None:
+        """Under the lock: ``rail``'s reader left the buffer it was writing into."""
+        rail.reading = None
+        if self._deferred:
+            waiting, self._deferred = self._deferred, []
+            for req, error in waiting:
+                self._fail_recv(req, error)
 
     def abort(self, reason: str, kind: int = ABORTED, grace: float = 0.5) -> None:
         """Tell every connected peer that this rank failed the group, then close.
@@ -577,13 +691,14 @@ class RdmTransport:
                     break
                 buffers = list(rail.out)
                 rail.out.clear()
-                rail.busy = True
+                rail.busy, rail.writing = True, buffers
             try:
                 _send_all(sock, buffers)
             except OSError as e:
-                rail.busy = False
+                rail.busy, rail.writing = False, ()
                 self._rail_down(rail, f"send failed: {e}")
                 break
+            rail.writing = ()
             del buffers  # (views of eager copies: see _CopyPool)
             rail.busy = False
 
@@ -609,6 +724,8 @@ class RdmTransport:
                     return
                 with self._lock:
                     target = ep.data_target(rail.index, h)
+                    if target is not None:  # claimed for this rail: see "Buffer ownership"
+                        rail.reading = target.obj
                 if target is not None:
                     _recv_exact(sock, target)
                     trailer = b""
@@ -620,6 +737,7 @@ class RdmTransport:
                     burst = h.total > DELAYED_ACK_BYTES and _readable(sock)
                     with self._lock:
                         ep.data_landed(rail.index, hbuf, h, time.monotonic(), trailer)
+                        self._done_reading(rail)
                         self._pump(hold=burst)
                     self._send_out()
                     continue
@@ -635,11 +753,24 @@ class RdmTransport:
                 if corrupt:  # a path that corrupts data (past TCP's checksum) is not used again
                     self._rail_down(rail, "corrupted frame (CRC mismatch)")
                     return
-        except (OSError, ConnectionError) as e:
-            self._rail_down(rail, str(e) or type(e).__name__)
+        except Exception as e:  # noqa: BLE001 - never a reader that dies unnoticed
+            if not isinstance(e, OSError):
+                log.exception("neuron %s: reader of rail %d to rank %d failed", self._label,
+                              rail.index, rail.peer)
+            # Out of whatever it was reading into before the segments are resent elsewhere.
+            self._leave(rail)
+            self._rail_down(rail, (str(e) or type(e).__name__) if isinstance(e, OSError)
+                            else f"reader failed: {type(e).__name__}: {e}")
         finally:
+            self._leave(rail)
             if not rail.alive or self._closed:
                 rail.sock.close()
+
+    def _leave(self, rail: _Rail) -> None:
+        """The reader of ``rail`` stops: its claims end, buffers it was in are free."""
+        with self._lock:
+            self.ep.release_claims(rail.peer, rail.index)
+            self._done_reading(rail)
 
     def _timer_loop(self) -> None:
         while True:
@@ -689,7 +820,7 @@ class RdmTransport:
                 req._finish(error)
             for q in self._recvs.values():
                 for req in q:
-                    req._finish(error)
+                    self._fail_recv(req, error)
             for q in self._any.values():
                 for req in q:
                     req._finish(error)
@@ -697,7 +828,6 @@ class RdmTransport:
             self._copies.clear()
             self._recvs.clear()
             self._any.clear()
-            self._unexpected.clear()
             for rails in self._rails.values():
                 for rail in rails:
                     if rail is not None:

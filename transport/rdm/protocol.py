@@ -65,6 +65,20 @@ Reassembly
     ``total`` bytes. A completed ``msg_id`` is remembered (a low-water mark plus a set
     above it), so late duplicates are re-acked but never delivered twice.
 
+Buffer ownership (one writer per byte, nothing after the end)
+    A stream driver reads a segment's payload straight into place: ``data_target`` hands
+    out the segment's slice of the message's buffer and records a *claim* on it for that
+    rail; ``data_landed`` (or ``release_claims``, when that rail's reader gives up) ends
+    it. A claimed range is handed to nobody else: a second copy of the segment (a resend
+    on another rail after a stall longer than the RTO) is read aside and dropped unacked
+    while the first is being read, so two readers never write one range and the message
+    cannot complete while a reader still writes into it. ``cancel_recv`` withdraws a
+    posted buffer: no new claim is made on it, the message it was bound to is discarded
+    as it arrives (acked, delivered nowhere), and the rails still holding claims on it are
+    returned, so the driver can wait until their readers are out of it before it gives
+    the buffer back. ``cancel_send`` forgets a message: none of its segments is sent or
+    resent again.
+
 Ordering guarantee
     Messages are delivered (``MessageReceived``) exactly once, intact, and per
     ``(src, tag)`` in the order they were sent (by ``seq``), however their segments
@@ -72,11 +86,14 @@ Ordering guarantee
     message of tag 1 is not held back by an incomplete message of tag 2.
 
 Matching posted receives
-    ``post_recv(src, tag, buffer)`` binds ``buffer`` to the next not-yet-bound position of
-    the ``(src, tag)`` stream that has not been delivered yet, so posted buffers match
-    messages in send order (like MPI's non-overtaking rule). A message that arrives before
-    its buffer is posted is reassembled privately and copied into the buffer when it is
-    delivered after the post; otherwise it is delivered as its own ``bytearray``.
+    ``post_recv(src, tag, buffer)`` matches the oldest message of the ``(src, tag)`` stream
+    that was delivered before any receive was posted for it (an *early* message, kept
+    here) and returns it; else it binds ``buffer`` to the next not-yet-bound position of
+    the stream, so posted buffers match messages in send order (like MPI's
+    non-overtaking rule). A message that arrives before its buffer is posted is
+    reassembled privately and copied into the buffer when it is delivered after the
+    post; otherwise it is kept as an early message (``MessageReceived`` with
+    ``posted=False`` says so) until ``post_recv`` or ``take_early`` takes it.
 
 Limits (bounded memory)
     * ``window_bytes`` per peer: unacked payload plus ``HEADER_SIZE`` per unacked segment
@@ -84,11 +101,17 @@ Limits (bounded memory)
     * ``max_open_messages`` per peer: a message is started only if its ``msg_id`` is within
       this distance of the oldest unfinished one; the receiver rejects frames beyond it.
       This bounds the completed-id set. Both sides must use the same value.
-    * ``max_reassembly_bytes``: private reassembly buffers of messages not yet delivered.
-      A frame that would start a private buffer beyond it is dropped unacked (the sender
-      retries later), unless the message is the next one due on its stream, so a stream
-      can always make progress (the worst case is the limit plus one message per active
-      stream, each at most ``max_message_bytes``).
+    * ``max_reassembly_bytes`` per peer: private reassembly buffers plus early messages
+      nobody has taken yet. A frame that would start a private buffer beyond it is dropped
+      unacked (the sender retries later; a receive posted meanwhile takes the message
+      straight into its buffer, which costs no private memory). Messages that are not
+      next in their stream may fill only half of it, so the one they wait for always
+      finds room. A header can therefore never make this rank allocate more than the
+      limit, whatever ``total`` it claims, and an allocation that fails drops the frame
+      the same way. Early messages hold memory until taken: a peer that sends more than
+      the limit nobody receives is held back until receives are posted (its sends fail
+      after ``max_retries`` resends if they never are). Only the next notice on a
+      ``notice_tags`` stream (at most NOTICE_BYTES per peer) may pass the limit.
     * ``max_message_bytes``: ``send`` refuses larger messages, the decoder rejects frames
       claiming larger ones.
 
@@ -115,6 +138,7 @@ from . import frames as F
 MIN_SPRAY_BYTES = 4 << 20
 FILL_BYTES = 4 << 20
 DELAYED_ACK_BYTES = 64 << 10  # acks of messages up to this size may wait (ack_delay)
+NOTICE_BYTES = 4096  # a notice_tags message up to this size always finds memory
 
 # ----------------------------------------------------------------------------- events
 
@@ -250,6 +274,8 @@ class _Reassembly:
     starts: list = field(default_factory=list)  # sorted offsets of received segments
     lengths: dict = field(default_factory=dict)  # offset -> length
     received: int = 0
+    claims: dict = field(default_factory=dict)  # offset -> (length, rail) being read in place
+    discard: bool = False  # its receive was cancelled: count bytes, store nothing
 
     @property
     def complete(self) -> bool:
@@ -263,6 +289,8 @@ class _Stream:
     bound: dict = field(default_factory=dict)  # seq -> posted buffer
     ready: dict = field(default_factory=dict)  # seq -> complete _Reassembly
     owner: dict = field(default_factory=dict)  # seq -> msg_id, messages in progress
+    early: deque = field(default_factory=deque)  # (arrival, bytearray): delivered, not taken
+    cancelled: set = field(default_factory=set)  # positions whose receive was withdrawn
 
 
 @dataclass(eq=False)
@@ -286,6 +314,7 @@ class _Peer:
     acks_held: int = 0
     recv_done: _IdWindow = field(default_factory=_IdWindow)
     partial: dict = field(default_factory=dict)  # msg_id -> _Reassembly
+    held: int = 0  # private reassembly + early bytes from this peer (max_reassembly_bytes)
     streams: dict = field(default_factory=dict)  # tag -> _Stream
 
     def live_rails(self) -> list:
@@ -329,7 +358,8 @@ class Endpoint:
     window_bytes : int
         Unacked bytes (payload + header per segment) allowed per peer.
     max_reassembly_bytes : int
-        Private reassembly memory for messages not yet delivered (all peers).
+        Private memory per peer for messages no receive was posted for: reassembly
+        buffers and early messages not yet taken.
     max_open_messages : int
         Distance allowed between the oldest unfinished and the newest started message
         per peer; must be equal on both sides.
@@ -338,13 +368,17 @@ class Endpoint:
     ack_delay : float
         How long acks of small messages may wait for DATA frames to ride behind (0: every
         ``poll_transmit`` sends them). See "Delayed acks".
+    notice_tags : iterable of int
+        Tags of notices that must get through when the memory budget is full (a rank
+        telling its peers it failed): the message due next on such a tag, up to
+        NOTICE_BYTES, is taken beyond ``max_reassembly_bytes``.
     """
 
     def __init__(self, rank: int, world_size: int, rails: int, segment_bytes: int,
                  max_message_bytes: int, *, rto: float = 0.2, backoff: float = 2.0,
                  max_rto: float = 5.0, max_retries: int = 8, window_bytes: int = 4 << 20,
                  max_reassembly_bytes: int = 64 << 20, max_open_messages: int = 4096,
-                 crc: bool = False, ack_delay: float = 0.0):
+                 crc: bool = False, ack_delay: float = 0.0, notice_tags=()):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         if not 1 <= rails <= 256:
@@ -359,16 +393,20 @@ class Endpoint:
         self.window_bytes, self.max_reassembly_bytes = window_bytes, max_reassembly_bytes
         self.max_open_messages, self.crc = max_open_messages, crc
         self.ack_delay = ack_delay
+        self.notice_tags = frozenset(notice_tags)
         # Something for poll_transmit besides deadlines (new messages, a window that opened,
         # urgent acks or resends): a driver may skip the call while this is False and no
         # deadline (next_deadline) has passed.
         self.has_work = False
         self._ack_hint = math.inf  # earliest ack deadline set since take_ack_hint()
-        self.reassembly_bytes = 0
+        self.reassembly_bytes = 0  # held by every peer together (see _Peer.held)
+        self._arrivals = 0  # numbers early messages across streams (take_early_any)
         self.stats = {"sent": 0, "retransmits": 0, "duplicates": 0, "rejected": 0,
-                      "dropped_full": 0, "acks_sent": 0, "acks_piggybacked": 0}
+                      "dropped_full": 0, "dropped_claimed": 0, "discarded": 0,
+                      "acks_sent": 0, "acks_piggybacked": 0}
         self._peers: dict[int, _Peer] = {}
         self._failed: dict[int, str] = {}
+        self._left: dict[int, _Peer] = {}  # failed peers' early messages, until taken
         self._dead_rails: set[int] = set()  # rails failed towards every peer
         self._events: list = []
 
@@ -419,8 +457,8 @@ class Endpoint:
         self.has_work = True
         return msg.msg_id
 
-    def post_recv(self, src: int, tag: int, buffer) -> None:
-        """Offer ``buffer`` for the next message of ``(src, tag)`` not yet delivered or matched.
+    def post_recv(self, src: int, tag: int, buffer):
+        """Offer ``buffer`` for the next message of ``(src, tag)`` not yet taken or matched.
 
         Parameters
         ----------
@@ -429,12 +467,108 @@ class Endpoint:
         buffer : writable bytes-like
             Where the message should land; it must hold the whole message, else the
             message is delivered in its own ``bytearray`` (``posted=False``).
+
+        Returns
+        -------
+        bytearray or int
+            The oldest early message of the stream (it arrived before any receive was
+            posted for it: the caller copies it, ``buffer`` is not kept), or else the
+            stream position ``buffer`` is now bound to (for ``cancel_recv``).
         """
-        stream = self._stream(self._peer(src), tag)
         view = _byte_view(buffer, writable=True)
+        early = self.take_early(src, tag)
+        if early is not None:
+            return early  # (even from a peer that failed since: it sent it whole)
+        stream = self._stream(self._peer(src), tag)
         position = max(stream.next_post, stream.next_deliver)
         stream.bound[position] = view
         stream.next_post = position + 1
+        return position
+
+    def take_early(self, src: int, tag: int):
+        """The oldest early message of ``(src, tag)`` (a ``bytearray``), or None."""
+        state = self._peers.get(src) or self._left.get(src)
+        stream = None if state is None else state.streams.get(tag)
+        if stream is None or not stream.early:
+            return None
+        return self._take(state, stream)
+
+    def take_early_any(self, tag: int):
+        """``(src, message)`` of the earliest-arrived early message of ``tag`` from any
+        peer, or None."""
+        best = None
+        for src, state in [*self._peers.items(), *self._left.items()]:
+            stream = state.streams.get(tag)
+            if stream is not None and stream.early and (
+                    best is None or stream.early[0][0] < best[2].early[0][0]):
+                best = (src, state, stream)
+        if best is None:
+            return None
+        return best[0], self._take(best[1], best[2])
+
+    def _take(self, state: _Peer, stream: _Stream) -> bytearray:
+        data = stream.early.popleft()[1]
+        state.held -= len(data)
+        self.reassembly_bytes -= len(data)
+        return data
+
+    def cancel_recv(self, src: int, tag: int, position: int) -> list:
+        """Withdraw the buffer ``post_recv`` bound to ``position`` of ``(src, tag)``.
+
+        No byte is written into it after the rails returned here have called
+        ``data_landed`` or ``release_claims`` for the claims they hold on it (none: the
+        buffer is free now). The message at that position, whenever it arrives, is
+        acknowledged and discarded.
+
+        Returns
+        -------
+        list of int
+            Rails whose readers may still be writing into the buffer.
+        """
+        state = self._peers.get(src)
+        stream = None if state is None else state.streams.get(tag)
+        if stream is None or stream.bound.pop(position, None) is None:
+            return []
+        stream.cancelled.add(position)
+        msg_id = stream.owner.get(position)
+        r = None if msg_id is None else state.partial.get(msg_id)
+        if r is None or r.posted is None:
+            return []  # not started, or reassembled privately: nothing points into buffer
+        r.discard, r.posted, r.buf = True, None, None
+        return sorted({rail for _, rail in r.claims.values()})
+
+    def cancel_send(self, peer: int, msg_id: int) -> bool:
+        """Forget message ``msg_id`` to ``peer``: no segment of it is sent or resent again,
+        so its data is free once the driver has dropped the frames it still holds.
+
+        The receiver never completes it, so its stream is stuck from then on: the caller
+        must fail the stream's users (tell the peer). Returns False if it had completed.
+        """
+        state = self._peers.get(peer)
+        msg = None if state is None else state.open.pop(msg_id, None)
+        if msg is None:
+            return False
+        try:
+            state.queue.remove(msg)
+        except ValueError:
+            pass
+        for key in [k for k in state.unacked if k[0] == msg_id]:
+            seg = state.unacked.pop(key)
+            state.inflight -= seg.cost
+            state.rail_bytes[seg.rail] -= seg.cost
+        state.sent_done.add(msg_id)
+        self.has_work = True  # the window may have opened
+        return True
+
+    def release_claims(self, peer: int, rail: int) -> None:
+        """The reader of ``rail`` from ``peer`` stopped: its claims end unlanded (the
+        segments are resent, to other rails if this one failed)."""
+        state = self._peers.get(peer)
+        if state is None:
+            return
+        for r in state.partial.values():
+            for offset in [o for o, (_, rl) in r.claims.items() if rl == rail]:
+                del r.claims[offset]
 
     def rail_failed(self, rail: int, peer: int | None = None) -> None:
         """Stop using ``rail`` (to ``peer``, or to every peer) and resend what it carried.
@@ -496,54 +630,60 @@ class Endpoint:
 
         For stream drivers (TCP rails): after reading a frame's header (``F.decode_header``),
         the driver asks for the segment's place in its message (the posted receive buffer
-        or the reassembly buffer) and reads the payload there, then calls ``data_landed``.
-        None means "read the payload aside and hand the whole frame to ``receive``": ACKs,
-        duplicates, garbage and every other case take that path. The first segment of a
-        message that no receive is posted for opens the message's reassembly buffer here
-        (as ``receive`` would, within ``max_reassembly_bytes``); otherwise nothing changes
-        until ``data_landed``. Bytes read into the returned view but never landed are
-        overwritten by the retransmission. With ``crc`` it is always None: a frame is
-        verified before any byte of it is placed, so a corrupted header cannot aim its
-        payload anywhere.
+        or the reassembly buffer) and reads the payload there, then calls ``data_landed``
+        (or ``release_claims`` if the read fails). The range is claimed by ``rail`` until
+        then: nobody else gets it (see "Buffer ownership"). None means "read the payload
+        aside and hand the whole frame to ``receive``": ACKs, duplicates, ranges claimed
+        by another rail, garbage and every other case take that path. The first segment of
+        a message opens its reassembly record here (with the posted buffer, or a private
+        one within ``max_reassembly_bytes``). Bytes read into the returned view but never
+        landed are overwritten by the retransmission. With ``crc`` it is always None: a
+        frame is verified before any byte of it is placed, so a corrupted header cannot
+        aim its payload anywhere.
         """
         if self.crc or header.type != F.DATA or header.dst != self.rank or header.src == self.rank:
             return None
         if header.src in self._failed or header.length == 0:
             return None
-        state = self._peers.get(header.src)
-        if state is None or header.msg_id in state.recv_done:
+        state = self._peer(header.src)  # (the header was validated against world_size)
+        if header.msg_id in state.recv_done:
             return None
         if header.msg_id >= state.recv_done.low + self.max_open_messages:
             return None
         r = state.partial.get(header.msg_id)
         if r is None:
             stream = state.streams.get(header.tag)
-            next_deliver = 0 if stream is None else stream.next_deliver
-            if header.seq < next_deliver or (stream is not None and stream.owner.get(
+            if stream is not None and (header.seq < stream.next_deliver or stream.owner.get(
                     header.seq, header.msg_id) != header.msg_id):
                 return None
-            posted = None if stream is None else stream.bound.get(header.seq)
-            if posted is not None and posted.nbytes >= header.total:
-                return posted[header.offset:header.offset + header.length]
-            # Nobody has asked for it yet: open its reassembly buffer now, as receive()
-            # would, and read straight into it (aside, it would cost two more copies).
-            if (header.seq != next_deliver
-                    and self.reassembly_bytes + header.total > self.max_reassembly_bytes):
+            if self._over_budget(state, stream, header, count=False):
                 return None  # receive() drops it, and counts that
             r = self._start(rail, state, header)
             if r is None:
                 return None
-        if (r.tag, r.seq, r.total) != (header.tag, header.seq, header.total):
+        if r.discard or (r.tag, r.seq, r.total) != (header.tag, header.seq, header.total):
             return None
         start, length = header.offset, header.length
-        if start in r.lengths:
+        if start + length > r.total or self._overlaps(r, start, length):
             return None
+        r.claims[start] = (length, rail)
+        return r.buf[start:start + length]
+
+    @staticmethod
+    def _overlaps(r: _Reassembly, start: int, length: int) -> bool:
+        """Does [start, start + length) meet a landed or claimed range of ``r``?"""
+        if start in r.lengths or start in r.claims:
+            return True
         i = bisect_left(r.starts, start)
         if i > 0 and r.starts[i - 1] + r.lengths[r.starts[i - 1]] > start:
-            return None
+            return True
         if i < len(r.starts) and r.starts[i] < start + length:
-            return None
-        return r.buf[start:start + length]
+            return True
+        end = start + length
+        for o, (n, _) in r.claims.items():  # (a handful: one per rail at most, mostly)
+            if o < end and start < o + n:
+                return True
+        return False
 
     def data_landed(self, rail: int, header_bytes, header: F.Header, now: float,
                     trailer=b"") -> None:
@@ -555,55 +695,23 @@ class Endpoint:
         if header.nacks:  # (never with crc: data_target declines those frames)
             self._on_ack(header.src, state, F.ACK_ENTRY.iter_unpack(trailer))
         r = state.partial.get(header.msg_id)
-        if r is None and header.msg_id in state.recv_done:
-            # Both copies of a resent segment got a target before either landed (two
-            # rails): the message is complete already; ack again, deliver nothing.
-            self.stats["duplicates"] += 1
-            self._ack(state, rail, header.msg_id, header.offset, header.total, now, urgent=True)
-            return
-        if r is None and header.length == header.total and self._landed_whole(rail, state,
-                                                                              header, now):
-            return
-        if r is None:
-            r = self._start(rail, state, header)
-            if r is None:
+        claim = None if r is None else r.claims.get(header.offset)
+        if claim is None or claim[1] != rail:
+            return  # the claim ended (release_claims): whatever was read is not counted
+        del r.claims[header.offset]
+        if not r.discard:
+            try:
+                F.check_payload(header_bytes, header, r.buf[header.offset:header.offset
+                                                             + header.length], trailer)
+            except F.FrameError as e:
+                self._reject(rail, str(e))
                 return
-        view = r.buf[header.offset:header.offset + header.length]
-        try:
-            F.check_payload(header_bytes, header, view, trailer)
-        except F.FrameError as e:
-            self._reject(rail, str(e))
-            return
-        if header.offset in r.lengths:  # the same segment landed twice (two rails): ack again
-            self._ack(state, rail, header.msg_id, header.offset, header.total, now, urgent=True)
-            return
         insort(r.starts, header.offset)
         r.lengths[header.offset] = header.length
         r.received += header.length
         self._ack(state, rail, header.msg_id, header.offset, header.total, now)
         if r.complete:
             self._finish(header.src, state, r)
-
-    def _landed_whole(self, rail: int, state: _Peer, header: F.Header, now: float) -> bool:
-        """Fast path of ``data_landed``: a whole message in one frame, next in its stream,
-        landed in the receive posted for it, is delivered at once (no reassembly record).
-        False: not that case, take the general path."""
-        stream = state.streams.get(header.tag)
-        if (stream is None or header.seq != stream.next_deliver
-                or stream.owner.get(header.seq, header.msg_id) != header.msg_id):
-            return False
-        posted = stream.bound.get(header.seq)
-        if posted is None or posted.nbytes < header.total:
-            return False  # (data_target put it in a reassembly buffer)
-        state.recv_done.add(header.msg_id)
-        self._ack(state, rail, header.msg_id, 0, header.total, now)
-        del stream.bound[header.seq]
-        stream.owner.pop(header.seq, None)
-        stream.next_deliver += 1
-        self._events.append(MessageReceived(header.src, header.tag, header.msg_id,
-                                            posted[:header.total], True))
-        self._deliver_ready(header.src, stream)  # later ones that waited for it
-        return True
 
     def poll_transmit(self, now: float) -> list[Transmit]:
         """Frames to send now: acks, resends (timed out or moved off a dead rail), new segments.
@@ -682,13 +790,13 @@ class Endpoint:
     def _fail(self, peer: int, reason: str) -> None:
         state = self._peers.pop(peer)
         self._failed[peer] = reason
-        for r in state.partial.values():
-            if r.posted is None:
-                self.reassembly_bytes -= r.total
+        kept = 0
         for stream in state.streams.values():
-            for r in stream.ready.values():
-                if r.posted is None:
-                    self.reassembly_bytes -= r.total
+            kept += sum(len(data) for _, data in stream.early)
+        self.reassembly_bytes -= state.held - kept
+        state.held, state.partial = kept, {}
+        if kept:
+            self._left[peer] = state  # its whole messages stay until taken
         self._events.append(PeerFailed(peer, reason, tuple(sorted(state.open))))
 
     def _reject(self, rail: int, reason: str) -> None:
@@ -871,6 +979,8 @@ class Endpoint:
             return
         r = state.partial.get(frame.msg_id)
         if r is None:
+            if self._over_budget(state, state.streams.get(frame.tag), frame):
+                return
             r = self._start(rail, state, frame)
             if r is None:
                 return
@@ -886,7 +996,26 @@ class Endpoint:
         if r.complete:
             self._finish(frame.src, state, r)
 
-    def _start(self, rail: int, state: _Peer, frame: F.Frame) -> _Reassembly | None:
+    def _over_budget(self, state: _Peer, stream, header, count: bool = True) -> bool:
+        """Would the first segment of ``header``'s message need private memory beyond the
+        peer's budget? Then it is dropped unacked (and counted).
+
+        A message that is not next in its stream may use only half the budget: messages
+        waiting behind a missing one can then never leave the missing one no room."""
+        due = header.seq == (0 if stream is None else stream.next_deliver)
+        if stream is not None:
+            posted = stream.bound.get(header.seq)
+            if posted is not None and posted.nbytes >= header.total:
+                return False  # lands in the caller's buffer
+        if due and header.tag in self.notice_tags and header.total <= NOTICE_BYTES:
+            return False  # a notice (a rank aborting) gets through whatever is held
+        limit = self.max_reassembly_bytes if due else self.max_reassembly_bytes // 2
+        if state.held + header.total <= limit:
+            return False
+        self.stats["dropped_full"] += count
+        return True
+
+    def _start(self, rail: int, state: _Peer, frame) -> _Reassembly | None:
         """Open reassembly for the first segment of a message, or reject/drop the frame."""
         stream = self._stream(state, frame.tag)
         if frame.seq < stream.next_deliver or stream.owner.get(frame.seq, frame.msg_id) != frame.msg_id:
@@ -894,34 +1023,45 @@ class Endpoint:
                                f"{frame.seq} of tag {frame.tag}, which is taken")
             return None
         posted = stream.bound.get(frame.seq)
-        if posted is not None and posted.nbytes >= frame.total:
-            buf, owner = posted[:frame.total], posted
+        if frame.seq in stream.cancelled:
+            buf, owner, discard = None, None, True  # its receive was withdrawn
+        elif posted is not None and posted.nbytes >= frame.total:
+            buf, owner, discard = posted[:frame.total], posted, False
         else:
-            due = frame.seq == stream.next_deliver
-            if not due and self.reassembly_bytes + frame.total > self.max_reassembly_bytes:
+            try:
+                buf = memoryview(bytearray(frame.total))
+            except MemoryError:
                 self.stats["dropped_full"] += 1
-                return None  # not acked: the sender retries when memory is free
-            buf, owner = memoryview(bytearray(frame.total)), None
+                return None  # not acked: the sender retries
+            owner, discard = None, False
+            state.held += frame.total
             self.reassembly_bytes += frame.total
-        r = _Reassembly(frame.msg_id, frame.tag, frame.seq, frame.total, buf, owner)
+        r = _Reassembly(frame.msg_id, frame.tag, frame.seq, frame.total, buf, owner,
+                        discard=discard)
         state.partial[frame.msg_id] = r
         stream.owner[frame.seq] = frame.msg_id
         return r
 
     def _place(self, rail: int, r: _Reassembly, frame: F.Frame) -> bool:
-        """Copy a segment into place; False if it was a duplicate or overlapped garbage."""
+        """Copy a segment into place; False if it overlapped garbage or a range another
+        rail is reading in place (then it is dropped unacked: that rail acks it)."""
         start, length = frame.offset, len(frame.payload)
         if r.lengths.get(start) == length:
             self.stats["duplicates"] += 1
             return True  # exact duplicate: ack again, copy nothing
+        if start in r.claims or any(o < start + length and start < o + n
+                                    for o, (n, _) in r.claims.items()):
+            self.stats["dropped_claimed"] += 1
+            return False
         i = bisect_left(r.starts, start)
         overlaps_prev = i > 0 and r.starts[i - 1] + r.lengths[r.starts[i - 1]] > start
         overlaps_next = i < len(r.starts) and (r.starts[i] < start + length or r.starts[i] == start)
-        if overlaps_prev or overlaps_next:
+        if overlaps_prev or overlaps_next or start + length > r.total:
             self._reject(rail, f"segment [{start}, {start + length}) of message {r.msg_id} "
                                f"overlaps one already received")
             return False
-        r.buf[start:start + length] = frame.payload
+        if not r.discard:
+            r.buf[start:start + length] = frame.payload
         insort(r.starts, start)
         r.lengths[start] = length
         r.received += length
@@ -932,27 +1072,43 @@ class Endpoint:
         state.recv_done.add(r.msg_id)
         stream = self._stream(state, r.tag)
         stream.ready[r.seq] = r
-        self._deliver_ready(src, stream)
+        self._deliver_ready(src, state, stream)
 
-    def _deliver_ready(self, src: int, stream: _Stream) -> None:
+    def _deliver_ready(self, src: int, state: _Peer, stream: _Stream) -> None:
         """Deliver the complete messages that are next in ``stream``'s order."""
         while stream.next_deliver in stream.ready:
-            self._deliver(src, stream, stream.ready.pop(stream.next_deliver))
+            self._deliver(src, state, stream, stream.ready.pop(stream.next_deliver))
             stream.next_deliver += 1
 
-    def _deliver(self, src: int, stream: _Stream, r: _Reassembly) -> None:
+    def _deliver(self, src: int, state: _Peer, stream: _Stream, r: _Reassembly) -> None:
         stream.owner.pop(r.seq, None)
         posted = stream.bound.pop(r.seq, None)
+        private = r.posted is None and not r.discard
+        if r.seq in stream.cancelled:
+            stream.cancelled.discard(r.seq)
+            if private:
+                state.held -= r.total
+                self.reassembly_bytes -= r.total
+            self.stats["discarded"] += 1
+            return
         if r.posted is not None:
             self._events.append(MessageReceived(src, r.tag, r.msg_id, r.buf, True))
             return
-        self.reassembly_bytes -= r.total
         if posted is not None and posted.nbytes >= r.total:
+            state.held -= r.total
+            self.reassembly_bytes -= r.total
             posted[:r.total] = r.buf
             self._events.append(MessageReceived(src, r.tag, r.msg_id, posted[:r.total], True))
             return
-        self._events.append(MessageReceived(src, r.tag, r.msg_id, r.buf.obj, False))
+        data = r.buf.obj
+        if posted is not None:  # too small for it: the receive gets the message to refuse
+            state.held -= r.total
+            self.reassembly_bytes -= r.total
+        else:  # nobody asked for it yet: kept (and counted) until taken
+            self._arrivals += 1
+            stream.early.append((self._arrivals, data))
+        self._events.append(MessageReceived(src, r.tag, r.msg_id, data, False))
 
 
-__all__ = ["Endpoint", "MessageReceived", "SendCompleted", "PeerFailed", "FrameRejected",
+__all__ =__all__ = ["Endpoint", "MessageReceived", "SendCompleted", "PeerFailed", "FrameRejected",
            "Transmit", "ProtocolError"]

@@ -577,3 +577,89 @@ def test_a_receive_being_read_is_withdrawn_only_once_its_reader_is_out(pair, mon
     snapshot = buf.copy()
     time.sleep(1.2)  # the stalled reader would have finished its write by now
     assert np.array_equal(buf, snapshot)
+
+
+@pytest.mark.timeout(120)
+def test_a_flood_of_strangers_at_a_1024_descriptor_limit_does_not_hurt_the_job():
+    """Fault: every incoming connection got a thread, with no cap; the handshake deadline
+    was per read, so a byte every few seconds held a connection for minutes; an error from
+    accept() (EMFILE) ended the accept loop for good. 1200 idle, garbage and trickling
+    connections against a rank limited to 1024 descriptors: its group still moves data
+    intact, and it can open a new group."""
+    import json
+    import resource
+    import subprocess
+    import sys
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard >= 4096, f"the test needs 4096 descriptors for its own sockets (hard limit {hard})"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
+    here = os.path.dirname(os.path.abspath(__file__))
+    victim = subprocess.Popen([sys.executable, os.path.join(here, "flood_victim.py")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    socks = []
+    try:
+        host, port = _host_port_of(json.loads(victim.stdout.readline())["address"])
+        rng = np.random.default_rng(5)
+        for i in range(1200):
+            s = socket.socket()
+            s.settimeout(5)
+            try:
+                s.connect((host, port))
+            except OSError:
+                s.close()
+                continue
+            if i % 3 == 1:
+                s.sendall(rng.integers(0, 256, 200, dtype=np.uint8).tobytes())  # garbage
+            elif i % 3 == 2:
+                s.sendall(b"N")  # the start of a handshake that trickles
+            socks.append(s)
+        assert len(socks) > 1000
+        for s in socks[2::30]:  # a few keep trickling while the job works
+            try:
+                s.send(b"R")
+            except OSError:
+                pass
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        report = json.loads(victim.stdout.readline())
+        assert victim.wait(60) == 0
+    finally:
+        for s in socks:
+            s.close()
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    assert report["first_ok"] and report["second_ok"] and report["first_again_ok"], report
+    assert report["threads"] < 80 and report["fds"] < 200, report
+
+
+def _host_port_of(address):
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def test_a_handshake_that_trickles_ends_at_its_one_deadline():
+    """A stranger sending a byte every 0.1 s used to hold a connection as long as it liked
+    (the timeout was per read); the whole handshake now has one deadline."""
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.1):
+            try:
+                b.send(b"N")
+            except OSError:
+                return
+    t = threading.Thread(target=trickle)
+    t.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises((handshake.HandshakeError, OSError)):
+            handshake.accept(a, KEY, GROUP, 0, lambda rank, rail: True,
+                             deadline=time.monotonic() + 0.5)
+        assert time.monotonic() - start < 1.5
+    finally:
+        stop.set()
+        t.join()
+        a.close()
+        b.close()

@@ -61,6 +61,28 @@ ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see 
 _CLEAN_EOF = "connection closed by the peer (0 of"
 _HANDSHAKE_TIMEOUT = 10.0
 CANCEL_GRACE = 1.0  # a rail still inside a withdrawn request's buffer after this is cut
+MAX_HANDSHAKES = 32  # unfinished incoming handshakes at once (then the oldest is dropped)
+
+
+class _RateLimitedLog:
+    """Warnings about strangers at the listener: the first few per minute, then a count."""
+
+    def __init__(self, label: str, burst: int = 5, period: float = 60.0):
+        self._label, self._burst, self._period = label, burst, period
+        self._start, self._count, self._lock = -math.inf, 0, threading.Lock()
+
+    def note(self, what: str, level: int = logging.WARNING) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._start > self._period:
+                if self._count > self._burst:
+                    log.warning("neuron %s: %d more such events at the listener in the last "
+                                "%.0f s", self._label, self._count - self._burst, self._period)
+                self._start, self._count = now, 0
+            self._count += 1
+            loud = self._count <= self._burst
+        if loud:
+            log.log(level, "neuron %s: %s", self._label, what)
 
 
 class _CopyPool:
@@ -197,6 +219,8 @@ class RdmTransport:
         self._callbacks = queue.SimpleQueue()
         self._outbox = deque()  # frames to write, queued under the lock (see _pump)
         self._handing: set = set()  # threads moving frames from the outbox to rails
+        self._handshakes: dict = {}  # unfinished incoming connection -> address, oldest first
+        self._strangers = _RateLimitedLog(self._label)
         self._listener = socket.create_server((host, 0), backlog=128,
                                               family=_family(host))
         self.address = f"{_bracket(host)}:{self._listener.getsockname()[1]}"
@@ -260,13 +284,50 @@ class RdmTransport:
         self._add_rail(sock, peer, rail)
 
     def _accept_loop(self) -> None:
-        while True:
+        """Accept connections for as long as the transport is open.
+
+        Each gets a thread for its handshake, with one deadline for the whole of it
+        (``_HANDSHAKE_TIMEOUT``). At most ``MAX_HANDSHAKES`` may be unfinished at once: a
+        new one closes the oldest (a flood of idle connections costs the job no more than
+        that many descriptors and threads). An error from ``accept`` (out of descriptors,
+        a connection reset before it was taken) is logged and retried with a growing pause,
+        never the end of the loop.
+        """
+        pause = 0.0
+        while not self._closed:
             try:
                 conn, addr = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed:
+                    return
+                pause = min(1.0, max(0.01, pause * 2))
+                self._strangers.note(f"accept() failed: {e}", level=logging.WARNING)
+                with self._lock:  # free descriptors: drop the oldest unfinished handshake
+                    if self._handshakes:
+                        self._evict_oldest()
+                time.sleep(pause)
+                continue
+            pause = 0.0
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                while len(self._handshakes) >= MAX_HANDSHAKES:
+                    self._evict_oldest()
+                self._handshakes[conn] = addr
             threading.Thread(target=self._accept_one, args=(conn, addr), daemon=True,
                              name=f"neuron-rdm-handshake-{self.rank}").start()
+
+    def _evict_oldest(self) -> None:
+        """Under the lock: end the oldest unfinished handshake (its thread sees an error)."""
+        conn, addr = next(iter(self._handshakes.items()))
+        del self._handshakes[conn]
+        self._strangers.note(f"dropped an unfinished handshake from {addr} "
+                             f"({MAX_HANDSHAKES} were open)")
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _accept_one(self, conn, addr) -> None:
         def may_dial(rank, rail):
@@ -274,10 +335,17 @@ class RdmTransport:
                 return (self.rank < rank < self.world_size and rail < self.nrails
                         and self._rails.get(rank, [None] * self.nrails)[rail] is None)
         try:
-            conn.settimeout(_HANDSHAKE_TIMEOUT)
-            peer, rail = handshake.accept(conn, self._key, self._group, self.rank, may_dial)
+            peer, rail = handshake.accept(conn, self._key, self._group, self.rank, may_dial,
+                                          deadline=time.monotonic() + _HANDSHAKE_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - a stranger must never hurt the job
-            log.warning("neuron %s: refused a connection from %s: %s", self._label, addr, e)
+            with self._lock:
+                self._handshakes.pop(conn, None)
+            self._strangers.note(f"refused a connection from {addr}: {e}")
+            conn.close()
+            return
+        with self._lock:
+            evicted = self._handshakes.pop(conn, None) is None
+        if evicted:  # (it was closed under us: the dialer retries)
             conn.close()
             return
         self._add_rail(conn, peer, rail)

@@ -13,8 +13,8 @@ names the group, so a rail of one group is never accepted by another.
 The acceptor checks the proof (constant-time), that ``dst`` is itself and that the
 claimed rank may dial it; the dialer checks the acceptor's answer, so neither end talks
 to an impostor. Fresh challenges on both sides defeat replay. A peer that fails, stalls
-(every read has a timeout) or sends garbage gets its connection closed and nothing else:
-the caller logs it and goes on accepting.
+(the whole handshake has one deadline, however slowly its bytes come) or sends garbage
+gets its connection closed and nothing else: the caller logs it and goes on accepting.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import hmac
 import secrets
 import socket
 import struct
+import time
 
 MAGIC = b"NRH1"
 OK = b"NROK"
@@ -47,11 +48,13 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            _until(sock, deadline)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise HandshakeError(f"connection closed after {got} of {n} handshake bytes")
@@ -59,11 +62,22 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def accept(sock: socket.socket, key: bytes, group: bytes, my_rank: int, may_dial) -> tuple[int, int]:
+def _until(sock: socket.socket, deadline: float) -> None:
+    """Let the next socket call wait only until ``deadline`` (one budget for a handshake,
+    however slowly its bytes trickle in)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise HandshakeError("handshake not finished in time")
+    sock.settimeout(remaining)
+
+
+def accept(sock: socket.socket, key: bytes, group: bytes, my_rank: int, may_dial,
+           deadline: float | None = None) -> tuple[int, int]:
     """Authenticate a dialer on the accepted ``sock``; return its ``(rank, rail)``.
 
     ``may_dial(rank, rail)`` says whether that rank may open that rail to us now (a rank
-    of this group, a rail not yet connected). ``sock`` must have a timeout set.
+    of this group, a rail not yet connected). The whole handshake must end by ``deadline``
+    (``time.monotonic()``); without one, ``sock`` must have a timeout set.
 
     Raises
     ------
@@ -71,8 +85,11 @@ def accept(sock: socket.socket, key: bytes, group: bytes, my_rank: int, may_dial
         Authentication failed, or the peer misbehaved; close the socket.
     """
     challenge = secrets.token_bytes(32)
+    if deadline is not None:
+        _until(sock, deadline)
     sock.sendall(MAGIC + challenge)
-    magic, rank, rail, dst, their_challenge, proof = _PROOF.unpack(_read_exact(sock, _PROOF.size))
+    magic, rank, rail, dst, their_challenge, proof = _PROOF.unpack(
+        _read_exact(sock, _PROOF.size, deadline))
     if magic != MAGIC:
         raise HandshakeError(f"not a neuron rail (magic {magic!r})")
     expect = _mac(key, b"dial", group, challenge, struct.pack("!IHI", rank, rail, dst))
@@ -82,6 +99,8 @@ def accept(sock: socket.socket, key: bytes, group: bytes, my_rank: int, may_dial
         raise HandshakeError(f"rank {rank} dialled rank {dst}, but this is rank {my_rank}")
     if not may_dial(rank, rail):
         raise HandshakeError(f"rank {rank} may not open rail {rail} here (unknown or duplicate)")
+    if deadline is not None:
+        _until(sock, deadline)
     sock.sendall(OK + _mac(key, b"accept", group, their_challenge, struct.pack("!I", my_rank)))
     return rank, rail
 

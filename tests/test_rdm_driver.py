@@ -137,21 +137,21 @@ def test_last_message_of_a_peer_that_closed_is_still_delivered():
 
 
 def test_a_receiver_that_closes_at_once_still_acks_the_last_message(monkeypatch):
-    # The receiver's reader hands the ack of a large message to its rail while the
-    # receiver's caller, woken by the same landing, is already closing. The close must
-    # wait for that hand-off: an ack written after the rail's half-close is lost, and the
-    # sender (waiting for it) would see the peer vanish instead of its send completing.
+    # The receiver closes as soon as its last receive completed, with the ack of that
+    # message still to be written (its writes are slow here). The close must write it
+    # before the rail's half-close: an ack written after it is lost, and the sender
+    # (waiting for it) would see the peer vanish instead of its send completing.
     from neuron_dist.transport.rdm import driver as D
-    push = D._Rail.push
-
-    def slow_push(rail, tx):
-        if rail.peer == 1:  # frames of rank 0 (the receiver) to rank 1
-            time.sleep(0.05)
-        push(rail, tx)
-
     a, b = _pair(rails=1)
+    real = D._send_some
+    slow = {r.sock for rails in a._rails.values() for r in rails}
+
+    def slow_send(sock, views):
+        if sock in slow:
+            time.sleep(0.05)
+        return real(sock, views)
     try:
-        monkeypatch.setattr(D._Rail, "push", slow_push)
+        monkeypatch.setattr(D, "_send_some", slow_send)
         data = np.arange(1 << 20, dtype=np.uint8)  # not eager: completes on its ack
         buf = np.zeros_like(data)
         r = a.irecv(1, 3, buf)
@@ -195,7 +195,6 @@ def test_eager_copies_go_back_to_the_pool_once_acked(pair):
         b.ep.release_acks()  # (acks of small messages may wait up to ack_delay)
         with b._lock:
             b._pump()
-        b._send_out()
         deadline = time.monotonic() + 5
         while a._copies and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -538,7 +537,8 @@ def test_a_withdrawn_send_leaves_the_callers_buffer_alone(pair):
     assert pair[0].cancel(req, PeerTimeout([1], 0.05, "rank 1 did not take it"))
     obj = req.buf.obj
     with pair[0]._lock:
-        assert pair[0]._inside(obj, 1) == ([], False)
+        assert not any(v.obj is obj for rs in pair[0]._rails.values() for r in rs
+                       for v in r.out)
         assert not any(m.data.obj is obj for m in pair[0].ep._peers[1].open.values())
     with pytest.raises(PeerTimeout, match="did not take it"):
         req.wait(time.monotonic() + 1)
@@ -546,37 +546,46 @@ def test_a_withdrawn_send_leaves_the_callers_buffer_alone(pair):
     assert isinstance(pair[1]._failed[0], PeerAborted)
 
 
-def test_a_receive_being_read_is_withdrawn_only_once_its_reader_is_out(pair, monkeypatch):
-    """A reader stalled in the middle of a payload that lands in a withdrawn receive's
-    buffer: cancel returns only after the reader has left the buffer (the rail is cut
-    after CANCEL_GRACE), so nothing writes into it afterwards."""
+def test_a_receive_being_read_is_withdrawn_at_once_and_nothing_lands_later(pair, monkeypatch):
+    """The sender stalls half way through a payload that lands in place, in a receive's
+    buffer. The receive is withdrawn: the rest of the payload, when it comes, goes to
+    scratch memory, never into the buffer."""
     from neuron_dist.transport.errors import PeerTimeout
     from neuron_dist.transport.rdm import driver as D
-    monkeypatch.setattr(D, "CANCEL_GRACE", 0.2)
-    real = D._recv_exact
-    inside = threading.Event()
+    real = D._send_some
+    release = threading.Event()
+    sender = {r.sock for rails in pair[0]._rails.values() for r in rails}
+    state = {"sent": 0}
 
-    def stalling(sock, view):  # the payload of the 1 MiB message stalls half way through
-        if view.nbytes == 1 << 18:
-            real(sock, view[:1000])
-            inside.set()
-            time.sleep(1.0)
-            real(sock, view[1000:])
-            return
-        real(sock, view)
-    monkeypatch.setattr(D, "_recv_exact", stalling)
+    def stalling(sock, views):  # rank 0 writes 200 KB, then nothing until released
+        if sock not in sender or release.is_set():
+            return real(sock, views)
+        room = 200_000 - state["sent"]
+        if room <= 0:
+            raise BlockingIOError
+        cut, left = [], room
+        for v in views:
+            cut.append(v[:left])
+            left -= cut[-1].nbytes
+            if not left:
+                break
+        n = real(sock, cut)
+        state["sent"] += n
+        return n
+    monkeypatch.setattr(D, "_send_some", stalling)
     buf = np.zeros(1 << 20, np.uint8)
     req = pair[1].irecv(0, 5, buf)
     pair[0].isend(1, 5, np.full(1 << 20, 9, np.uint8))
-    assert inside.wait(5)
-    start = time.monotonic()
+    _until(lambda: buf[:1000].all())  # the payload is landing in place
     assert pair[1].cancel(req, PeerTimeout([0], 0, "gave up"))
-    assert time.monotonic() - start >= 0.2  # it waited for the reader
-    assert not any(r is not None and r.reading is req.buf.obj
-                   for rails in pair[1]._rails.values() for r in rails)
     snapshot = buf.copy()
-    time.sleep(1.2)  # the stalled reader would have finished its write by now
-    assert np.array_equal(buf, snapshot)
+    release.set()
+    with pair[0]._lock:
+        for rails in pair[0]._rails.values():
+            for r in rails:
+                pair[0]._flush(r)
+    time.sleep(0.5)  # the rest of the payload arrives (and is discarded)
+    assert np.array_equal(buf, snapshot) and not buf[200_000:].any()
 
 
 @pytest.mark.timeout(120)

@@ -6,39 +6,47 @@ Every rank listens on one TCP socket bound to the chosen interface's address (po
 and publishes ``host:port``. For each pair of ranks that must talk, the higher rank dials
 the lower one ``rails`` times; each connection is authenticated (handshake.py) and
 becomes rail ``i`` of that pair at both ends. All protocol logic lives in the sans-I/O
-``protocol.Endpoint``; this module only moves its frames, under one lock:
+``protocol.Endpoint``; this module only moves its frames, under the transport's lock.
 
-* one **writer** thread per rail drains that rail's queue of ``Transmit``s with one
-  scatter-gather ``sendmsg`` (header + a view of the user's buffer: no copy);
-* one **reader** thread per rail reads a 64-byte header (validated before anything else
-  is read: ``frames.decode_header``), asks the endpoint where the segment belongs
-  (``data_target``: the posted receive buffer or the message's reassembly buffer) and
-  reads the payload straight there with ``recv_into``, so large messages are copied once,
-  by the kernel (then the acks riding behind it, if any). ACKs, duplicates and odd frames
-  are read aside and go through
-  ``Endpoint.receive``. A header that fails validation means the byte stream cannot be
-  trusted any more: the rail is closed (and logged); its unacknowledged segments are
-  resent on the other rails;
-* a **timer** thread calls ``poll_transmit`` at the endpoint's next deadline: a
-  retransmission, or acks held for ``ack_delay`` that found no DATA frame to ride on.
+Rails are non-blocking sockets in the process's one progress engine (progress.py), which
+every transport (every group) of the process shares. There are no reader or writer
+threads: a thread that waits for a request drives the engine itself, so the bytes that
+complete its request are read by the thread that wants them, and the engine's background
+thread drives it only while nobody waits.
 
-Threads block in system calls with the GIL released, one syscall per segment, so the
-Python cost is per segment (<= ``segment_bytes``), not per byte. A rail whose connection
-breaks is reported to the endpoint (``rail_failed``): nothing is lost while one rail to the
-peer is left; when the last one goes, every request to or from that peer fails with
-``PeerUnreachable`` naming it.
+* **Reading** is a small state machine per rail, fed with whatever the socket has: a
+  64-byte header (validated before anything else is read: ``frames.decode_header``), then
+  the payload, read straight into the place ``Endpoint.data_target`` gives (the posted
+  receive buffer or the message's reassembly buffer, claimed for this rail until it
+  lands: see "Buffer ownership" in protocol.py), so large messages are copied once, by
+  the kernel; then the acks riding behind it, if any. ACKs, duplicates and odd frames are
+  read aside and go through ``Endpoint.receive``. Once the socket has nothing more, the
+  acks of everything just read go out in one frame. A header that fails validation means
+  the byte stream cannot be trusted any more: the rail is closed (and logged); its
+  unacknowledged segments are resent on the other rails.
+* **Writing**: frames go out as soon as the endpoint hands them over, with one
+  scatter-gather ``sendmsg`` (header + a view of the user's buffer: no copy); what the
+  socket does not take waits in the rail's queue until the engine sees it writable.
+* **Timers**: the engine calls ``poll_transmit`` at the endpoint's next deadline (a
+  retransmission, or acks held for ``ack_delay`` that found no DATA frame to ride on).
+
+A rail whose connection breaks is reported to the endpoint (``rail_failed``): nothing is
+lost while one rail to the peer is left; when the last one goes, every request to or from
+that peer fails with ``PeerUnreachable`` naming it.
 
 Requests: ``isend``/``irecv`` return a ``Request``; ``wait(deadline)`` raises
-``PeerTimeout`` naming the peer when the deadline passes. Receives match sends per
-``(peer, tag)`` in order; a message that arrives before its receive is posted is kept
-until it is. Nothing here imports torch.
+``PeerTimeout`` naming the peer when the deadline passes; ``cancel`` withdraws one (a
+payload being read into its buffer is diverted to scratch memory at once, queued frames
+referring to a send's buffer are copied). Receives match sends per ``(peer, tag)`` in
+order; a message that arrives before its receive is posted is kept (by the endpoint,
+within its memory limit) until it is. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
+import select
 import socket
 import threading
 import time
@@ -46,9 +54,9 @@ from collections import deque
 
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismatch, PeerAborted,
                       PeerTimeout, PeerUnreachable)
-from ..requests import Request, run_callbacks
+from ..requests import Request as _Request
 from . import frames as F
-from . import handshake
+from . import handshake, progress
 from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived, PeerFailed,
                        SendCompleted)
 
@@ -58,10 +66,14 @@ _IOV_MAX = 512
 EAGER_BYTES = 64 << 10
 _SMALL_COPY = 512  # eager copies up to this size come from Python's small-object allocator
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
-_CLEAN_EOF = "connection closed by the peer (0 of"
+_CLEAN_EOF = "connection closed by the peer"
 _HANDSHAKE_TIMEOUT = 10.0
-CANCEL_GRACE = 1.0  # a rail still inside a withdrawn request's buffer after this is cut
 MAX_HANDSHAKES = 32  # unfinished incoming handshakes at once (then the oldest is dropped)
+_IN = select.EPOLLIN | select.EPOLLRDHUP
+_OUT = select.EPOLLOUT
+_HEADER, _PAYLOAD, _TRAILER, _ASIDE = range(4)  # what a rail is reading
+_INBUF = 64 << 10  # a rail reads small frames in bulk into this much read-ahead ...
+_DIRECT = 16 << 10  # ... and the rest of a payload from this size straight into place
 
 
 class _RateLimitedLog:
@@ -120,48 +132,50 @@ class _CopyPool:
         self._bytes += size
 
 
+
+
 class _Rail:
-    __slots__ = ("sock", "peer", "index", "out", "cond", "alive", "busy", "reading",
-                 "writing")
+    """One connection to a peer, with its reading state and its queue of bytes to write."""
+
+    __slots__ = ("sock", "fd", "peer", "index", "out", "alive", "events", "stage", "got",
+                 "hbuf", "hview", "header", "view", "buf", "inbuf", "lo", "hi")
 
     def __init__(self, sock, peer, index):
-        self.sock, self.peer, self.index = sock, peer, index
-        self.out = deque()
-        self.cond = threading.Condition(threading.Lock())
+        self.sock, self.fd, self.peer, self.index = sock, sock.fileno(), peer, index
+        self.out = deque()  # byte views still to write
         self.alive = True
-        self.busy = False  # the writer is sending a batch
-        self.reading = None  # the buffer object the reader is writing a payload into
-        self.writing = ()  # the batch the writer is sending (views), while busy
+        self.events = _IN
+        self.hbuf = bytearray(F.HEADER_SIZE)
+        self.hview = memoryview(self.hbuf)
+        self.stage, self.got, self.header = _HEADER, 0, None
+        self.view = self.hview  # where the bytes of the current stage go
+        self.buf = None  # the frame read aside, or the trailer
+        self.inbuf = memoryview(bytearray(_INBUF))  # bytes read ahead: inbuf[lo:hi]
+        self.lo = self.hi = 0
 
-    @property
-    def idle(self) -> bool:
-        return not self.alive or (not self.out and not self.busy)
 
-    def push(self, tx) -> None:
-        """Queue a frame; when the rail is idle, write what the socket takes right away.
+class Request(_Request):
+    """A pending ``isend``, ``irecv`` or ``irecv_any`` (see transport/requests.py).
 
-        The immediate, non-blocking write saves a hand-off to the writer thread on the
-        latency path (small messages, acks); whatever does not fit waits for the writer.
-        """
-        bufs = [memoryview(tx.header)]
-        if len(tx.payload):
-            bufs.append(memoryview(tx.payload).cast("B"))
-        if tx.trailer:
-            bufs.append(memoryview(tx.trailer))
-        with self.cond:
-            if not self.alive:
-                return
-            if not self.out and not self.busy:
-                try:
-                    bufs = _trim(bufs, self.sock.sendmsg(bufs, [], socket.MSG_DONTWAIT))
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError:
-                    pass  # the writer meets the error and reports the rail
-                if not bufs:
-                    return
-            self.out.extend(bufs)
-            self.cond.notify()
+    Waiting drives the process's progress engine from the waiting thread."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, peer, tag: int, buf, is_send: bool, owner: "RdmTransport"):
+        super().__init__(peer, tag, buf, is_send, owner._engine.callbacks)
+        self._owner = owner
+
+    def _block(self, deadline: float) -> bool:
+        event = self._event
+        self._waiting.append(None)
+        try:
+            self._owner._engine.drive(event.is_set, deadline, event)
+        finally:
+            self._waiting.pop()
+        done = event.is_set()
+        if done and self.callback is not None and self._sink is not None:
+            self._run_callback()
+        return done
 
 
 class RdmTransport:
@@ -199,7 +213,8 @@ class RdmTransport:
                            max_rto=max(rto, 30.0), max_retries=6, window_bytes=window_bytes,
                            max_reassembly_bytes=max_unexpected_bytes, crc=crc,
                            ack_delay=ack_delay, notice_tags=(ABORT_TAG,))
-        self._lock = threading.Lock()
+        self._max_payload = max(segment_bytes, F.MAX_ACKS_PER_FRAME * F.ACK_ENTRY.size)
+        self._lock = threading.RLock()  # (a callback may post from inside a completion)
         self._rails: dict[int, list] = {}
         self._expected: set[int] = set()
         self._connected = threading.Condition(self._lock)
@@ -208,28 +223,18 @@ class RdmTransport:
         self._pool = _CopyPool()
         self._recvs: dict = {}  # (peer, tag) -> deque of posted Requests
         self._positions: dict = {}  # receive Request -> its stream position (cancel_recv)
-        self._deferred: list = []  # (Request, error): failed while a reader wrote into it
         self._any: dict = {}  # tag -> deque of receives from any source
         self._failed: dict[int, Exception] = {}
         self._closed = False
-        self._timer = threading.Condition(self._lock)
-        self._timer_period = min(1.0, rto / 4)
-        self._timer_at = -math.inf  # when the sleeping timer wakes (-inf: it is awake)
-        # Completion callbacks run here, never under the lock: they may post new requests.
-        self._callbacks = queue.SimpleQueue()
-        self._outbox = deque()  # frames to write, queued under the lock (see _pump)
-        self._handing: set = set()  # threads moving frames from the outbox to rails
+        self._due = None  # the endpoint's next deadline, as last computed
         self._handshakes: dict = {}  # unfinished incoming connection -> address, oldest first
         self._strangers = _RateLimitedLog(self._label)
         self._listener = socket.create_server((host, 0), backlog=128,
                                               family=_family(host))
         self.address = f"{_bracket(host)}:{self._listener.getsockname()[1]}"
+        self._engine = progress.attach(self)
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"neuron-rdm-accept-{rank}"),
-                         threading.Thread(target=self._timer_loop, daemon=True,
-                                          name=f"neuron-rdm-timer-{rank}"),
-                         threading.Thread(target=self._callback_loop, daemon=True,
-                                          name=f"neuron-rdm-callbacks-{rank}")]
+                                          name=f"neuron-rdm-accept-{rank}")]
         for t in self._threads:
             t.start()
 
@@ -353,6 +358,7 @@ class RdmTransport:
     def _add_rail(self, sock, peer: int, index: int) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
         rail = _Rail(sock, peer, index)
         with self._lock:
             if self._closed:
@@ -360,13 +366,8 @@ class RdmTransport:
                 return
             rails = self._rails.setdefault(peer, [None] * self.nrails)
             rails[index] = rail
-            self._rails[peer] = rails
+            self._engine.register(rail.fd, self, rail, rail.events)
             self._connected.notify_all()
-        for target, name in ((self._write_loop, "w"), (self._read_loop, "r")):
-            t = threading.Thread(target=target, args=(rail,), daemon=True,
-                                 name=f"neuron-rdm-{name}{self.rank}-{peer}.{index}")
-            t.start()
-            self._threads.append(t)
 
     # ------------------------------------------------------------------ requests
 
@@ -376,17 +377,16 @@ class RdmTransport:
         Messages up to ``EAGER_BYTES`` are copied and the request completes at once (like
         MPI's eager protocol): the copy stays with the protocol until the peer acknowledges
         it, so a small send costs no round trip. Larger ones complete when acknowledged.
-        ``callback(request)``, if given, runs on the transport's callback thread when the
+        ``callback(request)``, if given, runs on the engine's callback thread when the
         request completes (successfully or not).
         """
         view = memoryview(buf).cast("B")
-        req = Request(peer, tag, view, True, self._callbacks)
+        req = Request(peer, tag, view, True, self)
         req.callback = callback
         n = view.nbytes
-        eager = n <= EAGER_BYTES
         with self._lock:
             self._check_usable(peer)
-            if not eager:
+            if n > EAGER_BYTES:
                 self._sends[(peer, self.ep.send(peer, tag, view))] = req
             elif n <= _SMALL_COPY:
                 self.ep.send(peer, tag, bytes(view))
@@ -397,13 +397,12 @@ class RdmTransport:
                 self._copies[(peer, self.ep.send(peer, tag, memoryview(copy)[:n]))] = copy
                 req._finish()
             self._pump()
-        self._send_out()
         return req
 
     def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
         """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size)."""
         view = memoryview(buf).cast("B")
-        req = Request(peer, tag, view, False, self._callbacks)
+        req = Request(peer, tag, view, False, self)
         req.callback = callback
         with self._lock:
             if self._closed:
@@ -427,7 +426,7 @@ class RdmTransport:
         such receive was waiting for.
         """
         view = memoryview(buf).cast("B")
-        req = Request(None, tag, view, False, self._callbacks)
+        req = Request(None, tag, view, False, self)
         req.callback = callback
         with self._lock:
             if self._closed:
@@ -446,24 +445,30 @@ class RdmTransport:
     def cancel(self, req: Request, error: Exception) -> bool:
         """Withdraw ``req`` unless it has completed; True if it was withdrawn.
 
-        On return the transport no longer touches the request's buffer: frames still
-        queued with views of a send's data are copied, and a rail whose reader or writer
-        is still inside the buffer after ``CANCEL_GRACE`` seconds is cut (its other
-        traffic is resent on the remaining rails). The request fails with ``error``. A
-        withdrawn message leaves its stream between the two ranks out of step, so the
-        peer is failed on both sides: later requests with it raise ``error`` here, and it
-        is told (its requests with this rank fail with ``PeerAborted``). A receive from
-        any source binds no stream and is simply withdrawn.
+        On return the transport no longer touches the request's buffer: a payload being
+        read into it goes on into scratch memory, and queued frames that refer to a send's
+        buffer are replaced by copies. The request fails with ``error``. A withdrawn
+        message leaves its stream between the two ranks out of step, so the peer is failed
+        on both sides: later requests with it raise ``error`` here, and it is told (its
+        requests with this rank fail with ``PeerAborted``). A receive from any source binds
+        no stream and is simply withdrawn.
         """
-        obj, peer = req.buf.obj, req.peer
+        peer = req.peer
         with self._lock:
             if req._event.is_set():
                 return False
-            if not req.is_send:
-                if peer is None:
-                    self._any.get(req.tag, deque()).remove(req)
-                    req._finish(error)
-                    return True
+            if not req.is_send and peer is None:
+                self._any.get(req.tag, deque()).remove(req)
+                req._finish(error)
+                return True
+            if req.is_send:
+                key = next((k for k, r in self._sends.items() if r is req), None)
+                if key is not None:
+                    del self._sends[key]
+                    self.ep.cancel_send(*key)
+                self._unhook(req.buf.obj, peer)
+                req._finish(error)
+            else:
                 try:
                     self._recvs.get((peer, req.tag), deque()).remove(req)
                 except ValueError:
@@ -471,57 +476,25 @@ class RdmTransport:
                 position = self._positions.pop(req, None)
                 if position is not None:
                     self.ep.cancel_recv(peer, req.tag, position)
-                self._fail_recv(req, error)  # (finished once no reader is in its buffer)
-            else:
-                key = next((k for k, r in self._sends.items() if r is req), None)
-                if key is not None:
-                    del self._sends[key]
-                    self.ep.cancel_send(*key)
+                self._fail_recv(req, error)
             self._break_peer(peer, error)
             self._pump()
-        self._send_out()
-        end = time.monotonic() + CANCEL_GRACE
-        while True:
-            with self._lock:
-                inside, handing = self._inside(obj, peer)
-            if not inside and not handing:
-                break
-            if inside and time.monotonic() > end:
-                for rail in inside:
-                    self._rail_down(rail, f"still inside the buffer of a withdrawn request "
-                                          f"after {CANCEL_GRACE:g} s (the peer stalls)")
-                end = math.inf  # cut: its reader and writer leave at once
-            time.sleep(0.0005)
-        if req.is_send:
-            req._finish(error)
+        self._engine.wake()  # (a waiter of another thread sees the news at once)
         return True
 
-    def _inside(self, obj, peer: int):
-        """Under the lock: rails to ``peer`` whose threads still use buffer ``obj``, and
-        whether a frame is being handed to a rail; queued frames that refer to ``obj``
-        are replaced by copies."""
-        def refers(tx):
-            return getattr(tx.payload, "obj", None) is obj
+    def _unhook(self, obj, peer) -> None:
+        """Under the lock: nothing this transport holds refers to buffer ``obj`` any more.
 
-        if any(refers(tx) for tx in self._outbox):
-            # In place: another thread may be taking frames from it (a frame it took
-            # meanwhile goes out twice, which the protocol treats as a duplicate).
-            frames = [tx._replace(payload=bytes(tx.payload)) if refers(tx) else tx
-                      for tx in self._outbox]
-            self._outbox.clear()
-            self._outbox.extend(frames)
-        inside = []
-        for rail in self._rails.get(peer, ()):
-            if rail is None:
-                continue
-            with rail.cond:
-                if any(v.obj is obj for v in rail.out):
-                    rail.out = deque(memoryview(bytes(v)) if v.obj is obj else v
-                                     for v in rail.out)
-                writing = rail.busy and any(v.obj is obj for v in rail.writing)
-            if writing or rail.reading is obj:
-                inside.append(rail)
-        return inside, bool(self._handing)  # (handing: a frame between outbox and a rail)
+        A payload being read into it goes on into scratch memory (the claim stays, so the
+        endpoint counts the bytes of its cancelled message); queued frames that refer to
+        it are replaced by copies (the part already written stays written)."""
+        rails = self._rails.values() if peer is None else [self._rails.get(peer, ())]
+        for rail in (r for rs in rails for r in rs if r is not None):
+            if rail.stage == _PAYLOAD and rail.view.obj is obj:
+                rail.view = memoryview(bytearray(rail.view.nbytes))
+            if any(v.obj is obj for v in rail.out):
+                rail.out = deque(memoryview(bytes(v)) if v.obj is obj else v
+                                 for v in rail.out)
 
     def _break_peer(self, peer: int, error: Exception) -> None:
         """Under the lock: stop talking to ``peer`` after a withdrawn request, and tell it."""
@@ -554,46 +527,188 @@ class RdmTransport:
             req.buf[:n] = data
         req._finish()
 
-    # ------------------------------------------------------------------ engine
+    def _fail_recv(self, req: Request, error: Exception) -> None:
+        """Under the lock: fail a receive; a payload being read into it goes to scratch."""
+        self._positions.pop(req, None)
+        self._unhook(req.buf.obj, req.peer)
+        req._finish(error)
 
-    def _pump(self, deadline_passed: bool = False, hold: bool = False) -> None:
-        """Under the lock: act on the endpoint's events (completing requests first, so
-        their waiters run while frames go out), then queue the frames it wants sent. The
-        caller writes them with ``_send_out`` once it has released the lock: a write may
-        take a while (on loopback or veth the kernel delivers to the peer's socket in it),
-        and the rdm protocol does not need frames in order, even on one rail. ``hold``:
-        a reader has more frames to read right away; what is due goes after them."""
-        self._handle_events()
-        if self.ep.take_ack_hint() < self._timer_at:
-            self._timer.notify()  # held acks are due before the timer would look
-        if hold or not (self.ep.has_work or deadline_passed):
-            return  # (say, a frame that only completed a receive: nothing to send)
-        self._outbox.extend(self.ep.poll_transmit(time.monotonic()))
-        self._handle_events()  # poll_transmit may have declared a peer failed
+    # ------------------------------------------------------------------ progress
 
-    def _send_out(self) -> None:
-        """Outside the lock: hand the queued frames to their rails.
+    def _next_due(self):
+        """When the engine must call ``_on_tick`` next (None: no deadline)."""
+        return self._due
 
-        A thread is listed in ``_handing`` from before it takes a frame until the frame is
-        on its rail, so a draining close sees a frame that is in nobody's queue (see
-        ``_drain``)."""
-        out = self._outbox
-        if not out:
-            return
-        me = threading.get_ident()
-        self._handing.add(me)
-        try:
-            while out:
+    def _on_tick(self, now: float) -> None:
+        due = self._due
+        if due is not None and now >= due:
+            with self._lock:
+                if not self._closed:
+                    self._pump(deadline_passed=True)
+
+    def _on_ready(self, rail: _Rail, mask: int) -> None:
+        """The engine saw ``rail`` readable or writable: read and write what it can."""
+        with self._lock:
+            if not rail.alive:
+                return
+            if mask & _OUT:
+                self._flush(rail)
+            if mask & ~_OUT and rail.alive:
                 try:
-                    tx = out.popleft()
-                except IndexError:  # another thread took the last one
+                    self._read(rail)
+                except OSError as e:
+                    self._rail_down(rail, str(e) or type(e).__name__)
+                except Exception as e:  # noqa: BLE001 - never a rail that dies unnoticed
+                    log.exception("neuron %s: reading rail %d to rank %d failed", self._label,
+                                  rail.index, rail.peer)
+                    self._rail_down(rail, f"reader failed: {type(e).__name__}: {e}")
+            self._pump()
+
+    def _read(self, rail: _Rail) -> None:
+        """Under the lock: take in what ``rail``'s socket has, frame by frame.
+
+        Small frames arrive in bulk: one ``recv`` fills the read-ahead buffer with as many
+        as the socket holds, and they are cut from it. The rest of a payload of ``_DIRECT``
+        bytes or more is read straight into its place. A read that returns less than it
+        asked for emptied the socket: stop there (epoll says when more comes)."""
+        sock, ep, inbuf = rail.sock, self.ep, rail.inbuf
+        drained = False
+        while rail.alive:
+            view = rail.view
+            need = view.nbytes - rail.got
+            if need:
+                have = rail.hi - rail.lo
+                if have:
+                    k = have if have < need else need
+                    lo = rail.lo
+                    view[rail.got:rail.got + k] = inbuf[lo:lo + k]
+                    rail.lo = lo + k
+                    rail.got += k
+                    if k < need:
+                        continue
+                elif drained:
                     return
+                else:
+                    direct = need >= _DIRECT
+                    try:
+                        n = sock.recv_into(view[rail.got:] if direct else inbuf)
+                    except (BlockingIOError, InterruptedError):
+                        return
+                    if n == 0:
+                        raise ConnectionError(
+                            f"{_CLEAN_EOF} ({rail.got} of {view.nbytes} bytes of a frame read)"
+                            if rail.got or rail.stage else _CLEAN_EOF)
+                    if direct:
+                        rail.got += n
+                        drained = n < need
+                    else:
+                        rail.lo, rail.hi = 0, n
+                        drained = n < inbuf.nbytes
+                    continue
+            self._advance(rail, ep)
+
+    def _advance(self, rail: _Rail, ep: Endpoint) -> None:
+        """Under the lock: the current stage of ``rail``'s frame is read; go to the next."""
+        stage, h = rail.stage, rail.header
+        if stage == _HEADER:
+            try:
+                h = F.decode_header(rail.hbuf, world_size=self.world_size,
+                                    max_message_bytes=ep.max_message_bytes,
+                                    max_payload=self._max_payload, require_crc=ep.crc)
+                if h.src != rail.peer or h.dst != self.rank:
+                    raise F.FrameError(f"frame from rank {h.src} to {h.dst} on a rail "
+                                       f"between ranks {rail.peer} and {self.rank}")
+            except F.FrameError as e:
+                log.error("neuron %s: closing rail %d to rank %d after a malformed frame: %s",
+                          self._label, rail.index, rail.peer, e)
+                self._rail_down(rail, f"malformed frame: {e}")
+                return
+            rail.header = h
+            target = ep.data_target(rail.index, h)
+            if target is not None:  # claimed for this rail: see "Buffer ownership"
+                self._stage(rail, _PAYLOAD, target)
+                return
+            frame = bytearray(F.HEADER_SIZE + h.length + h.trailer_bytes)
+            frame[:F.HEADER_SIZE] = rail.hbuf
+            rail.buf = frame
+            self._stage(rail, _ASIDE, memoryview(frame)[F.HEADER_SIZE:])
+            return
+        if stage == _PAYLOAD and h.nacks:
+            rail.buf = bytearray(h.trailer_bytes)
+            self._stage(rail, _TRAILER, memoryview(rail.buf))
+            return
+        if stage in (_PAYLOAD, _TRAILER):
+            trailer = rail.buf if stage == _TRAILER else b""
+            ep.data_landed(rail.index, rail.hbuf, h, time.monotonic(), trailer)
+        else:  # _ASIDE
+            rejected = ep.stats["rejected"]
+            ep.receive(rail.index, rail.buf, time.monotonic())
+            if ep.stats["rejected"] > rejected and ep.crc:
+                # a path that corrupts data (past TCP's checksum) is not used again
+                self._stage(rail, _HEADER, rail.hview)
+                self._rail_down(rail, "corrupted frame (CRC mismatch)")
+                return
+        rail.buf = rail.header = None
+        self._stage(rail, _HEADER, rail.hview)
+
+    @staticmethod
+    def _stage(rail: _Rail, stage: int, view) -> None:
+        rail.stage, rail.view, rail.got = stage, view, 0
+
+    def _pump(self, deadline_passed: bool = False) -> None:
+        """Under the lock: act on the endpoint's events (completing requests), then write
+        the frames it wants sent."""
+        ep = self.ep
+        self._handle_events()
+        if ep.has_work or deadline_passed:
+            touched = set()
+            for tx in ep.poll_transmit(time.monotonic()):
                 rails = self._rails.get(tx.peer)
                 rail = rails[tx.rail] if rails else None
-                if rail is not None and rail.alive:
-                    rail.push(tx)
-        finally:
-            self._handing.discard(me)
+                if rail is None or not rail.alive:
+                    continue
+                rail.out.append(memoryview(tx.header))
+                if len(tx.payload):
+                    rail.out.append(memoryview(tx.payload).cast("B"))
+                if tx.trailer:
+                    rail.out.append(memoryview(tx.trailer))
+                touched.add(rail)
+            for rail in touched:
+                self._flush(rail)
+            self._handle_events()  # poll_transmit may have declared a peer failed
+        due = ep.next_deadline()
+        hint = ep.take_ack_hint()
+        if hint != math.inf and (due is None or hint < due):
+            due = hint
+        if due is not None and (self._due is None or due < self._due):
+            self._engine.due_changed(due)
+        self._due = due
+
+    def _flush(self, rail: _Rail) -> None:
+        """Under the lock: write what ``rail``'s socket takes now; wait for it to be
+        writable for the rest."""
+        out = rail.out
+        while out and rail.alive:
+            chunk = list(out)[:_IOV_MAX] if len(out) > 1 else [out[0]]
+            try:
+                sent = _send_some(rail.sock, chunk)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self._rail_down(rail, f"send failed: {e}")
+                return
+            while sent:
+                v = out[0]
+                if sent >= v.nbytes:
+                    sent -= v.nbytes
+                    out.popleft()
+                else:
+                    out[0] = v[sent:]
+                    sent = 0
+        want = _IN | _OUT if out else _IN
+        if want != rail.events and rail.alive:
+            rail.events = want
+            self._engine.modify(rail.fd, want)
 
     def _handle_events(self) -> None:
         for ev in self.ep.events():
@@ -612,12 +727,11 @@ class RdmTransport:
             elif isinstance(ev, FrameRejected):
                 log.error("neuron %s: rejected a frame on rail %d: %s", self._label, ev.rail,
                           ev.reason)
-        # The timer is not woken for new retransmission deadlines: they are at least one
-        # rto away, and it looks at least every rto / 4 (a wake-up per frame cost a thread
-        # switch). Held acks wake it only when due before it would look (see _pump).
 
     def _on_message(self, ev: MessageReceived) -> None:
         if ev.tag == ABORT_TAG:
+            if not ev.posted:
+                self.ep.take_early(ev.src, ev.tag)
             self._on_abort(ev.src, bytes(ev.data))
             return
         waiting = self._recvs.get((ev.src, ev.tag))
@@ -658,27 +772,6 @@ class RdmTransport:
             for req in self._recvs.pop(key):
                 self._fail_recv(req, error)
 
-    def _fail_recv(self, req: Request, error: Exception) -> None:
-        """Under the lock: fail a receive, once no reader writes into its buffer any more
-        (until then it waits in ``_deferred``; readers finish it when they leave it)."""
-        self._positions.pop(req, None)
-        if self._reading(req.buf.obj):
-            self._deferred.append((req, error))
-        else:
-            req._finish(error)
-
-    def _reading(self, obj) -> bool:
-        return any(r is not None and r.reading is obj
-                   for rails in self._rails.values() for r in rails)
-
-    def _done_reading(self, rail: _Rail) -> None:
-        """Under the lock: ``rail``'s reader left the buffer it was writing into."""
-        rail.reading = None
-        if self._deferred:
-            waiting, self._deferred = self._deferred, []
-            for req, error in waiting:
-                self._fail_recv(req, error)
-
     def abort(self, reason: str, kind: int = ABORTED, grace: float = 0.5) -> None:
         """Tell every connected peer that this rank failed the group, then close.
 
@@ -697,11 +790,10 @@ class RdmTransport:
                         msg_id = self.ep.send(peer, ABORT_TAG, payload)
                     except Exception:  # noqa: BLE001 - the peer is gone already
                         continue
-                    req = Request(peer, ABORT_TAG, memoryview(payload), True)
+                    req = Request(peer, ABORT_TAG, memoryview(payload), True, self)
                     self._sends[(peer, msg_id)] = req
                     reqs.append(req)
             self._pump()
-        self._send_out()
         deadline = time.monotonic() + grace
         for req in reqs:
             try:
@@ -718,150 +810,40 @@ class RdmTransport:
         busy = any(k[0] == ev.peer for k in self._sends) or any(
             k[0] == ev.peer and q for k, q in self._recvs.items())
         # A peer that closes its end while nothing is pending is usually just done.
-        (log.error if busy else log.info)("neuron %s: %s", self._label, error)
+        (log.error if busy and not self._closed else log.info)("neuron %s: %s", self._label,
+                                                                 error)
         self._fail_peer_requests(ev.peer, error)
         for rail in self._rails.get(ev.peer, ()):
             if rail is not None:
                 self._drop(rail)
 
     def _drop(self, rail: _Rail) -> None:
-        # Shut down first: that wakes the reader blocked in recv (closing the fd would not);
-        # the reader closes the socket on its way out.
+        """Under the lock: close ``rail`` for good."""
+        if rail.fd < 0:
+            return
+        rail.alive = False
+        rail.out.clear()
+        self._engine.unregister(rail.fd)
         try:
-            rail.sock.shutdown(socket.SHUT_RDWR)
+            rail.sock.close()
         except OSError:
             pass
-        rail.alive = False
-        with rail.cond:
-            rail.out.clear()
-            rail.cond.notify()
+        rail.fd = -1
 
     def _rail_down(self, rail: _Rail, reason: str) -> None:
-        with self._lock:
-            if not rail.alive or self._closed:
-                return
+        """Under the lock: ``rail`` broke; its traffic moves to the peer's other rails."""
+        if not rail.alive:
+            return
+        if not self._closed:
             log.log(logging.INFO if reason.startswith(_CLEAN_EOF) else logging.WARNING,
                     "neuron %s: rail %d to rank %d failed: %s", self._label, rail.index,
                     rail.peer, reason)
-            self._drop(rail)
-            if rail.peer not in self._failed:
-                self.ep.rail_failed(rail.index, rail.peer)
-                self._pump()
-        self._send_out()
-
-    def _write_loop(self, rail: _Rail) -> None:
-        sock = rail.sock
-        while True:
-            with rail.cond:
-                while not rail.out and rail.alive:
-                    rail.cond.wait()
-                if not rail.alive:
-                    break
-                buffers = list(rail.out)
-                rail.out.clear()
-                rail.busy, rail.writing = True, buffers
-            try:
-                _send_all(sock, buffers)
-            except OSError as e:
-                rail.busy, rail.writing = False, ()
-                self._rail_down(rail, f"send failed: {e}")
-                break
-            rail.writing = ()
-            del buffers  # (views of eager copies: see _CopyPool)
-            rail.busy = False
-
-    def _read_loop(self, rail: _Rail) -> None:
-        sock, ep = rail.sock, self.ep
-        hbuf = bytearray(F.HEADER_SIZE)
-        hview = memoryview(hbuf)
-        max_payload = max(self.segment_bytes, F.MAX_ACKS_PER_FRAME * F.ACK_ENTRY.size)
-        try:
-            while rail.alive:
-                _recv_exact(sock, hview)
-                try:
-                    h = F.decode_header(hbuf, world_size=self.world_size,
-                                        max_message_bytes=ep.max_message_bytes,
-                                        max_payload=max_payload, require_crc=ep.crc)
-                    if h.src != rail.peer or h.dst != self.rank:
-                        raise F.FrameError(f"frame from rank {h.src} to {h.dst} on a rail "
-                                           f"between ranks {rail.peer} and {self.rank}")
-                except F.FrameError as e:
-                    log.error("neuron %s: closing rail %d to rank %d after a malformed frame: %s",
-                              self._label, rail.index, rail.peer, e)
-                    self._rail_down(rail, f"malformed frame: {e}")
-                    return
-                with self._lock:
-                    target = ep.data_target(rail.index, h)
-                    if target is not None:  # claimed for this rail: see "Buffer ownership"
-                        rail.reading = target.obj
-                if target is not None:
-                    _recv_exact(sock, target)
-                    trailer = b""
-                    if h.nacks:
-                        trailer = bytearray(h.trailer_bytes)
-                        _recv_exact(sock, memoryview(trailer))
-                    # A segment of a large message is acked at once (its sender waits), but
-                    # not while more of a burst is already here: one ack frame per burst.
-                    burst = h.total > DELAYED_ACK_BYTES and _readable(sock)
-                    with self._lock:
-                        ep.data_landed(rail.index, hbuf, h, time.monotonic(), trailer)
-                        self._done_reading(rail)
-                        self._pump(hold=burst)
-                    self._send_out()
-                    continue
-                frame = bytearray(F.HEADER_SIZE + h.length + h.trailer_bytes)
-                frame[:F.HEADER_SIZE] = hbuf
-                _recv_exact(sock, memoryview(frame)[F.HEADER_SIZE:])
-                with self._lock:
-                    rejected = ep.stats["rejected"]
-                    ep.receive(rail.index, frame, time.monotonic())
-                    corrupt = ep.stats["rejected"] > rejected
-                    self._pump()
-                self._send_out()
-                if corrupt:  # a path that corrupts data (past TCP's checksum) is not used again
-                    self._rail_down(rail, "corrupted frame (CRC mismatch)")
-                    return
-        except Exception as e:  # noqa: BLE001 - never a reader that dies unnoticed
-            if not isinstance(e, OSError):
-                log.exception("neuron %s: reader of rail %d to rank %d failed", self._label,
-                              rail.index, rail.peer)
-            # Out of whatever it was reading into before the segments are resent elsewhere.
-            self._leave(rail)
-            self._rail_down(rail, (str(e) or type(e).__name__) if isinstance(e, OSError)
-                            else f"reader failed: {type(e).__name__}: {e}")
-        finally:
-            self._leave(rail)
-            if not rail.alive or self._closed:
-                rail.sock.close()
-
-    def _leave(self, rail: _Rail) -> None:
-        """The reader of ``rail`` stops: its claims end, buffers it was in are free."""
-        with self._lock:
+        if rail.stage == _PAYLOAD:
             self.ep.release_claims(rail.peer, rail.index)
-            self._done_reading(rail)
-
-    def _timer_loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                deadline = self.ep.next_deadline()
-                wait = self._timer_period if deadline is None else max(
-                    0.0, min(self._timer_period, deadline - time.monotonic()))
-                if wait > 0:
-                    self._timer_at = time.monotonic() + wait
-                    self._timer.wait(wait)
-                    self._timer_at = -math.inf
-                if self._closed:
-                    return
-                due = deadline is not None and time.monotonic() >= deadline
-                if due:
-                    self._pump(deadline_passed=True)
-            if due:
-                self._send_out()
-
-    def _callback_loop(self) -> None:
-        run_callbacks(self._callbacks)
+        self._drop(rail)
+        if rail.peer not in self._failed and not self._closed:
+            self.ep.rail_failed(rail.index, rail.peer)
+            self._pump()
 
     # ------------------------------------------------------------------ teardown
 
@@ -877,7 +859,7 @@ class RdmTransport:
         (acknowledgements of what we received, above all) are written first and each rail
         is half-closed, so a peer still waiting for those acks completes normally.
         """
-        if error is None:
+        if error is None and not self._closed:
             self._drain(time.monotonic() + 5.0)
         with self._lock:
             if self._closed:
@@ -900,84 +882,51 @@ class RdmTransport:
                 for rail in rails:
                     if rail is not None:
                         self._drop(rail)
-            self._timer.notify_all()
+            self._due = None
             self._connected.notify_all()
-        self._callbacks.put(None)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in it
         except OSError:
             pass
         self._listener.close()
+        self._engine.wake()
         me = threading.current_thread()
         for t in list(self._threads):
             if t is not me:
                 t.join(timeout=2.0)
-
+        progress.detach(self)
 
     def _drain(self, deadline: float) -> None:
         """Before a normal close: every message sent (eager ones completed long ago) must be
-        acknowledged, so a peer still reading gets it all; then half-close the rails."""
+        acknowledged, so a peer still reading gets it all; then half-close the rails and
+        read until the peers' ends close too (no socket closes with unread bytes, which
+        would send a reset that can destroy data the peer has not read yet)."""
         with self._lock:
-            rails = [r for rails in self._rails.values() for r in rails if r is not None]
-            peers = [p for p in self._rails if p not in self._failed]
+            rails = [r for rs in self._rails.values() for r in rs if r is not None]
             self.ep.release_acks()  # the peers' drains wait for them
             self._pump()
-        self._send_out()
 
         def settled():
             with self._lock:
-                unacked = sum(self.ep.inflight_bytes(p) for p in peers if p not in self._failed)
-            # In this order: a frame leaves the outbox only after its mover is listed.
-            return (unacked == 0 and not self._outbox and not self._handing
-                    and all(r.idle for r in rails))
+                peers = [p for p in self._rails if p not in self._failed]
+                unacked = sum(self.ep.inflight_bytes(p) for p in peers)
+                return unacked == 0 and not any(r.out for r in rails if r.alive)
 
-        while time.monotonic() < deadline and not settled():
-            time.sleep(0.001)
-        for r in rails:
-            try:
-                r.sock.shutdown(socket.SHUT_WR)  # FIN after the queued bytes
-            except OSError:
-                pass
-        # Let the peers see our FIN and answer theirs, so no socket closes with unread
-        # bytes (which would send a reset that can destroy data the peer has not read yet).
-        end = min(deadline, time.monotonic() + 0.2)
-        readers = [t for t in self._threads if t.name.startswith(f"neuron-rdm-r{self.rank}-")]
-        for t in readers:
-            t.join(timeout=max(0.0, end - time.monotonic()))
+        self._engine.drive(settled, deadline)
+        with self._lock:
+            for r in rails:
+                if r.alive:
+                    try:
+                        r.sock.shutdown(socket.SHUT_WR)  # FIN after the queued bytes
+                    except OSError:
+                        pass
+        self._engine.drive(lambda: not any(r.alive for r in rails),
+                           min(deadline, time.monotonic() + 0.2))
 
 
-def _trim(views: list, sent: int) -> list:
-    """What is left of the byte views ``views`` after ``sent`` bytes went out."""
-    for i, v in enumerate(views):
-        if sent < v.nbytes:
-            return [v[sent:]] + views[i + 1:]
-        sent -= v.nbytes
-    return []
-
-
-def _send_all(sock: socket.socket, views: list) -> None:
-    while views:
-        chunk, rest = views[:_IOV_MAX], views[_IOV_MAX:]
-        views = _trim(chunk, sock.sendmsg(chunk)) + rest
-
-
-def _readable(sock: socket.socket) -> bool:
-    """Are bytes waiting on ``sock`` (without reading them)?"""
-    try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return False  # the next read meets the error
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    n, got = view.nbytes, 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if k == 0:
-            raise ConnectionError(f"connection closed by the peer ({got} of {n} bytes read)")
-        got += k
+def _send_some(sock: socket.socket, views: list) -> int:
+    """One non-blocking scatter-gather write; the bytes the socket took."""
+    return sock.sendmsg(views)
 
 
 def _family(host: str):

@@ -1,0 +1,235 @@
+"""One progress engine per process, shared by every rdm transport (every group).
+
+How it works
+------------
+Rails are non-blocking sockets registered here (``register``), each with the transport
+that owns it. ``poll(timeout)`` waits in ``epoll`` until a rail is readable or writable,
+or a transport's timer (a retransmission, held acks) is due, and lets the owning
+transport handle it under its own lock (``_on_ready``, ``_on_tick``).
+
+Whoever needs progress drives it. A thread waiting for a request polls for itself
+(``drive``), so the bytes that complete its request are read by the thread that wants
+them: no hand-off to another thread on a message's path. One thread polls at a time
+(the *leader*, holding ``_poll``); another thread that waits meanwhile sleeps on its own
+request's completion and checks every millisecond whether it may lead. The engine's one
+background thread polls only when no thread has waited for ``_LINGER`` (so a thread that
+waits back to back, one operation after another, keeps driving it), and asynchronous work,
+acks and retransmissions still move when nobody is blocked; a thread that starts waiting
+while the background thread polls wakes it (``wake``) and takes over at once.
+
+Completion callbacks run on the engine's callback thread (never under a transport's lock;
+see ``requests.py``). Both threads start with the first transport and end with the last,
+so nothing is left behind once every transport is closed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+import threading
+import time
+
+from ..requests import run_callbacks
+
+_BG_POLL = 0.05  # longest sleep of the background thread in epoll (a safety net)
+_FOLLOW = 0.001  # a waiter that cannot lead checks this often whether it may
+_LINGER = 0.002  # the background thread leads only after this long without a waiter
+
+
+class Progress:
+    """The process's progress engine (``engine()``); see the module docstring."""
+
+    def __init__(self):
+        self._epoll = select.epoll()
+        self._handlers: dict = {}  # fd -> (transport, rail)
+        self._transports: list = []
+        self._lock = threading.Lock()  # registry and waiter count
+        self._idle = threading.Condition(self._lock)  # the background thread parks here
+        self._poll = threading.Lock()  # held by the thread that polls (the leader)
+        self._waiters = 0
+        self._last_wait = 0.0  # when the last waiter left
+        self._bg_leads = False
+        self._polling = None  # the thread in epoll, and until when it sleeps there
+        self._poll_until = 0.0
+        self._stop = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self.callbacks = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._background, daemon=True,
+                                          name="neuron-rdm-progress"),
+                         threading.Thread(target=run_callbacks, args=(self.callbacks,),
+                                          daemon=True, name="neuron-rdm-callbacks")]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ registry
+
+    def register(self, fd: int, transport, rail, events: int) -> None:
+        self._handlers[fd] = (transport, rail)
+        self._epoll.register(fd, events)
+
+    def modify(self, fd: int, events: int) -> None:
+        try:
+            self._epoll.modify(fd, events)
+        except (OSError, ValueError):
+            pass  # unregistered meanwhile
+
+    def unregister(self, fd: int) -> None:
+        if self._handlers.pop(fd, None) is not None:
+            try:
+                self._epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
+
+    def due_changed(self, due: float) -> None:
+        """A transport's next deadline moved to ``due``: wake the thread in epoll if it
+        would sleep past it (the thread that polls computes it afresh anyway)."""
+        polling = self._polling
+        if polling is not None and due < self._poll_until and polling != threading.get_ident():
+            self.wake()
+
+    def wake(self) -> None:
+        """Make the thread in ``epoll`` (if any) return now."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # full: it will wake anyway
+
+    # ------------------------------------------------------------------ polling
+
+    def poll(self, timeout: float) -> None:
+        """Under ``_poll``: wait up to ``timeout`` for rails or timers, and handle them."""
+        now = time.monotonic()
+        for t in self._transports:
+            due = t._next_due()
+            if due is not None and due - now < timeout:
+                timeout = max(0.0, due - now)
+        self._poll_until = now + timeout
+        self._polling = threading.get_ident()
+        try:
+            events = self._epoll.poll(timeout)
+        except InterruptedError:
+            events = []
+        finally:
+            self._polling = None
+        for fd, mask in events:
+            if fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+                continue
+            handler = self._handlers.get(fd)
+            if handler is not None:
+                handler[0]._on_ready(handler[1], mask)
+        now = time.monotonic()
+        for t in list(self._transports):
+            t._on_tick(now)
+
+    def drive(self, done, deadline: float, event=None) -> bool:
+        """Make progress from the calling thread until ``done()`` or ``deadline``; the
+        result of ``done()``. ``done`` is checked between polls; ``event`` (a
+        ``Completion``), if given, wakes the thread while another one leads."""
+        with self._lock:
+            self._waiters += 1
+            bg = self._bg_leads
+        if bg:
+            self.wake()  # the background thread leaves epoll and parks
+        try:
+            while not done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return done()
+                if self._bg_leads:  # (it leads no more once it sees us: wake it)
+                    self.wake()
+                    got = self._poll.acquire(True, min(remaining, 0.05))
+                else:
+                    got = self._poll.acquire(False)
+                if got:
+                    try:
+                        if not done():
+                            self.poll(min(remaining, _BG_POLL))
+                    finally:
+                        self._poll.release()
+                elif event is not None:
+                    event.wait(min(remaining, _FOLLOW))
+                else:
+                    time.sleep(min(remaining, _FOLLOW))
+            return True
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                self._last_wait = time.monotonic()  # (the background thread looks later)
+
+    def _background(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop:  # threads that wait back to back drive it themselves
+                    quiet = time.monotonic() - self._last_wait
+                    if not self._waiters and quiet >= _LINGER:
+                        break
+                    self._idle.wait(_LINGER if self._waiters else _LINGER - quiet)
+                if self._stop:
+                    return
+            if not self._poll.acquire(True, _BG_POLL):
+                continue
+            try:
+                with self._lock:
+                    if self._waiters or self._stop:
+                        continue
+                    self._bg_leads = True
+                self.poll(_BG_POLL)
+            finally:
+                self._bg_leads = False
+                self._poll.release()
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _add(self, transport) -> None:
+        self._transports.append(transport)
+
+    def _remove(self, transport) -> bool:
+        """Forget ``transport``; True if it was the last one (the engine then stops)."""
+        self._transports = [t for t in self._transports if t is not transport]
+        return not self._transports
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._idle.notify_all()
+        self.wake()
+        self.callbacks.put(None)
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join(timeout=2.0)
+        self._epoll.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+_ENGINE: Progress | None = None
+_ENGINE_LOCK = threading.Lock()
+
+
+def attach(transport) -> Progress:
+    """The process's engine (started if needed), with ``transport`` counted as a user."""
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is None:
+            _ENGINE = Progress()
+        _ENGINE._add(transport)
+        return _ENGINE
+
+
+def detach(transport) -> None:
+    """``transport`` is closed; the engine stops with its last user."""
+    global _ENGINE
+    with _ENGINE_LOCK:
+        engine = _ENGINE
+        if engine is None or not engine._remove(transport):
+            return
+        _ENGINE = None
+    engine._shutdown()

@@ -143,8 +143,7 @@ NOTICE_BYTES = 4096  # a notice_tags message up to this size always finds memory
 # ----------------------------------------------------------------------------- events
 
 
-@dataclass(frozen=True)
-class MessageReceived:
+class MessageReceived(NamedTuple):
     """A whole message arrived and is next in order on its ``(src, tag)`` stream.
 
     Attributes
@@ -167,16 +166,14 @@ class MessageReceived:
     posted: bool = False
 
 
-@dataclass(frozen=True)
-class SendCompleted:
+class SendCompleted(NamedTuple):
     """Every segment of message ``msg_id`` to ``peer`` was acknowledged."""
 
     peer: int
     msg_id: int
 
 
-@dataclass(frozen=True)
-class PeerFailed:
+class PeerFailed(NamedTuple):
     """``peer`` is unreachable; ``msg_ids`` are the sends to it that will never complete."""
 
     peer: int
@@ -184,8 +181,7 @@ class PeerFailed:
     msg_ids: tuple = ()
 
 
-@dataclass(frozen=True)
-class FrameRejected:
+class FrameRejected(NamedTuple):
     """A frame that arrived on ``rail`` was garbage and was dropped."""
 
     rail: int
@@ -237,7 +233,7 @@ class _IdWindow:
             self.low += 1
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _OutMessage:
     msg_id: int
     tag: int
@@ -249,7 +245,7 @@ class _OutMessage:
     unacked: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Segment:
     msg: _OutMessage
     offset: int
@@ -263,7 +259,7 @@ class _Segment:
         return self.length + F.HEADER_SIZE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Reassembly:
     msg_id: int
     tag: int
@@ -282,7 +278,7 @@ class _Reassembly:
         return self.received == self.total and bool(self.lengths)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Stream:
     next_deliver: int = 0
     next_post: int = 0
@@ -293,7 +289,7 @@ class _Stream:
     cancelled: set = field(default_factory=set)  # positions whose receive was withdrawn
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Peer:
     rails: list  # alive flag per rail
     # sending
@@ -762,9 +758,13 @@ class Endpoint:
         segment that set it may have been acknowledged since): a ``poll_transmit`` at that
         time may find nothing due, and the next call then gives the true deadline.
         """
-        deadlines = [s.scan_at for s in self._peers.values() if s.unacked]
-        deadlines += [s.acks_due for s in self._peers.values() if s.acks_out]
-        return min(deadlines, default=None)
+        due = math.inf
+        for s in self._peers.values():
+            if s.unacked and s.scan_at < due:
+                due = s.scan_at
+            if s.acks_out and s.acks_due < due:
+                due = s.acks_due
+        return None if due == math.inf else due
 
     def inflight_bytes(self, peer: int) -> int:
         """Unacked bytes to ``peer`` as counted against ``window_bytes``."""

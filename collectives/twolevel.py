@@ -20,8 +20,15 @@ broadcast
 reduce
     local reduce to the node's root (the root itself, or the leader) -> node roots send to
     the root, which reduces in node order.
-all_gather, reduce_scatter
+all_gather
     local phase -> leaders exchange whole node blocks -> local broadcast of what came in.
+reduce_scatter, nodes of equal size (columns)
+    local rank j of every node owns the blocks of the ranks (b, j): per node b, a local
+    reduce-scatter of the contributions to node b's blocks -> each rank sends node b's
+    partial of block (b, j) to rank (b, j) and reduces the partials of its own block, in
+    node order. Each block's share crosses the network once per other node (gloo runs
+    a whole all-reduce). Uneven nodes: local reduce to the leader -> leaders exchange
+    each node's share -> local broadcast.
 gather, scatter, all_to_all
     direct: ranks on other nodes send to / receive from each other over the network, ranks
     of one node use the local algorithm among themselves.
@@ -471,6 +478,9 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
 def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     """``out`` = reduction over all ranks of their ``inputs[rank]`` (flat typed)."""
     topo, net = ctx.net.topo, ctx.net
+    if topo.even and net.algo != "leader":
+        _columns_reduce_scatter(ctx, out, inputs, spec)
+        return
     first, later = _split_spec(spec)
     order = [g for node in topo.nodes for g in node]  # node-major
     full = torch.cat([inputs[g] for g in order]) if order else out[:0]
@@ -500,6 +510,55 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     bcast.broadcast(ctx, result.view(torch.uint8), 0)
     o = sum(sizes[g] for g in topo.local[:ctx.rank])
     out.copy_(result[o:o + out.numel()])
+    _finish(out, spec, topo.size)
+
+
+def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+    """Nodes of equal size: local rank ``j`` of every node forms column ``j``, which owns
+    the blocks of the ranks ``(b, j)`` on every node ``b``. For each node ``b`` the node
+    reduce-scatters its ranks' contributions to node ``b``'s blocks (local rank ``j`` gets
+    the node's partial sum of block ``(b, j)``); then each rank sends those partials to
+    the ranks of its column on the other nodes and reduces the partials of its own block
+    they send back, in node order. Only each block's share crosses the network, once per
+    other node, and every local rank drives its own part of it."""
+    topo, net = ctx.net.topo, ctx.net
+    first, later = _split_spec(spec)
+    j, mine = ctx.rank, topo.my_node
+    partial = {}
+    for b, node in enumerate(topo.nodes):
+        blocks = [inputs[g] for g in node]
+        if len(node) > 1:
+            dest = out if b == mine else net.buffer(f"rs{b}", blocks[j].numel(), out.dtype)
+            rs.reduce_scatter(ctx, dest, blocks, first)
+        elif first.kind == PREMUL_SUM:
+            dest = out if b == mine else net.buffer(f"rs{b}", blocks[0].numel(), out.dtype)
+            torch.mul(blocks[0], first.factor, out=dest)
+        elif b == mine:
+            dest = out
+            if out.data_ptr() != blocks[0].data_ptr():
+                out.copy_(blocks[0])
+        else:
+            dest = blocks[0]  # alone on the node: the input itself is the partial
+        partial[b] = dest
+    if len(topo.local) == 1:
+        ctx.finish()
+    column = [node[j] for node in topo.nodes]
+    got = {}
+    for b in range(len(topo.nodes)):
+        if b != mine:
+            got[b] = net.buffer(f"rsgot{b}", out.numel(), out.dtype)
+            net.recv(column[b], got[b])
+    for b in range(len(topo.nodes)):
+        if b != mine:
+            net.send(column[b], partial[b])
+    net.wait()
+    views = [out if b == mine else got[b] for b in range(len(topo.nodes))]
+    if len(views) == 2:  # elementwise, so out may be the output while being an input
+        reduce_into(out, views, later, 2, ctx.scratch)
+    else:
+        acc = net.buffer("rsacc", out.numel(), out.dtype)
+        reduce_into(acc, views, later, len(views), ctx.scratch)
+        out.copy_(acc)
     _finish(out, spec, topo.size)
 
 

@@ -412,13 +412,17 @@ def _subnet_octet(pid: int, seq: int) -> int:
 
 
 def _build_network(nodes: int, tag: str, octet: int, netem: Optional[Netem],
-                   created: list) -> tuple[list[str], Optional[str]]:
-    """Create bridge and node namespaces; append every namespace to ``created`` first."""
+                   created: list, links: int = 1) -> tuple[list[str], Optional[str]]:
+    """Create bridge and node namespaces; append every namespace to ``created`` first.
+
+    With ``links`` > 1 every node gets ``eth0``, ``eth1``, ... on bridges ``br0``, ``br1``,
+    ... with addresses ``10.R.J.(I+1)/24`` (J: the link), like a host with several NICs."""
     br_ns = f"{tag}br"
     created.append(br_ns)
     _sh("ip", "netns", "add", br_ns)
-    _sh("ip", "-n", br_ns, "link", "add", BRIDGE_NAME, "type", "bridge", "forward_delay", "0")
-    _sh("ip", "-n", br_ns, "link", "set", BRIDGE_NAME, "up")
+    for j in range(links):
+        _sh("ip", "-n", br_ns, "link", "add", f"br{j}", "type", "bridge", "forward_delay", "0")
+        _sh("ip", "-n", br_ns, "link", "set", f"br{j}", "up")
     use_netem = None
     if netem:
         needs_netem = bool(netem.delay or netem.loss)
@@ -433,16 +437,18 @@ def _build_network(nodes: int, tag: str, octet: int, netem: Optional[Netem],
         created.insert(len(created) - 1, ns)  # keep the bridge namespace last
         node_ns.append(ns)
         _sh("ip", "netns", "add", ns)
-        _sh("ip", "-n", ns, "link", "add", NODE_IFNAME, "type", "veth",
-            "peer", "name", f"vn{i}", "netns", br_ns)
-        _sh("ip", "-n", ns, "addr", "add", f"10.{octet}.0.{i + 1}/24", "dev", NODE_IFNAME)
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        _sh("ip", "-n", ns, "link", "set", NODE_IFNAME, "up")
-        _sh("ip", "-n", br_ns, "link", "set", f"vn{i}", "master", BRIDGE_NAME)
-        _sh("ip", "-n", br_ns, "link", "set", f"vn{i}", "up")
-        if netem:
-            _sh("tc", "-n", ns, "qdisc", "add", "dev", NODE_IFNAME, "root",
-                *netem.tc_args(use_netem))
+        for j in range(links):
+            dev, port = f"eth{j}", f"vn{i}" if j == 0 else f"vn{i}l{j}"
+            _sh("ip", "-n", ns, "link", "add", dev, "type", "veth",
+                "peer", "name", port, "netns", br_ns)
+            _sh("ip", "-n", ns, "addr", "add", f"10.{octet}.{j}.{i + 1}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", br_ns, "link", "set", port, "master", f"br{j}")
+            _sh("ip", "-n", br_ns, "link", "set", port, "up")
+            if netem:
+                _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root",
+                    *netem.tc_args(use_netem))
     return node_ns, (None if not netem else "netem" if use_netem else "tbf")
 
 
@@ -578,7 +584,7 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
         netem: Union[Netem, Mapping, None] = None, timeout: float = 600.0,
         env: Optional[Mapping[str, str]] = None, echo: bool = False, prefix: bool = True,
         grace: float = 5.0, cwd: Optional[str] = None,
-        torchrun_args: Sequence[str] = ()) -> Result:
+        torchrun_args: Sequence[str] = (), links: int = 1) -> Result:
     """Run ``argv`` under torchrun on ``nodes`` virtual nodes; wait, clean up, report.
 
     Parameters
@@ -610,6 +616,10 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
         Working directory of the agents.
     torchrun_args : sequence of str
         Extra torchrun options, placed before ``argv``.
+    links : int
+        Network links per node (needs ``netns``): ``eth0``, ``eth1``, ... on separate
+        bridges and subnets, and ``NEURON_DIST_SOCKET_IFNAME=eth0,eth1,...`` so the rails
+        alternate between them (gloo and the store use ``eth0``).
 
     Returns
     -------
@@ -632,6 +642,10 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
     netem = _as_netem(netem)
     if netem and not netns:
         raise ValueError("traffic shaping (netem) needs netns=True")
+    if links != 1 and not netns:
+        raise ValueError("several links per node need netns=True")
+    if not 1 <= links <= 8:
+        raise ValueError(f"links must be 1..8, not {links}")
     if netns and not netns_available():
         raise RuntimeError("--netns needs root and working `ip netns`, veth, bridge, "
                            "`unshare --mount --uts` (see netns_available())")
@@ -654,7 +668,7 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
     try:
         if netns:
             cleanup_stale()
-            node_ns, shaping = _build_network(nodes, tag, octet, netem, created)
+            node_ns, shaping = _build_network(nodes, tag, octet, netem, created, links)
             addrs = [f"10.{octet}.0.{i + 1}" for i in range(nodes)]
             master_addr = addrs[0]
             master_port = _free_port_in_ns(node_ns[0], master_addr)
@@ -668,7 +682,7 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
                 f.writelines(f"::ffff:{a}\tvnode{i}\n" for i, a in enumerate(addrs))
             if not os.path.exists("/etc/hosts"):
                 hosts = ""
-            ifname = NODE_IFNAME
+            ifname = ",".join(f"eth{j}" for j in range(links))
         else:
             node_ns = []
             addrs = ["127.0.0.1"] * nodes
@@ -679,7 +693,7 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
             agent_env = dict(os.environ)
             agent_env.update({
                 "NEURON_DIST_SOCKET_IFNAME": ifname,
-                "GLOO_SOCKET_IFNAME": ifname,
+                "GLOO_SOCKET_IFNAME": ifname.split(",")[0],
             })
             agent_env.update(env or {})
             agent_env["NEURON_DIST_NODE_NAME"] = f"vnode{i}"
@@ -768,6 +782,8 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--delay", help="netem one-way delay per node, e.g. 1ms (needs --netns)")
     p.add_argument("--rate", help="egress rate per node, e.g. 10gbit (needs --netns)")
     p.add_argument("--loss", help="netem random loss, e.g. 0.1%% (needs --netns)")
+    p.add_argument("--links", type=int, default=1,
+                   help="network links (NICs) per node: eth0, eth1, ... (needs --netns)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="bound on the whole run in seconds (default 600)")
     p.add_argument("--grace", type=float, default=5.0,
@@ -813,7 +829,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         res = run(args.nodes, args.nproc_per_node, args.job, netns=args.netns, netem=netem,
                   timeout=args.timeout, env=dict(kv.split("=", 1) for kv in args.env),
-                  echo=True, prefix=not args.no_prefix, grace=args.grace)
+                  echo=True, prefix=not args.no_prefix, grace=args.grace, links=args.links)
     except KeyboardInterrupt:
         return 130
     except _Terminated as e:

@@ -36,6 +36,8 @@ class Settings:
     socket_ifname: str | None = None
     auth_key: str | None = None
     net_crc: bool = False
+    net_link_timeout: float = 10.0
+    net_max_unexpected_bytes: int = 512 << 20
     algo: str = "auto"
     transport: str = "rdm"
 
@@ -54,8 +56,17 @@ class Settings:
                                              different nodes; each takes traffic once the
                                              ones before it hold 4 MiB unacknowledged
         NEURON_DIST_NET_SEGMENT_BYTES  8M    largest piece of a message on one rail
-        NEURON_DIST_SOCKET_IFNAME      auto  interface for inter-node traffic (default: the
-                                             one that routes to the rendezvous host)
+        NEURON_DIST_SOCKET_IFNAME      auto  interface(s) for inter-node traffic, comma-
+                                             separated (eth0,eth1: rails alternate between
+                                             them); default: the one that routes to the
+                                             rendezvous host
+        NEURON_DIST_NET_LINK_TIMEOUT   10    seconds a rail may hold unacknowledged bytes at
+                                             the TCP level before it is declared broken (a
+                                             lost link or NIC); its traffic moves to the
+                                             other rails
+        NEURON_DIST_NET_MAX_UNEXPECTED_BYTES  512M  memory per peer for messages that arrive
+                                             before their receive is posted; past it the
+                                             peer is held back (not acknowledged)
         NEURON_DIST_AUTH_KEY           -     job secret for rail authentication (default: a
                                              random key shared through the c10d store)
         NEURON_DIST_NET_CRC            0     1: CRC-32 on every inter-node frame
@@ -80,6 +91,9 @@ class Settings:
             socket_ifname=os.environ.get("NEURON_DIST_SOCKET_IFNAME") or None,
             auth_key=os.environ.get("NEURON_DIST_AUTH_KEY") or None,
             net_crc=_env("NEURON_DIST_NET_CRC", "0") not in ("0", "", "false", "no"),
+            net_link_timeout=float(_env("NEURON_DIST_NET_LINK_TIMEOUT", "10")),
+            net_max_unexpected_bytes=parse_bytes(
+                _env("NEURON_DIST_NET_MAX_UNEXPECTED_BYTES", "512M")),
             algo=_env("NEURON_DIST_ALGO", "auto").lower(),
             transport=_env("NEURON_DIST_TRANSPORT", "rdm").lower(),
         )
@@ -95,6 +109,9 @@ class Settings:
             if value < 4096 or value % 4096:
                 raise ValueError(f"NEURON_DIST_SHM_{name.split('_')[0].upper()}_BYTES must be a "
                                  f"multiple of 4096 and at least 4096, got {value}")
+        if settings.net_link_timeout <= 0:
+            raise ValueError(f"NEURON_DIST_NET_LINK_TIMEOUT must be > 0 seconds, got "
+                             f"{settings.net_link_timeout}")
         if settings.debug not in ("WARN", "INFO", "TRACE"):
             raise ValueError(f"NEURON_DIST_DEBUG must be WARN, INFO or TRACE, got {settings.debug!r}")
         return settings

@@ -32,7 +32,7 @@ from .transport.shm.backoff import default_spin
 from .transport.shm.channel import ShmChannel
 from .transport.shm.layout import Layout
 from .transport.shm.segment import Segment, new_segment_name, sweep_leftovers
-from .topology import choose_address, node_identity
+from .topology import choose_addresses, node_identity
 
 log = logging.getLogger("neuron_dist")
 
@@ -127,9 +127,11 @@ def _open_network(store, key: str, rank: int, size: int, settings, timeout: time
     if rank == 0:
         store.set(f"{key}/nonce", secrets.token_hex(16))
     group = f"{key}/{store.get(f'{key}/nonce').decode()}".encode()
-    net = RdmTransport(rank, size, host=choose_address(settings.socket_ifname, store),
+    net = RdmTransport(rank, size, host=choose_addresses(settings.socket_ifname, store),
                        rails=settings.rails, key=job_key, group=group,
                        segment_bytes=settings.net_segment_bytes, crc=settings.net_crc,
+                       link_timeout=settings.net_link_timeout,
+                       max_unexpected_bytes=settings.net_max_unexpected_bytes,
                        label=label or f"rank {rank}")
     try:
         store.set(f"{key}/addr/{rank}", net.address)

@@ -28,6 +28,16 @@ def node_identity(override: str | None = None) -> str:
     return f"{socket.gethostname()}/{boot}/{shm}"
 
 
+def choose_addresses(ifnames: str | None, store=None) -> list[str]:
+    """The local addresses inter-node traffic should use: one per interface named in
+    ``ifnames`` (``NEURON_DIST_SOCKET_IFNAME``, comma-separated), else ``choose_address``'s
+    one."""
+    names = [n.strip() for n in (ifnames or "").split(",") if n.strip()]
+    if not names:
+        return [choose_address(None, store)]
+    return [interface_address(n) for n in names]
+
+
 def choose_address(ifname: str | None, store=None) -> str:
     """The local address inter-node traffic should use.
 

@@ -46,6 +46,15 @@ def test_matrix_across_nodes(layout, matrix):
     assert not fails, fails
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("names", [["a", "b", "c"], ["a", "b"]], ids=["3x1", "2x1"])
+def test_reduce_family_one_rank_per_node(names):
+    """Nodes of one rank each: reduce_scatter's columns are single ranks (the inputs go
+    to the network as they are)."""
+    results = run_ranks(reduce_family_matrix, len(names), env=_env(names), timeout=180)
+    assert not any(results.values()), results
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("algo,names", [
     ("hierarchical", LAYOUTS["2x2"]), ("leader", LAYOUTS["2x2"]),

@@ -45,7 +45,7 @@ from .sweep import human_size, parse_size
 
 WORKER = "neuron_dist.bench.internode_worker"
 TAG = "INTERNODE "
-OPS = ("p2p", "all_reduce")
+OPS = ("pingpong", "p2p", "all_reduce", "all_gather", "reduce_scatter")
 DEFAULT_LINK_JSON = os.path.join("results", "link-veth.json")
 
 EPILOG = """\
@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--p2p-max", type=_size, default="256M")
     s.add_argument("--ar-min", type=_size, default="8")
     s.add_argument("--ar-max", type=_size, default="256M")
+    s.add_argument("--ag-min", type=_size, default="8")
+    s.add_argument("--ag-max", type=_size, default="0", help="0: no all_gather rows")
+    s.add_argument("--rs-min", type=_size, default="8")
+    s.add_argument("--rs-max", type=_size, default="0", help="0: no reduce_scatter rows")
+    s.add_argument("--pingpong", type=_size, default="0",
+                   help="send/recv round trip of this size (0: none; 64 in the results)")
     s.add_argument("-f", "--stepfactor", type=float, default=4.0,
                    help="size multiplier; the max is always included")
     m = p.add_argument_group("measurement")
@@ -258,7 +264,8 @@ def _loadavg():
         return None
 
 
-def run_bench(args, p2p_sizes: list[int], ar_sizes: list[int], log) -> dict:
+def run_bench(args, p2p_sizes: list[int], ar_sizes: list[int], log, ag_sizes=(), rs_sizes=(),
+              pp_sizes=()) -> dict:
     """Launch the worker on 2 netns nodes; return ``{"rows", "meta_ranks", "result", ...}``."""
     from neuron_dist.launch import vnodes
 
@@ -267,6 +274,9 @@ def run_bench(args, p2p_sizes: list[int], ar_sizes: list[int], log) -> dict:
     worker_argv = ["-m", WORKER,
                    "--p2p-sizes", ",".join(map(str, p2p_sizes)),
                    "--ar-sizes", ",".join(map(str, ar_sizes)),
+                   "--ag-sizes", ",".join(map(str, ag_sizes)),
+                   "--rs-sizes", ",".join(map(str, rs_sizes)),
+                   "--pp-sizes", ",".join(map(str, pp_sizes)),
                    "--rails", ",".join(map(str, args.rails)),
                    "--iters", str(args.iters), "--min-iters", str(args.min_iters),
                    "--warmup", str(args.warmup), "--iter-bytes", str(args.iter_bytes),
@@ -433,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p2p_sizes = sizes_between(args.p2p_min, args.p2p_max, args.stepfactor)
         ar_sizes = sizes_between(args.ar_min, args.ar_max, args.stepfactor)
+        ag_sizes = sizes_between(args.ag_min, args.ag_max, args.stepfactor) if args.ag_max else []
+        rs_sizes = sizes_between(args.rs_min, args.rs_max, args.stepfactor) if args.rs_max else []
+        pp_sizes = [args.pingpong] if args.pingpong else []
     except ValueError as exc:
         log(f"internode: {exc}")
         return 2
@@ -458,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(ar_sizes)} sizes; backends neuron rails {args.rails}"
         + ("" if args.no_gloo else " + gloo") + f"; timeout {args.timeout:g} s")
     try:
-        out = run_bench(args, p2p_sizes, ar_sizes, log)
+        out = run_bench(args, p2p_sizes, ar_sizes, log, ag_sizes, rs_sizes, pp_sizes)
     except KeyboardInterrupt:
         log("internode: interrupted (everything was stopped and removed)")
         return 130
@@ -514,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "node_returncodes": res.node_returncodes, "timed_out": res.timed_out,
         "namespaces_used": res.namespaces, "worker_argv": out["worker_argv"],
         "agent_env": out["env"], "p2p_sizes": p2p_sizes, "ar_sizes": ar_sizes,
+        "ag_sizes": ag_sizes, "rs_sizes": rs_sizes, "pp_sizes": pp_sizes,
         "stepfactor": args.stepfactor, "iters": args.iters, "min_iters": args.min_iters,
         "iter_bytes": args.iter_bytes, "warmup": args.warmup, "window_bytes": args.window_bytes,
         "threads": args.threads, "backends": backends,
@@ -529,10 +543,16 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(_header(meta, meta["ranks"])))
     for line in reference_lines(ref, args.link_json):
         print(line)
+    titles = {"pingpong": "pingpong: send/recv round trip rank 0 -> 1 -> 0; time_us per round "
+                          "trip ('busbw' = 2 x bytes / time)",
+              "p2p": "p2p: rank 0 send -> rank 1 recv (one direction); time_us per message",
+              "all_reduce": "all_reduce: float32 SUM, in place; busbw (nccl-tests)",
+              "all_gather": "all_gather_into_tensor: size = the gathered buffer; busbw",
+              "reduce_scatter": "reduce_scatter_tensor: float32 SUM, size = the input; busbw"}
     for op in OPS:
-        title = ("p2p: rank 0 send -> rank 1 recv (one direction); time_us per message"
-                 if op == "p2p" else "all_reduce: float32 SUM, in place; busbw (nccl-tests)")
-        print(f"#\n# {title}")
+        if not any(r["op"] == op for r in rows):
+            continue
+        print(f"#\n# {titles[op]}")
         print(table(op, rows, backends, ratio_pairs))
     summ = summarize(rows, backends, ratio_pairs, large=64 << 20)
     print("#\n# summary (large sizes)")

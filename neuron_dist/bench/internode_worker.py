@@ -14,8 +14,8 @@ Groups, all over the same ranks, created in the same order on every rank:
   the group (``settings.rails`` and its transport) and reported.
 * one more **gloo** group: the gloo under test (separate from the control group).
 
-For each size (ascending), the ops that include it run in turn: ``p2p`` then
-``all_reduce``; within an op, every backend measures the same buffers, the order of the
+For each size (ascending), the ops that include it run in turn: ``pingpong``, ``p2p``,
+``all_reduce``, ``all_gather``, ``reduce_scatter``; within an op, every backend measures the same buffers, the order of the
 backends rotating from one size to the next so that machine noise hits all of them alike.
 
 p2p (rank 0 -> rank 1, like osu_bw): one iteration = rank 0 posts ``W`` ``isend``s of
@@ -30,7 +30,14 @@ of the backend under test, then a batch of ops back to back (``sweep.ops_per_sam
 to 16 for small sizes) is timed on every rank; iteration time = their mean, max over ranks
 (as ``bench/sweep.py``).
 
-Both: time = median over iterations (min also kept). Before timing, warm-up iterations,
+pingpong (send/recv round trip, rank 0 -> 1 -> 0): timed like all_reduce (batches after a
+barrier), on rank 0's clock; time_us per round trip.
+
+all_gather (``all_gather_into_tensor``; size = the gathered buffer) and reduce_scatter
+(``reduce_scatter_tensor``, SUM; size = the input): timed like all_reduce; busbw =
+algbw x (n-1)/n.
+
+All: time = median over iterations (min also kept). Before timing, warm-up iterations,
 after which the result is checked once (p2p: the received bytes; all_reduce: the sum).
 A backend that fails (any rank raised) gets an error row and is skipped for the rest of
 the run; the others go on.
@@ -191,6 +198,42 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
             if rank == 1 and not bool((flat == 7.0).all()):
                 bad = f"rank 1 received wrong data (first value {flat[0].item()})"
             samples = time_iterations(run, barrier, iters)
+        elif op == "pingpong":
+            x = bufs["pingpong"]
+            peer = 1 - rank
+            def run():  # one round trip: rank 0 -> 1 -> 0
+                if rank == 0:
+                    dist.send(x, peer, group=group)
+                    dist.recv(x, peer, group=group)
+                elif rank == 1:
+                    dist.recv(x, peer, group=group)
+                    dist.send(x, peer, group=group)
+            x.fill_(float(rank))
+            time_iterations(run, barrier, 1)
+            if not bool((x == 0.0).all()):
+                bad = f"rank {rank}: ping-pong data wrong (got {x[0].item()})"
+            batch = row["batch"] = ops_per_sample(nbytes)
+            if warmup > 1:
+                time_iterations(run, barrier, warmup - 1, None, batch)
+            samples = time_iterations(run, barrier, iters, None, batch)
+        elif op in ("all_gather", "reduce_scatter"):
+            inp, outp = bufs[op]
+            if op == "all_gather":  # size = the gathered buffer; each rank gives 1/world
+                inp.fill_(float(rank + 1))
+                run = lambda: dist.all_gather_into_tensor(outp, inp, group=group)  # noqa: E731
+                want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(
+                    inp.numel())
+            else:  # size = the input; each rank gets the sum of its 1/world share
+                inp.fill_(float(rank + 1))
+                run = lambda: dist.reduce_scatter_tensor(outp, inp, group=group)  # noqa: E731
+                want = torch.full_like(outp, world * (world + 1) / 2)
+            time_iterations(run, barrier, 1)
+            if not torch.equal(outp, want):
+                bad = f"rank {rank}: {op} result wrong (first value {outp[0].item()})"
+            batch = row["batch"] = ops_per_sample(nbytes)
+            if warmup > 1:
+                time_iterations(run, barrier, warmup - 1, None, batch)
+            samples = time_iterations(run, barrier, iters, None, batch)
         else:
             buf = bufs["all_reduce"]
             buf.fill_(float(rank + 1))
@@ -219,6 +262,9 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
     if op == "p2p":
         per_iter = shared[0][0]  # rank 0's clock spans the whole exchange
         moved = nbytes * row["window"]
+    elif op == "pingpong":
+        per_iter = shared[0][0]  # rank 0's clock spans the round trip
+        moved = nbytes
     else:
         per_iter = [max(v) for v in zip(*[s[0] for s in shared])]
         moved = nbytes
@@ -229,7 +275,8 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
                iter_s=[round(x, 6) for x in per_iter])
     algbw = moved / med / 1e9
     row["algbw_gbs"] = float(f"{algbw:.6g}")
-    factor = 1.0 if op == "p2p" else 2 * (world - 1) / world
+    factor = {"p2p": 1.0, "pingpong": 2.0, "all_reduce": 2 * (world - 1) / world}.get(
+        op, (world - 1) / world)  # (pingpong: both directions; all_gather, reduce_scatter)
     row["busbw_gbs"] = float(f"{algbw * factor:.6g}")
     row["best_gbs"] = float(f"{moved / fastest / 1e9 * factor:.6g}")
     if bads:
@@ -241,6 +288,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--p2p-sizes", type=_ints, required=True, help="bytes, comma list")
     p.add_argument("--ar-sizes", type=_ints, required=True, help="bytes, comma list")
+    p.add_argument("--ag-sizes", type=_ints, default=[], help="bytes, comma list")
+    p.add_argument("--rs-sizes", type=_ints, default=[], help="bytes, comma list")
+    p.add_argument("--pp-sizes", type=_ints, default=[], help="bytes, comma list")
     p.add_argument("--rails", type=_ints, default=[1, 4])
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--iters", type=int, default=20)
@@ -295,16 +345,26 @@ def main(argv=None) -> int:
             _emit({"kind": "row", "op": "setup", "backend": n, "status": "error",
                    "error": "; ".join(f"rank {r}: {e}" for r, e in errs.items())})
 
-    sizes = sorted(set(args.p2p_sizes) | set(args.ar_sizes))
+    per_op = (("pingpong", args.pp_sizes), ("p2p", args.p2p_sizes), ("all_reduce", args.ar_sizes),
+              ("all_gather", args.ag_sizes), ("reduce_scatter", args.rs_sizes))
+    sizes = sorted(set().union(*(set(s) for _, s in per_op)))
     dead: dict[str, str] = {}
     for i, size in enumerate(sizes):
-        for op, op_sizes in (("p2p", args.p2p_sizes), ("all_reduce", args.ar_sizes)):
+        for op, op_sizes in per_op:
             if size not in op_sizes:
                 continue
             count = max(1, size // 4)
+            if op in ("all_gather", "reduce_scatter"):
+                count = max(world, count // world * world)
             if op == "p2p":
                 window = _p2p_window(count * 4, args.window_bytes)
                 bufs = {"p2p": _p2p_case(rank, count, window), "window": window}
+            elif op == "pingpong":
+                bufs = {"pingpong": torch.empty(count, dtype=torch.float32)}
+            elif op == "all_gather":
+                bufs = {op: (torch.empty(count // world), torch.empty(count))}
+            elif op == "reduce_scatter":
+                bufs = {op: (torch.empty(count), torch.empty(count // world))}
             else:
                 bufs = {"all_reduce": torch.empty(count, dtype=torch.float32)}
             k = i % len(backends) if backends else 0

@@ -185,8 +185,10 @@ class RdmTransport:
     ----------
     rank, world_size : int
         This rank and the group size (ranks are group ranks).
-    host : str
-        Address to listen on (the chosen interface's; never a wildcard).
+    host : str or list of str
+        Address(es) to listen on, one per interface (never a wildcard). With several,
+        rail ``i`` runs between the peers' addresses ``i % n`` (the interfaces take the
+        rails in turn), so losing one interface loses only its rails.
     rails : int
         Connections per peer.
     key, group : bytes
@@ -198,6 +200,11 @@ class RdmTransport:
     max_unexpected_bytes : int
         Memory per peer for messages that arrive before their receive is posted
         (``Endpoint``'s ``max_reassembly_bytes``); beyond it the peer is held back.
+    link_timeout : float
+        Seconds a rail may hold bytes the peer's TCP has not acknowledged
+        (``TCP_USER_TIMEOUT``) before it is declared broken and its traffic moves to
+        the other rails: a lost link or interface, not a slow peer (whose kernel still
+        acknowledges).
     label : str
         Names the group in log messages.
     """
@@ -205,7 +212,8 @@ class RdmTransport:
     def __init__(self, rank: int, world_size: int, *, host: str, rails: int, key: bytes,
                  group: bytes, segment_bytes: int = 1 << 20, window_bytes: int = 32 << 20,
                  crc: bool = False, rto: float = 5.0, ack_delay: float = 0.005,
-                 max_unexpected_bytes: int = 512 << 20, label: str = ""):
+                 max_unexpected_bytes: int = 512 << 20, link_timeout: float = 10.0,
+                 label: str = ""):
         self.rank, self.world_size, self.nrails = rank, world_size, rails
         self.segment_bytes = segment_bytes
         self._key, self._group, self._label = key, group, label or f"rank {rank}"
@@ -229,21 +237,34 @@ class RdmTransport:
         self._due = None  # the endpoint's next deadline, as last computed
         self._handshakes: dict = {}  # unfinished incoming connection -> address, oldest first
         self._strangers = _RateLimitedLog(self._label)
-        self._listener = socket.create_server((host, 0), backlog=128,
-                                              family=_family(host))
-        self.address = f"{_bracket(host)}:{self._listener.getsockname()[1]}"
+        self._hosts = [host] if isinstance(host, str) else list(host)
+        self._link_timeout = link_timeout
+        self._listeners = []
+        try:
+            for h in self._hosts:
+                self._listeners.append(socket.create_server((h, 0), backlog=128,
+                                                            family=_family(h)))
+        except BaseException:
+            for listener in self._listeners:
+                listener.close()
+            raise
+        self.address = ",".join(f"{_bracket(h)}:{s.getsockname()[1]}"
+                                for h, s in zip(self._hosts, self._listeners))
         self._engine = progress.attach(self)
-        self._threads = [threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"neuron-rdm-accept-{rank}")]
+        self._threads = [threading.Thread(target=self._accept_loop, args=(listener,),
+                                          daemon=True, name=f"neuron-rdm-accept-{rank}")
+                         for listener in self._listeners]
         for t in self._threads:
             t.start()
 
     # ------------------------------------------------------------------ set-up
 
     def connect(self, peers: dict, deadline: float) -> None:
-        """Open ``rails`` authenticated connections to each of ``peers`` ({rank: "host:port"}).
+        """Open ``rails`` authenticated connections to each of ``peers`` ({rank: address},
+        an address being ``"host:port"`` or several, comma-separated, one per interface).
 
-        Ranks dial the lower-numbered peers and accept the higher-numbered ones; returns
+        Ranks dial the lower-numbered peers and accept the higher-numbered ones; rail ``i``
+        goes from this rank's address ``i % n`` to the peer's address ``i % m``. Returns
         when every rail to every peer is up.
 
         Raises
@@ -254,8 +275,9 @@ class RdmTransport:
         with self._lock:
             self._expected = set(peers) - {self.rank}
         for peer in sorted(p for p in self._expected if p < self.rank):
-            host, port = _split(peers[peer])
+            theirs = [_split(a) for a in peers[peer].split(",")]
             for rail in range(self.nrails):
+                host, port = theirs[rail % len(theirs)]
                 self._dial(peer, host, port, rail, deadline)
         with self._lock:
             while not self._closed:
@@ -276,8 +298,11 @@ class RdmTransport:
             if remaining <= 0:
                 raise PeerTimeout([peer], 0.0, f"could not connect rail {rail} to rank {peer} "
                                                f"at {host}:{port}")
+            source = self._hosts[rail % len(self._hosts)]
             try:
-                sock = socket.create_connection((host, port), timeout=min(remaining, _HANDSHAKE_TIMEOUT))
+                sock = socket.create_connection(
+                    (host, port), timeout=min(remaining, _HANDSHAKE_TIMEOUT),
+                    source_address=(source, 0) if len(self._hosts) > 1 else None)
                 break
             except ConnectionRefusedError:
                 time.sleep(0.05)
@@ -288,7 +313,7 @@ class RdmTransport:
             raise
         self._add_rail(sock, peer, rail)
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener) -> None:
         """Accept connections for as long as the transport is open.
 
         Each gets a thread for its handshake, with one deadline for the whole of it
@@ -301,7 +326,7 @@ class RdmTransport:
         pause = 0.0
         while not self._closed:
             try:
-                conn, addr = self._listener.accept()
+                conn, addr = listener.accept()
             except OSError as e:
                 if self._closed:
                     return
@@ -358,6 +383,9 @@ class RdmTransport:
     def _add_rail(self, sock, peer: int, index: int) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # a dead link breaks the rail (Linux)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                            max(1, int(self._link_timeout * 1000)))
         sock.setblocking(False)
         rail = _Rail(sock, peer, index)
         with self._lock:
@@ -884,11 +912,12 @@ class RdmTransport:
                         self._drop(rail)
             self._due = None
             self._connected.notify_all()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in it
-        except OSError:
-            pass
-        self._listener.close()
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in it
+            except OSError:
+                pass
+            listener.close()
         self._engine.wake()
         me = threading.current_thread()
         for t in list(self._threads):

@@ -135,8 +135,9 @@ class Net:
     """
 
     def __init__(self, transport, topo: Topology, call: Call, seq: int, deadline: float,
-                 algo: str = "auto"):
+                 algo: str = "auto", scratch: dict | None = None):
         self.transport, self.topo, self.call, self.seq = transport, topo, call, seq
+        self._scratch = {} if scratch is None else scratch  # the group's, across calls
         self.algo = algo
         self.deadline = deadline
         self._told: set = set()  # peers that got our descriptor in this call
@@ -181,7 +182,7 @@ class Net:
     def buffer(self, key: str, numel: int, dtype) -> torch.Tensor:
         """A scratch tensor kept across calls (allocating fresh pages every call costs more
         than the network: the kernel zero-fills each one)."""
-        pool = self.transport.__dict__.setdefault("scratch_pool", {})
+        pool = self._scratch
         nbytes = numel * dtype.itemsize
         entry = pool.get(key)
         if entry is None or entry[0].numel() < nbytes:

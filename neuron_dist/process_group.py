@@ -127,6 +127,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self.settings = settings or Settings.from_env()
         links = open_group(store, rank, size, self.settings, timeout, f"rank {rank}/{size}")
         self._channel, self._topo, self._net = links.channel, links.topo, links.net
+        self._net_scratch: dict = {}  # network collectives' buffers, kept across calls
         self._algos = FLAT if self._net is None else twolevel
         self._scratch = Scratch()
         self._calls = {}
@@ -248,7 +249,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             deadline = time.monotonic() + seconds
             ctx = Context(channel, call, seq, deadline, scratch, small)
             if net is not None:
-                ctx.net = twolevel.Net(net, topo, call, seq, deadline, algo_name)
+                ctx.net = twolevel.Net(net, topo, call, seq, deadline, algo_name,
+                                       self._net_scratch)
             algo(ctx)
             for f in flats:
                 f.finish()
@@ -273,7 +275,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             return error, True
         kind = ABORTED
         if isinstance(exc, PeerTimeout):
-            detail = str(exc) if getattr(exc, "network", False) else \
+            detail = str(exc) if exc.network else \
                 self._describe_laggards(exc.ranks)
             error = PeerTimeoutError(
                 f"{what} timed out after {self._timeout_text()}: {detail}")
@@ -285,7 +287,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         elif isinstance(exc, PeerAborted):
             cls = {ABORTED_TIMEOUT: PeerTimeoutError, ABORTED_PEER_DIED: PeerDiedError,
                    ABORTED_MISMATCH: CollectiveMismatchError}.get(exc.kind, GroupAbortedError)
-            if getattr(exc, "network", False):  # from another node: tell this node's ranks
+            if exc.network:  # from another node: tell this node's ranks
                 error = cls(f"{what}: rank {exc.rank} aborted the group: {exc.reason}")
                 self._channel.abort(str(error), exc.kind)
                 return error, True

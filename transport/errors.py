@@ -14,11 +14,16 @@ class PeerTimeout(TransportError):
         Group ranks that had not arrived when the deadline passed.
     waited : float
         Seconds spent waiting.
+    network : bool
+        Raised by a between-nodes transport (``ranks`` are group ranks, and the message
+        says what stalled); False: by the node's shared memory (``ranks`` are the node's
+        local indices).
     """
 
-    def __init__(self, ranks, waited, detail=""):
+    def __init__(self, ranks, waited, detail="", network=False):
         self.ranks = list(ranks)
         self.waited = waited
+        self.network = network
         super().__init__(detail or f"rank(s) {self.ranks} did not arrive within {waited:.1f} s")
 
 
@@ -35,12 +40,17 @@ ABORTED, ABORTED_TIMEOUT, ABORTED_PEER_DIED, ABORTED_MISMATCH = 1, 2, 3, 4
 
 
 class PeerAborted(TransportError):
-    """A peer marked the group as failed and said why (``kind``: one of ABORTED_*)."""
+    """A peer marked the group as failed and said why (``kind``: one of ABORTED_*).
 
-    def __init__(self, rank, reason, kind=ABORTED):
+    ``network``: the notice came from another node (the ranks of this node may not know
+    yet); ``rank`` is then a group rank, else a local index of this node.
+    """
+
+    def __init__(self, rank, reason, kind=ABORTED, network=False):
         self.rank = rank
         self.reason = reason
         self.kind = kind
+        self.network = network
         super().__init__(f"rank {rank} aborted the group: {reason}")
 
 

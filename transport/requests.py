@@ -3,8 +3,8 @@
 A request completes once (``_finish``), with or without an error. ``wait(deadline)``
 blocks until then; past the deadline it allows a short grace (a peer that timed out at the
 same moment may be about to send its abort notice, which says why) and then raises
-``PeerTimeout`` naming the peer, marked ``network=True`` so the c10d layer knows the ranks
-are group ranks. A completion callback is not run by whoever completes the request (that
+``PeerTimeout`` naming the peer (``network=True``: the ranks are group ranks). A
+completion callback is not run by whoever completes the request (that
 may hold the transport's lock). When a thread is blocked in ``wait`` it runs the callback
 itself on its way out (no thread hand-off on the latency path); otherwise the request is
 queued for the transport's callback thread (``run_callbacks``). Either way it runs once, and
@@ -153,8 +153,7 @@ class Request:
                 error = PeerTimeout([self.peer] if self.peer is not None else [],
                                     max(0.0, deadline - start),
                                     f"{what} {who} ({self.nbytes} bytes, tag {self.tag}) over "
-                                    f"{self.VIA} did not complete in time")
-                error.network = True
+                                    f"{self.VIA} did not complete in time", network=True)
                 raise error
         if self.error is not None:
             raise self.error

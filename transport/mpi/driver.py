@@ -352,8 +352,7 @@ class MpiTransport:
                     if remaining <= 0:
                         error = PeerTimeout(missing, time.monotonic() - start,
                                             f"rank(s) {missing} did not answer rank {self.rank} "
-                                            f"of {self._label} over MPI in time")
-                        error.network = True
+                                            f"of {self._label} over MPI in time", network=True)
                         raise error
                     if not self._poll():
                         self._cond.wait(min(remaining, 0.001))
@@ -580,8 +579,8 @@ class MpiTransport:
             msg.Recv([box, MPI.BYTE])
             self._stats["aborts_received"] += 1
             kind = box[0] if box else ABORTED
-            error = PeerAborted(src, bytes(box[1:]).decode("utf-8", "replace"), kind)
-            error.network = True
+            error = PeerAborted(src, bytes(box[1:]).decode("utf-8", "replace"), kind,
+                                network=True)
             log.info("neuron %s: %s", self._label, error)
             self._fail_peer(src, error)
 

@@ -51,6 +51,7 @@ import socket
 import threading
 import time
 from collections import deque
+from itertools import islice
 
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismatch, PeerAborted,
                       PeerTimeout, PeerUnreachable)
@@ -702,7 +703,8 @@ class RdmTransport:
                     rail.out.append(memoryview(tx.trailer))
                 touched.add(rail)
             for rail in touched:
-                self._flush(rail)
+                if not rail.events & _OUT:  # (else the socket is full: epoll says when not)
+                    self._flush(rail)
             self._handle_events()  # poll_transmit may have declared a peer failed
         due = ep.next_deadline()
         hint = ep.take_ack_hint()
@@ -717,7 +719,7 @@ class RdmTransport:
         writable for the rest."""
         out = rail.out
         while out and rail.alive:
-            chunk = list(out)[:_IOV_MAX] if len(out) > 1 else [out[0]]
+            chunk = list(islice(out, _IOV_MAX)) if len(out) > 1 else [out[0]]
             try:
                 sent = _send_some(rail.sock, chunk)
             except (BlockingIOError, InterruptedError):
@@ -780,8 +782,7 @@ class RdmTransport:
 
     def _on_abort(self, peer: int, data: bytes) -> None:
         kind = data[0] if data else ABORTED
-        error = PeerAborted(peer, data[1:].decode("utf-8", "replace"), kind)
-        error.network = True
+        error = PeerAborted(peer, data[1:].decode("utf-8", "replace"), kind, network=True)
         self._failed[peer] = error
         log.info("neuron %s: %s", self._label, error)
         self._fail_peer_requests(peer, error)

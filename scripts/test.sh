@@ -4,4 +4,4 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/setup_env.sh"
 cd "$repo"
-exec python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
+exec python -m pytest -q -rs -p no:cacheprovider --durations=15 tests "$@"

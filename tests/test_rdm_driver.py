@@ -672,3 +672,18 @@ def test_a_handshake_that_trickles_ends_at_its_one_deadline():
         t.join()
         a.close()
         b.close()
+
+
+def test_a_message_that_landed_in_a_withdrawn_receive_goes_to_nobody(pair):
+    """The endpoint delivered a message into a posted buffer, and the receive was withdrawn
+    before the event was handled: the message is nobody's (not the next receive's, not a
+    receive from any source)."""
+    from neuron_dist.transport.rdm.protocol import MessageReceived
+    anyone = pair[1].irecv_any(6, np.zeros(4, np.uint8))
+    landed = memoryview(bytearray(b"late"))
+    with pair[1]._lock:
+        pair[1]._on_message(MessageReceived(0, 6, 0, landed, True))
+    assert not anyone.test()
+    pair[0].isend(1, 6, np.full(4, 3, np.uint8))
+    anyone.wait(time.monotonic() + 5)
+    assert anyone.buf.tolist() == [3] * 4

@@ -484,6 +484,7 @@ class RdmTransport:
         """
         peer = req.peer
         with self._lock:
+            self._handle_events()  # (a message the endpoint delivered completes it first)
             if req._event.is_set():
                 return False
             if not req.is_send and peer is None:
@@ -774,6 +775,8 @@ class RdmTransport:
                 req._finish(MessageSizeMismatch(ev.src, ev.tag, len(ev.data), req.nbytes,
                                                 ev.data))
             return
+        if ev.posted:
+            return  # it landed in a receive that was withdrawn since: nobody gets it
         anyone = self._any.get(ev.tag)
         if anyone:  # an early message (kept by the endpoint): the oldest such receive takes it
             req = anyone.popleft()

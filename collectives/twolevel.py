@@ -20,8 +20,10 @@ broadcast
 reduce
     local reduce to the node's root (the root itself, or the leader) -> node roots send to
     the root, which reduces in node order.
-all_gather
-    local phase -> leaders exchange whole node blocks -> local broadcast of what came in.
+all_gather, nodes of equal size (columns)
+    each rank swaps its block with the ranks of its column on the other nodes -> per
+    node, a local all-gather of the blocks the node's ranks hold. Uneven nodes: local
+    phase -> leaders exchange whole node blocks -> local broadcast of what came in.
 reduce_scatter, nodes of equal size (columns)
     local rank j of every node owns the blocks of the ranks (b, j): per node b, a local
     reduce-scatter of the contributions to node b's blocks -> each rank sends node b's
@@ -458,6 +460,9 @@ def _unpack(flat, blocks) -> None:
 def all_gather(ctx: Context, outs: list, inp) -> None:
     """Every rank gets every rank's uint8 ``inp`` in ``outs[rank]``."""
     topo, net = ctx.net.topo, ctx.net
+    if topo.even and net.algo != "leader":
+        _columns_all_gather(ctx, outs, inp)
+        return
     allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
     remote = [g for b, node in enumerate(topo.nodes) if b != topo.my_node for g in node]
     if ctx.rank == 0:
@@ -474,6 +479,30 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
     bcast.broadcast(ctx, packed, 0)
     if ctx.rank != 0:
         _unpack(packed, [outs[g] for g in remote])
+
+
+def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
+    """Nodes of equal size: each rank swaps its block with the ranks of its column (the
+    same local index) on the other nodes, then each node all-gathers, node by node, the
+    blocks its ranks received. Every block crosses the network once per other node, each
+    local rank driving its own share, and nothing is packed or broadcast twice."""
+    topo, net = ctx.net.topo, ctx.net
+    j, mine = ctx.rank, topo.my_node
+    column = [node[j] for node in topo.nodes]
+    for b, g in enumerate(column):
+        if b != mine:
+            net.recv(g, outs[g])
+    for b, g in enumerate(column):
+        if b != mine:
+            net.send(g, inp)
+    net.wait()
+    if len(topo.local) == 1:
+        if outs[topo.rank].data_ptr() != inp.data_ptr():
+            outs[topo.rank].copy_(inp)
+        ctx.finish()
+        return
+    for b, node in enumerate(topo.nodes):
+        allgather.all_gather(ctx, [outs[g] for g in node], inp if b == mine else outs[node[j]])
 
 
 def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:

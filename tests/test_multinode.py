@@ -48,10 +48,12 @@ def test_matrix_across_nodes(layout, matrix):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("names", [["a", "b", "c"], ["a", "b"]], ids=["3x1", "2x1"])
-def test_reduce_family_one_rank_per_node(names):
-    """Nodes of one rank each: reduce_scatter's columns are single ranks (the inputs go
-    to the network as they are)."""
-    results = run_ranks(reduce_family_matrix, len(names), env=_env(names), timeout=180)
+@pytest.mark.parametrize("matrix", [reduce_family_matrix, gather_family_matrix],
+                         ids=["reduce_family", "gather_family"])
+def test_columns_with_one_rank_per_node(names, matrix):
+    """Nodes of one rank each: reduce_scatter's and all_gather's columns are single ranks
+    (the inputs go to the network as they are, nothing is gathered inside a node)."""
+    results = run_ranks(matrix, len(names), env=_env(names), timeout=180)
     assert not any(results.values()), results
 
 

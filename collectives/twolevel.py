@@ -63,7 +63,7 @@ from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_in
 COLLECTIVE_TAG = 1
 PIGGYBACK_BYTES = 64 << 10  # data up to this size travels in one message with the descriptor
 RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
-HALVES_BYTES = 16 << 20  # network all-reduce between two peers: halves from here, else direct
+HALVES_BYTES = 2 << 20  # network all-reduce between two peers: halves from here, else direct
 ALIGN_BYTES = 64
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
 _SUM = ReduceSpec(SUM)

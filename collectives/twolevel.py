@@ -554,19 +554,17 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     topo, net = ctx.net.topo, ctx.net
     first, later = _split_spec(spec)
     j, mine = ctx.rank, topo.my_node
+    # ``out`` is written only once every input has been read and sent: it may alias one of
+    # the inputs (an in-place reduce_scatter).
     partial = {}
     for b, node in enumerate(topo.nodes):
         blocks = [inputs[g] for g in node]
         if len(node) > 1:
-            dest = out if b == mine else net.buffer(f"rs{b}", blocks[j].numel(), out.dtype)
+            dest = net.buffer(f"rs{b}", blocks[j].numel(), out.dtype)
             rs.reduce_scatter(ctx, dest, blocks, first)
         elif first.kind == PREMUL_SUM:
-            dest = out if b == mine else net.buffer(f"rs{b}", blocks[0].numel(), out.dtype)
+            dest = net.buffer(f"rs{b}", blocks[0].numel(), out.dtype)
             torch.mul(blocks[0], first.factor, out=dest)
-        elif b == mine:
-            dest = out
-            if out.data_ptr() != blocks[0].data_ptr():
-                out.copy_(blocks[0])
         else:
             dest = blocks[0]  # alone on the node: the input itself is the partial
         partial[b] = dest
@@ -582,8 +580,8 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
         if b != mine:
             net.send(column[b], partial[b])
     net.wait()
-    views = [out if b == mine else got[b] for b in range(len(topo.nodes))]
-    if len(views) == 2:  # elementwise, so out may be the output while being an input
+    views = [partial[mine] if b == mine else got[b] for b in range(len(topo.nodes))]
+    if len(views) == 2:  # elementwise, so out may alias views[0] (an in-place call)
         reduce_into(out, views, later, 2, ctx.scratch)
     else:
         acc = net.buffer("rsacc", out.numel(), out.dtype)

@@ -57,6 +57,26 @@ def test_columns_with_one_rank_per_node(names, matrix):
     assert not any(results.values()), results
 
 
+def _in_place_reduce_scatter(rank, world):
+    """The output is one of the inputs (its own block, or another rank's block)."""
+    fails = []
+    for shift in (0, 1):
+        ins = [torch.full((1000,), float(rank * 10 + k)) for k in range(world)]
+        out = ins[(rank + shift) % world]
+        dist.reduce_scatter(out, ins)
+        want = float(sum(r * 10 + rank for r in range(world)))
+        if not bool((out == want).all()):
+            fails.append(f"shift {shift}: got {out[:3].tolist()}, want {want}")
+    return fails
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("names", [["a", "b"], ["a", "a", "b", "b"]], ids=["2x1", "2x2"])
+def test_in_place_reduce_scatter_across_nodes(names):
+    results = run_ranks(_in_place_reduce_scatter, len(names), env=_env(names), timeout=100)
+    assert not any(results.values()), results
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("algo,names", [
     ("hierarchical", LAYOUTS["2x2"]), ("leader", LAYOUTS["2x2"]),

@@ -482,27 +482,32 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
 
 
 def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
-    """Nodes of equal size: each rank swaps its block with the ranks of its column (the
-    same local index) on the other nodes, then each node all-gathers, node by node, the
-    blocks its ranks received. Every block crosses the network once per other node, each
-    local rank driving its own share, and nothing is packed or broadcast twice."""
+    """Nodes of equal size: each node first all-gathers its own ranks' blocks; then each
+    rank swaps its block with the ranks of its column (the same local index) on the other
+    nodes, and each node all-gathers, node by node, the blocks its ranks received. Every
+    block crosses the network once per other node, each local rank driving its own share,
+    and ``inp`` is read only in the first phase (it may be one of the outputs)."""
     topo, net = ctx.net.topo, ctx.net
     j, mine = ctx.rank, topo.my_node
+    me = topo.rank
+    if len(topo.local) > 1:
+        allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
+    elif outs[me].data_ptr() != inp.data_ptr():
+        outs[me].copy_(inp)
     column = [node[j] for node in topo.nodes]
     for b, g in enumerate(column):
         if b != mine:
             net.recv(g, outs[g])
     for b, g in enumerate(column):
         if b != mine:
-            net.send(g, inp)
+            net.send(g, outs[me])
     net.wait()
     if len(topo.local) == 1:
-        if outs[topo.rank].data_ptr() != inp.data_ptr():
-            outs[topo.rank].copy_(inp)
         ctx.finish()
         return
     for b, node in enumerate(topo.nodes):
-        allgather.all_gather(ctx, [outs[g] for g in node], inp if b == mine else outs[node[j]])
+        if b != mine:
+            allgather.all_gather(ctx, [outs[g] for g in node], outs[node[j]])
 
 
 def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:

@@ -58,7 +58,8 @@ def test_columns_with_one_rank_per_node(names, matrix):
 
 
 def _in_place_reduce_scatter(rank, world):
-    """The output is one of the inputs (its own block, or another rank's block)."""
+    """reduce_scatter whose output is one of the inputs (its own block, or another rank's
+    block), and all_gather whose input is its own block of the output."""
     fails = []
     for shift in (0, 1):
         ins = [torch.full((1000,), float(rank * 10 + k)) for k in range(world)]
@@ -67,6 +68,12 @@ def _in_place_reduce_scatter(rank, world):
         want = float(sum(r * 10 + rank for r in range(world)))
         if not bool((out == want).all()):
             fails.append(f"shift {shift}: got {out[:3].tolist()}, want {want}")
+    full = torch.zeros(world * 1000)  # all_gather in place: the input is my output block
+    mine = full[rank * 1000:(rank + 1) * 1000]
+    mine.fill_(float(rank + 1))
+    dist.all_gather_into_tensor(full, mine)
+    if not torch.equal(full, torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(1000)):
+        fails.append(f"in-place all_gather: got {full[::1000].tolist()}")
     return fails
 
 

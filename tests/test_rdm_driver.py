@@ -664,7 +664,7 @@ def test_a_handshake_that_trickles_ends_at_its_one_deadline():
     start = time.monotonic()
     try:
         with pytest.raises((handshake.HandshakeError, OSError)):
-            handshake.accept(a, KEY, GROUP, 0, lambda rank, rail: True,
+            handshake.accept(a, lambda gid, dst: (None, KEY, GROUP, lambda rank, rail: True),
                              deadline=time.monotonic() + 0.5)
         assert time.monotonic() - start < 1.5
     finally:

@@ -2,10 +2,11 @@
 
 How it works
 ------------
-Every rank listens on one TCP socket bound to the chosen interface's address (port 0)
-and publishes ``host:port``. For each pair of ranks that must talk, the higher rank dials
-the lower one ``rails`` times; each connection is authenticated (handshake.py) and
-becomes rail ``i`` of that pair at both ends. All protocol logic lives in the sans-I/O
+Every process listens on one TCP socket per interface address (port 0; listener.py),
+shared by all its groups, and a rank publishes ``host:port`` for each of its groups. For
+each pair of ranks that must talk, the higher rank dials the lower one ``rails`` times;
+each connection is authenticated for its group (handshake.py) and becomes rail ``i`` of
+that pair at both ends. All protocol logic lives in the sans-I/O
 ``protocol.Endpoint``; this module only moves its frames, under the transport's lock.
 
 Rails are non-blocking sockets in the process's one progress engine (progress.py), which
@@ -58,6 +59,7 @@ from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismat
 from ..requests import Request as _Request
 from . import frames as F
 from . import handshake, progress
+from .listener import HANDSHAKE_TIMEOUT
 from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived, PeerFailed,
                        SendCompleted)
 
@@ -68,34 +70,11 @@ EAGER_BYTES = 64 << 10
 _SMALL_COPY = 512  # eager copies up to this size come from Python's small-object allocator
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
 _CLEAN_EOF = "connection closed by the peer"
-_HANDSHAKE_TIMEOUT = 10.0
-MAX_HANDSHAKES = 32  # unfinished incoming handshakes at once (then the oldest is dropped)
 _IN = select.EPOLLIN | select.EPOLLRDHUP
 _OUT = select.EPOLLOUT
 _HEADER, _PAYLOAD, _TRAILER, _ASIDE = range(4)  # what a rail is reading
 _INBUF = 64 << 10  # a rail reads small frames in bulk into this much read-ahead ...
 _DIRECT = 16 << 10  # ... and the rest of a payload from this size straight into place
-
-
-class _RateLimitedLog:
-    """Warnings about strangers at the listener: the first few per minute, then a count."""
-
-    def __init__(self, label: str, burst: int = 5, period: float = 60.0):
-        self._label, self._burst, self._period = label, burst, period
-        self._start, self._count, self._lock = -math.inf, 0, threading.Lock()
-
-    def note(self, what: str, level: int = logging.WARNING) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._start > self._period:
-                if self._count > self._burst:
-                    log.warning("neuron %s: %d more such events at the listener in the last "
-                                "%.0f s", self._label, self._count - self._burst, self._period)
-                self._start, self._count = now, 0
-            self._count += 1
-            loud = self._count <= self._burst
-        if loud:
-            log.log(level, "neuron %s: %s", self._label, what)
 
 
 class _CopyPool:
@@ -236,27 +215,17 @@ class RdmTransport:
         self._failed: dict[int, Exception] = {}
         self._closed = False
         self._due = None  # the endpoint's next deadline, as last computed
-        self._handshakes: dict = {}  # unfinished incoming connection -> address, oldest first
-        self._strangers = _RateLimitedLog(self._label)
         self._hosts = [host] if isinstance(host, str) else list(host)
         self._link_timeout = link_timeout
-        self._listeners = []
-        try:
-            for h in self._hosts:
-                self._listeners.append(socket.create_server((h, 0), backlog=128,
-                                                            family=_family(h)))
-        except BaseException:
-            for listener in self._listeners:
-                listener.close()
-            raise
-        self.address = ",".join(f"{_bracket(h)}:{s.getsockname()[1]}"
-                                for h, s in zip(self._hosts, self._listeners))
         self._engine = progress.attach(self)
-        self._threads = [threading.Thread(target=self._accept_loop, args=(listener,),
-                                          daemon=True, name=f"neuron-rdm-accept-{rank}")
-                         for listener in self._listeners]
-        for t in self._threads:
-            t.start()
+        try:
+            self.address = ",".join(self._engine.listen(h) for h in self._hosts)
+        except BaseException:
+            progress.detach(self)
+            raise
+        self._gid = handshake.group_id(group)
+        self._engine.join_group(self._gid, rank, self)
+        self._threads: list = []
 
     # ------------------------------------------------------------------ set-up
 
@@ -302,7 +271,7 @@ class RdmTransport:
             source = self._hosts[rail % len(self._hosts)]
             try:
                 sock = socket.create_connection(
-                    (host, port), timeout=min(remaining, _HANDSHAKE_TIMEOUT),
+                    (host, port), timeout=min(remaining, HANDSHAKE_TIMEOUT),
                     source_address=(source, 0) if len(self._hosts) > 1 else None)
                 break
             except ConnectionRefusedError:
@@ -314,72 +283,16 @@ class RdmTransport:
             raise
         self._add_rail(sock, peer, rail)
 
-    def _accept_loop(self, listener) -> None:
-        """Accept connections for as long as the transport is open.
-
-        Each gets a thread for its handshake, with one deadline for the whole of it
-        (``_HANDSHAKE_TIMEOUT``). At most ``MAX_HANDSHAKES`` may be unfinished at once: a
-        new one closes the oldest (a flood of idle connections costs the job no more than
-        that many descriptors and threads). An error from ``accept`` (out of descriptors,
-        a connection reset before it was taken) is logged and retried with a growing pause,
-        never the end of the loop.
-        """
-        pause = 0.0
-        while not self._closed:
-            try:
-                conn, addr = listener.accept()
-            except OSError as e:
-                if self._closed:
-                    return
-                pause = min(1.0, max(0.01, pause * 2))
-                self._strangers.note(f"accept() failed: {e}", level=logging.WARNING)
-                with self._lock:  # free descriptors: drop the oldest unfinished handshake
-                    if self._handshakes:
-                        self._evict_oldest()
-                time.sleep(pause)
-                continue
-            pause = 0.0
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                while len(self._handshakes) >= MAX_HANDSHAKES:
-                    self._evict_oldest()
-                self._handshakes[conn] = addr
-            threading.Thread(target=self._accept_one, args=(conn, addr), daemon=True,
-                             name=f"neuron-rdm-handshake-{self.rank}").start()
-
-    def _evict_oldest(self) -> None:
-        """Under the lock: end the oldest unfinished handshake (its thread sees an error)."""
-        conn, addr = next(iter(self._handshakes.items()))
-        del self._handshakes[conn]
-        self._strangers.note(f"dropped an unfinished handshake from {addr} "
-                             f"({MAX_HANDSHAKES} were open)")
-        try:
-            conn.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def _accept_one(self, conn, addr) -> None:
-        def may_dial(rank, rail):
-            with self._lock:
-                return (self.rank < rank < self.world_size and rail < self.nrails
-                        and self._rails.get(rank, [None] * self.nrails)[rail] is None)
-        try:
-            peer, rail = handshake.accept(conn, self._key, self._group, self.rank, may_dial,
-                                          deadline=time.monotonic() + _HANDSHAKE_TIMEOUT)
-        except Exception as e:  # noqa: BLE001 - a stranger must never hurt the job
-            with self._lock:
-                self._handshakes.pop(conn, None)
-            self._strangers.note(f"refused a connection from {addr}: {e}")
-            conn.close()
-            return
+    def _may_dial(self, rank: int, rail: int) -> bool:
+        """May ``rank`` open rail ``rail`` to this rank now (the listener asks)?"""
         with self._lock:
-            evicted = self._handshakes.pop(conn, None) is None
-        if evicted:  # (it was closed under us: the dialer retries)
-            conn.close()
-            return
-        self._add_rail(conn, peer, rail)
+            return (self.rank < rank < self.world_size and rail < self.nrails
+                    and not self._closed
+                    and self._rails.get(rank, [None] * self.nrails)[rail] is None)
+
+    def _accepted(self, sock, peer: int, index: int) -> None:
+        """An authenticated connection from ``peer`` for rail ``index`` (the listener)."""
+        self._add_rail(sock, peer, index)
 
     def _add_rail(self, sock, peer: int, index: int) -> None:
         sock.settimeout(None)
@@ -885,7 +798,8 @@ class RdmTransport:
             return dict(self.ep.stats)
 
     def close(self, error: Exception | None = None) -> None:
-        """Close every rail and the listener; pending requests fail with ``error``.
+        """Close every rail (the process's listener stops serving this group); pending
+        requests fail with ``error``.
 
         Without ``error`` (a normal shutdown) the close is graceful: frames already queued
         (acknowledgements of what we received, above all) are written first and each rail
@@ -916,12 +830,7 @@ class RdmTransport:
                         self._drop(rail)
             self._due = None
             self._connected.notify_all()
-        for listener in self._listeners:
-            try:
-                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in it
-            except OSError:
-                pass
-            listener.close()
+        self._engine.leave_group(self._gid, self.rank, self)
         self._engine.wake()
         me = threading.current_thread()
         for t in list(self._threads):
@@ -960,14 +869,6 @@ class RdmTransport:
 def _send_some(sock: socket.socket, views: list) -> int:
     """One non-blocking scatter-gather write; the bytes the socket took."""
     return sock.sendmsg(views)
-
-
-def _family(host: str):
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def _split(address: str) -> tuple[str, int]:

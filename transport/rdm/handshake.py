@@ -5,14 +5,17 @@ secret ``key`` (32 random bytes that group rank 0 puts in the c10d store, or der
 ``NEURON_DIST_AUTH_KEY`` when the store is not trusted) and a public ``group`` nonce that
 names the group, so a rail of one group is never accepted by another.
 
-    acceptor -> dialer   HELLO  b"NRH1" | challenge_a (32 random bytes)
-    dialer   -> acceptor PROOF  b"NRH1" | rank u32 | rail u16 | dst u32 | challenge_d (32)
+    acceptor -> dialer   HELLO  b"NRH2" | challenge_a (32 random bytes)
+    dialer   -> acceptor PROOF  b"NRH2" | rank u32 | rail u16 | dst u32 | group id (16)
+                                | challenge_d (32)
                                 | HMAC-SHA256(key, b"dial" | group | challenge_a | rank | rail | dst)
     acceptor -> dialer   OK     b"NROK" | HMAC-SHA256(key, b"accept" | group | challenge_d | dst)
 
-The acceptor checks the proof (constant-time), that ``dst`` is itself and that the
-claimed rank may dial it; the dialer checks the acceptor's answer, so neither end talks
-to an impostor. Fresh challenges on both sides defeat replay. A peer that fails, stalls
+One listener serves every group of a process: the group id (``group_id(group)``, a hash
+of the public group nonce) and ``dst`` tell the acceptor which group's rank is dialled
+(``resolve``), whose key and nonce then check the proof (constant-time); the acceptor
+also checks that the claimed rank may dial it, and the dialer checks the acceptor's
+answer, so neither end talks to an impostor. Fresh challenges on both sides defeat replay. A peer that fails, stalls
 (the whole handshake has one deadline, however slowly its bytes come) or sends garbage
 gets its connection closed and nothing else: the caller logs it and goes on accepting.
 """
@@ -26,15 +29,20 @@ import socket
 import struct
 import time
 
-MAGIC = b"NRH1"
+MAGIC = b"NRH2"
 OK = b"NROK"
-_PROOF = struct.Struct("!4sIHI32s32s")
+_PROOF = struct.Struct("!4sIHI16s32s32s")
 _HELLO_SIZE = 4 + 32
 _OK_SIZE = 4 + 32
 
 
 class HandshakeError(ConnectionError):
     """A connection failed authentication or spoke something else than the handshake."""
+
+
+def group_id(group: bytes) -> bytes:
+    """The 16-byte name of a group on the wire (its nonce is no secret; neither is this)."""
+    return hashlib.sha256(b"neuron-dist group\0" + group).digest()[:16]
 
 
 def derive_key(secret: str | bytes) -> bytes:
@@ -71,13 +79,14 @@ def _until(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(remaining)
 
 
-def accept(sock: socket.socket, key: bytes, group: bytes, my_rank: int, may_dial,
-           deadline: float | None = None) -> tuple[int, int]:
-    """Authenticate a dialer on the accepted ``sock``; return its ``(rank, rail)``.
+def accept(sock: socket.socket, resolve, deadline: float | None = None):
+    """Authenticate a dialer on the accepted ``sock``; return ``(owner, rank, rail)``.
 
-    ``may_dial(rank, rail)`` says whether that rank may open that rail to us now (a rank
-    of this group, a rail not yet connected). The whole handshake must end by ``deadline``
-    (``time.monotonic()``); without one, ``sock`` must have a timeout set.
+    ``resolve(group_id, dst)`` returns ``(owner, key, group, may_dial)`` for the group
+    and rank dialled, or None (no such group here): ``may_dial(rank, rail)`` says whether
+    that rank may open that rail to us now (a rank of this group, a rail not yet
+    connected). The whole handshake must end by ``deadline`` (``time.monotonic()``);
+    without one, ``sock`` must have a timeout set.
 
     Raises
     ------
@@ -88,21 +97,25 @@ def accept(sock: socket.socket, key: bytes, group: bytes, my_rank: int, may_dial
     if deadline is not None:
         _until(sock, deadline)
     sock.sendall(MAGIC + challenge)
-    magic, rank, rail, dst, their_challenge, proof = _PROOF.unpack(
+    magic, rank, rail, dst, gid, their_challenge, proof = _PROOF.unpack(
         _read_exact(sock, _PROOF.size, deadline))
     if magic != MAGIC:
         raise HandshakeError(f"not a neuron rail (magic {magic!r})")
+    found = resolve(gid, dst)
+    if found is None:
+        raise HandshakeError(f"rank {rank} dialled rank {dst} of a group this process does "
+                             f"not have (wrong job, or a group that closed)")
+    owner, key, group, may_dial = found
     expect = _mac(key, b"dial", group, challenge, struct.pack("!IHI", rank, rail, dst))
     if not hmac.compare_digest(proof, expect):
         raise HandshakeError("authentication failed (wrong job key or group)")
-    if dst != my_rank:
-        raise HandshakeError(f"rank {rank} dialled rank {dst}, but this is rank {my_rank}")
+    my_rank = dst
     if not may_dial(rank, rail):
         raise HandshakeError(f"rank {rank} may not open rail {rail} here (unknown or duplicate)")
     if deadline is not None:
         _until(sock, deadline)
     sock.sendall(OK + _mac(key, b"accept", group, their_challenge, struct.pack("!I", my_rank)))
-    return rank, rail
+    return owner, rank, rail
 
 
 def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int, dst: int) -> None:
@@ -118,7 +131,7 @@ def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
         raise HandshakeError(f"the listener at {sock.getpeername()} is not a neuron rail")
     challenge = secrets.token_bytes(32)
     ids = struct.pack("!IHI", my_rank, rail, dst)
-    sock.sendall(_PROOF.pack(MAGIC, my_rank, rail, dst, challenge,
+    sock.sendall(_PROOF.pack(MAGIC, my_rank, rail, dst, group_id(group), challenge,
                              _mac(key, b"dial", group, hello[4:], ids)))
     answer = _read_exact(sock, _OK_SIZE)
     expect = _mac(key, b"accept", group, challenge, struct.pack("!I", dst))

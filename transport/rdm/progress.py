@@ -31,6 +31,7 @@ import threading
 import time
 
 from ..requests import run_callbacks
+from .listener import Listener
 
 _BG_POLL = 0.05  # longest sleep of the background thread in epoll (a safety net)
 _FOLLOW = 0.001  # a waiter that cannot lead checks this often whether it may
@@ -55,6 +56,8 @@ class Progress:
         self._stop = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._listeners: dict = {}  # host -> Listener, shared by every group
+        self._groups: dict = {}  # (group id, rank) -> the transport of that group's rank
         self.callbacks = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._background, daemon=True,
                                           name="neuron-rdm-progress"),
@@ -64,6 +67,29 @@ class Progress:
             t.start()
 
     # ------------------------------------------------------------------ registry
+
+    def listen(self, host: str) -> str:
+        """The address of the process's listener on ``host`` (started on first use)."""
+        with self._lock:
+            listener = self._listeners.get(host)
+            if listener is None:
+                listener = self._listeners[host] = Listener(host, self._resolve)
+            return listener.address
+
+    def join_group(self, gid: bytes, rank: int, transport) -> None:
+        """Connections that name group ``gid`` and ``rank`` go to ``transport``."""
+        with self._lock:
+            self._groups[(gid, rank)] = transport
+
+    def leave_group(self, gid: bytes, rank: int, transport) -> None:
+        with self._lock:
+            if self._groups.get((gid, rank)) is transport:
+                del self._groups[(gid, rank)]
+
+    def _resolve(self, gid: bytes, rank: int):
+        with self._lock:
+            t = self._groups.get((gid, rank))
+        return None if t is None else (t, t._key, t._group, t._may_dial)
 
     def register(self, fd: int, transport, rail, events: int) -> None:
         self._handlers[fd] = (transport, rail)
@@ -201,6 +227,8 @@ class Progress:
             self._idle.notify_all()
         self.wake()
         self.callbacks.put(None)
+        for listener in self._listeners.values():
+            listener.close()
         me = threading.current_thread()
         for t in self._threads:
             if t is not me:

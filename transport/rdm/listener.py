@@ -1,0 +1,146 @@
+"""The process's listener on one interface address, shared by every group (every rdm
+transport) of the process.
+
+A rank publishes this address for each of its groups; peers dial it and name, in the
+handshake, the group and rank they want (handshake.py). ``resolve(group_id, rank)`` finds
+that group's transport, whose key checks the proof; the authenticated connection becomes
+a rail of that transport (``_accepted``). Each connection gets a thread for its
+handshake, with one deadline for the whole of it; at most ``MAX_HANDSHAKES`` may be
+unfinished at once (a new one closes the oldest), and an error from ``accept`` (out of
+descriptors, a connection reset before it was taken) is retried with a growing pause,
+never the end of the loop. Strangers are logged a few times a minute.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+import time
+
+from . import handshake
+
+log = logging.getLogger("neuron_dist.rdm")
+
+HANDSHAKE_TIMEOUT = 10.0
+MAX_HANDSHAKES = 32  # unfinished incoming handshakes at once (then the oldest is dropped)
+
+
+class _RateLimitedLog:
+    """Warnings about strangers at the listener: the first few per minute, then a count."""
+
+    def __init__(self, label: str, burst: int = 5, period: float = 60.0):
+        self._label, self._burst, self._period = label, burst, period
+        self._start, self._count, self._lock = -math.inf, 0, threading.Lock()
+
+    def note(self, what: str, level: int = logging.WARNING) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._start > self._period:
+                if self._count > self._burst:
+                    log.warning("neuron %s: %d more such events at the listener in the last "
+                                "%.0f s", self._label, self._count - self._burst, self._period)
+                self._start, self._count = now, 0
+            self._count += 1
+            loud = self._count <= self._burst
+        if loud:
+            log.log(level, "neuron %s: %s", self._label, what)
+
+
+
+class Listener:
+    """A listening socket on ``host`` (port 0) and its accept thread."""
+
+    def __init__(self, host: str, resolve):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, 0), backlog=128, family=family)
+        port = self.sock.getsockname()[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._resolve = resolve
+        self._lock = threading.Lock()
+        self._handshakes: dict = {}  # unfinished incoming connection -> address, oldest first
+        self._strangers = _RateLimitedLog(f"listener {self.address}")
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"neuron-rdm-accept-{port}")
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in it
+        except OSError:
+            pass
+        self.sock.close()
+        with self._lock:
+            for conn in list(self._handshakes):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+
+    def _accept_loop(self) -> None:
+        """Accept connections for as long as the transport is open.
+
+        Each gets a thread for its handshake, with one deadline for the whole of it
+        (``HANDSHAKE_TIMEOUT``). At most ``MAX_HANDSHAKES`` may be unfinished at once: a
+        new one closes the oldest (a flood of idle connections costs the job no more than
+        that many descriptors and threads). An error from ``accept`` (out of descriptors,
+        a connection reset before it was taken) is logged and retried with a growing pause,
+        never the end of the loop.
+        """
+        pause = 0.0
+        while not self._closed:
+            try:
+                conn, addr = self.sock.accept()
+            except OSError as e:
+                if self._closed:
+                    return
+                pause = min(1.0, max(0.01, pause * 2))
+                self._strangers.note(f"accept() failed: {e}", level=logging.WARNING)
+                with self._lock:  # free descriptors: drop the oldest unfinished handshake
+                    if self._handshakes:
+                        self._evict_oldest()
+                time.sleep(pause)
+                continue
+            pause = 0.0
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                while len(self._handshakes) >= MAX_HANDSHAKES:
+                    self._evict_oldest()
+                self._handshakes[conn] = addr
+            threading.Thread(target=self._accept_one, args=(conn, addr), daemon=True,
+                             name="neuron-rdm-handshake").start()
+
+    def _evict_oldest(self) -> None:
+        """Under the lock: end the oldest unfinished handshake (its thread sees an error)."""
+        conn, addr = next(iter(self._handshakes.items()))
+        del self._handshakes[conn]
+        self._strangers.note(f"dropped an unfinished handshake from {addr} "
+                             f"({MAX_HANDSHAKES} were open)")
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _accept_one(self, conn, addr) -> None:
+        try:
+            owner, peer, rail = handshake.accept(conn, self._resolve,
+                                                 deadline=time.monotonic() + HANDSHAKE_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - a stranger must never hurt the job
+            with self._lock:
+                self._handshakes.pop(conn, None)
+            self._strangers.note(f"refused a connection from {addr}: {e}")
+            conn.close()
+            return
+        with self._lock:
+            evicted = self._handshakes.pop(conn, None) is None
+        if evicted:  # (it was closed under us: the dialer retries)
+            conn.close()
+            return
+        owner._accepted(conn, peer, rail)

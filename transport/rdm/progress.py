@@ -17,9 +17,13 @@ waits back to back, one operation after another, keeps driving it), and asynchro
 acks and retransmissions still move when nobody is blocked; a thread that starts waiting
 while the background thread polls wakes it (``wake``) and takes over at once.
 
+The engine also keeps the process's listeners, one per interface address, shared by every
+group (``listen``, listener.py; the handshake names the group and rank dialled, and
+``join_group`` says which transport that is).
+
 Completion callbacks run on the engine's callback thread (never under a transport's lock;
-see ``requests.py``). Both threads start with the first transport and end with the last,
-so nothing is left behind once every transport is closed.
+see ``requests.py``). Both threads and the listeners start with the first transport and
+end with the last, so nothing is left behind once every transport is closed.
 """
 
 from __future__ import annotations

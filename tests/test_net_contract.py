@@ -4,29 +4,15 @@ ranks under mpiexec."""
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 
 import pytest
 
 import net_contract as C
-from neuron_dist.transport.rdm.driver import RdmTransport
-
-KEY = os.urandom(32)
-
+from test_rdm_driver import _pair
 
 def _rdm_group():
-    ts = [RdmTransport(r, C.WORLD, host="127.0.0.1", rails=2, key=KEY, group=b"contract",
-                       rto=0.5) for r in range(C.WORLD)]
-    addrs = {r: t.address for r, t in enumerate(ts)}
-    threads = [threading.Thread(target=t.connect, args=(addrs, time.monotonic() + 10))
-               for t in ts]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return ts
+    return _pair(rails=2, world=C.WORLD, group=b"contract")
 
 
 @pytest.mark.timeout(120)

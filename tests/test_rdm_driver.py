@@ -28,8 +28,9 @@ pytestmark = pytest.mark.timeout(60)
 KEY, GROUP = os.urandom(32), b"test-group"
 
 
-def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2):
-    ts = [RdmTransport(r, world, host="127.0.0.1", rails=rails, key=KEY, group=GROUP,
+def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2, group=GROUP):
+    """``world`` connected transports of one group, in this process."""
+    ts = [RdmTransport(r, world, host="127.0.0.1", rails=rails, key=KEY, group=group,
                        segment_bytes=segment_bytes, crc=crc, rto=0.5) for r in range(world)]
     addrs = {r: t.address for r, t in enumerate(ts)}
     threads = [threading.Thread(target=t.connect, args=(addrs, time.monotonic() + 10)) for t in ts]

@@ -72,15 +72,28 @@ class Net:
             _, _, src, dst, rail, data = heapq.heappop(self.queue)
             if self._link(src, dst, rail) in self.dead:
                 continue
-            by_rank[dst].receive(rail, data, self.now)
+            self._arrive(by_rank[dst], rail, data)
+        self._progress()
         for ep in self.eps:
-            self.events[ep.rank] += ep.events()
+            new = ep.events()
+            self.events[ep.rank] += new
+            self._delivered(new)
             for peer in range(ep.world_size):
                 if peer != ep.rank:
                     self.max_inflight[ep.rank] = max(self.max_inflight[ep.rank], ep.inflight_bytes(peer))
             self.max_reassembly[ep.rank] = max(self.max_reassembly[ep.rank], ep.reassembly_bytes)
         for hook in list(self.on_step):
             hook(self)
+
+    def _arrive(self, ep, rail, data):
+        """A frame reaches ``ep`` (a datagram driver: ``receive``)."""
+        ep.receive(rail, data, self.now)
+
+    def _progress(self):
+        """After this step's arrivals (subclasses: work that takes time)."""
+
+    def _delivered(self, events):
+        """The events an endpoint reported this step (subclasses: act on them)."""
 
     def run(self, done, max_time=60.0):
         while not done():
@@ -315,23 +328,18 @@ class StreamNet(Net):
         super().__init__(eps, seed=seed, delay=(0.001, 0.01))
         self.stall = stall
         self.landing = []  # (time, ep, rail, frame bytes, target view)
+        self.results = []  # posted messages, as they completed
 
-    def step(self):
-        self.now += DT
-        for ep in self.eps:
-            for tx in ep.poll_transmit(self.now):
-                self._put(ep.rank, tx)
-        by_rank = {ep.rank: ep for ep in self.eps}
-        while self.queue and self.queue[0][0] <= self.now:
-            _, _, src, dst, rail, data = heapq.heappop(self.queue)
-            ep = by_rank[dst]
-            h = F.decode_header(data[:F.HEADER_SIZE])
-            target = ep.data_target(rail, h)
-            if target is None:
-                ep.receive(rail, data, self.now)
-                continue
-            done = self.now + self.rng.uniform(*self.stall)
-            self.landing.append((done, ep, rail, data, target))
+    def _arrive(self, ep, rail, data):
+        h = F.decode_header(data[:F.HEADER_SIZE])
+        target = ep.data_target(rail, h)
+        if target is None:
+            ep.receive(rail, data, self.now)
+            return
+        done = self.now + self.rng.uniform(*self.stall)
+        self.landing.append((done, ep, rail, data, target))
+
+    def _progress(self):
         still = []
         for item in self.landing:
             done, ep, rail, data, target = item
@@ -343,12 +351,12 @@ class StreamNet(Net):
             ep.data_landed(rail, data[:F.HEADER_SIZE], h, self.now,
                            data[F.HEADER_SIZE + h.length:])
         self.landing = still
-        for ep in self.eps:
-            for e in ep.events():
-                self.events[ep.rank].append(e)
-                if isinstance(e, MessageReceived) and e.posted:
-                    self.results.append(bytes(e.data))
-                    e.data[:] = b"\xee" * e.data.nbytes  # the caller reuses its buffer
+
+    def _delivered(self, events):
+        for e in events:
+            if isinstance(e, MessageReceived) and e.posted:
+                self.results.append(bytes(e.data))
+                e.data[:] = b"\xee" * e.data.nbytes  # the caller reuses its buffer
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -356,7 +364,6 @@ def test_stalled_readers_never_write_into_a_completed_receive(seed):
     rng = random.Random(seed)
     eps = make(2, rails=3, segment_bytes=64, rto=0.02, max_rto=0.05, max_retries=1000)
     net = StreamNet(eps, seed)
-    net.results = []
     msgs = [payload(rng, rng.choice((1, 40, 64, 65, 200))) for _ in range(40)]
     bufs = [bytearray(len(m)) for m in msgs]
     for b in bufs:

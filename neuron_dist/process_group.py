@@ -705,8 +705,6 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 f.finish()  # a receive into a non-contiguous tensor: copy it back
             work._complete(error, req.source if req.source is not None else -1)
 
-        req.on_complete(finish)
-
         def drive(deadline):
             try:
                 req.wait(min(deadline, op_deadline))
@@ -732,7 +730,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 pass
             finish(req)
 
-        work.driver = drive
+        work.driver = drive  # (before on_complete, which may complete the work and drop it)
+        req.on_complete(finish)
         return work
 
     def send(self, tensors, dst: int, tag: int = 0):

@@ -71,6 +71,10 @@ class NeuronWork(dist.Work):
             self._exception = exception
             self._source = source
             self._finished = True
+            # The driver's closure refers back to this work: dropping it lets reference
+            # counting free both (a cycle per message would wake the cyclic collector,
+            # whose full passes over torch's objects cost tens of ms).
+            self.driver = None
             future, hooks = self._future, self._hooks
             self._hooks = None
         try:
@@ -91,8 +95,9 @@ class NeuronWork(dist.Work):
             seconds = _seconds(timeout)
             deadline = started + seconds if seconds else float("inf")
             try:
-                if self.driver is not None:
-                    self.driver(deadline)
+                driver = self.driver  # (None once complete)
+                if driver is not None:
+                    driver(deadline)
                 elif self.engine is not None and self.engine.is_engine_thread():
                     self.engine.run_until(self)
                 else:

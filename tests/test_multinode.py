@@ -227,3 +227,54 @@ def test_losing_a_rail_mid_collective_loses_nothing():
     assert results[0]["alive"] == [True, False, True, True], results[0]
     assert results[0]["retransmits"] + results[2]["retransmits"] >= 1, results
     assert results[2]["alive"][1] is False, results[2]
+
+
+def _cycles(rank, world):
+    # Every operation's objects are freed by reference counting alone: a reference cycle
+    # per message wakes Python's cyclic collector, whose full passes over torch's objects
+    # cost tens of milliseconds. Returns the garbage the collector found, by type.
+    import collections
+    import gc
+    t, peer = torch.ones(16), rank ^ 1
+    bufs = [torch.ones(16384) for _ in range(4)]
+
+    def ops():
+        if rank % 2 == 0:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+            works = [dist.isend(b, peer) for b in bufs]
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+            time.sleep(0.01)  # the messages arrive before their receives: "early"
+            works = [dist.irecv(b, peer) for b in bufs]
+        for w in works:
+            w.wait()
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        dist.all_reduce(torch.ones(1 << 20))
+        dist.broadcast(t, 0)
+        dist.all_gather_into_tensor(torch.empty(16 * world), t)
+        dist.reduce_scatter_tensor(t, torch.ones(16 * world))
+        dist.barrier()
+
+    ops()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(5):
+            ops()
+        gc.collect()
+        found = collections.Counter(type(o).__name__ for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    return dict(found)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("names", [["a", "a"], ["a", "b"], ["a", "b", "a", "b"]],
+                         ids=["one-node", "1+1", "2x2"])
+def test_operations_leave_no_reference_cycles(names):
+    results = run_ranks(_cycles, len(names), env=_env(names), timeout=100)
+    assert not any(results.values()), results

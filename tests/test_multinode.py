@@ -201,21 +201,26 @@ def _cut_a_rail_mid_all_reduce(rank, world):
     peer = (rank + 2) % world  # same local index on the other node: the hierarchical partner
     n = 8_000_000
     t = torch.arange(n, dtype=torch.float32).remainder_(101) * (rank + 1)
+    cut_at = []  # rail 0's unacked bytes when it was cut
     if rank == 0:
-        def cut():  # as soon as data to the peer is in flight: mid-transfer
+        def cut():  # as soon as rail 0 (which every transfer starts on) carries data
             end = time.monotonic() + 10
-            while pg._net.ep.inflight_bytes(peer) < (1 << 20) and time.monotonic() < end:
-                time.sleep(0.0005)
-            pg._net._rails[peer][1].sock.shutdown(socket.SHUT_RDWR)
-        threading.Thread(target=cut, daemon=True).start()
+            while pg._net.ep.inflight_bytes(peer, 0) < (1 << 20) and time.monotonic() < end:
+                time.sleep(0.0002)
+            cut_at.append(pg._net.ep.inflight_bytes(peer, 0))
+            pg._net._rails[peer][0].sock.shutdown(socket.SHUT_RDWR)
+        cutter = threading.Thread(target=cut, daemon=True)
+        cutter.start()
     import time as _t
     started = _t.monotonic()
     dist.all_reduce(t)
     ref = torch.arange(n, dtype=torch.float32).remainder_(101) * (world * (world + 1) / 2)
+    if rank == 0:
+        cutter.join()
     dist.all_reduce(torch.ones(1000))  # the group goes on
     alive = [r.alive for r in pg._net._rails[peer]]
     return {"ok": torch.equal(t, ref), "alive": alive, "seconds": _t.monotonic() - started,
-            "retransmits": pg._net.stats()["retransmits"]}
+            "retransmits": pg._net.stats()["retransmits"], "cut_at": cut_at}
 
 
 @pytest.mark.timeout(120)
@@ -224,9 +229,10 @@ def test_losing_a_rail_mid_collective_loses_nothing():
                         env=lambda r: {"NEURON_DIST_NODE_NAME": "ab"[r // 2]}, timeout=100)
     for rank, out in results.items():
         assert out["ok"], (rank, out)
-    assert results[0]["alive"] == [True, False, True, True], results[0]
+    assert results[0]["cut_at"][0] >= 1 << 20, results[0]  # cut mid-transfer
+    assert results[0]["alive"] == [False, True, True, True], results[0]
     assert results[0]["retransmits"] + results[2]["retransmits"] >= 1, results
-    assert results[2]["alive"][1] is False, results[2]
+    assert results[2]["alive"][0] is False, results[2]
 
 
 def _cycles(rank, world):

@@ -766,10 +766,13 @@ class Endpoint:
                 due = s.acks_due
         return None if due == math.inf else due
 
-    def inflight_bytes(self, peer: int) -> int:
-        """Unacked bytes to ``peer`` as counted against ``window_bytes``."""
+    def inflight_bytes(self, peer: int, rail: int | None = None) -> int:
+        """Unacked bytes to ``peer`` as counted against ``window_bytes`` (on ``rail``
+        only, if given)."""
         state = self._peers.get(peer)
-        return state.inflight if state else 0
+        if state is None:
+            return 0
+        return state.inflight if rail is None else state.rail_bytes[rail]
 
     # ------------------------------------------------------------------ peers
 

@@ -730,8 +730,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 pass
             finish(req)
 
-        work.driver = drive  # (before on_complete, which may complete the work and drop it)
-        req.on_complete(finish)
+        # Completed by whoever looks (wait, is_completed, ...): no completion callback, so
+        # no hand-off to the transport's callback thread per message. A future or hook
+        # arms the callback.
+        work.driver = drive
+        work.poll = lambda: finish(req) if req.done() else None
+        work.arm = lambda: req.on_complete(finish)
         return work
 
     def send(self, tensors, dst: int, tag: int = 0):

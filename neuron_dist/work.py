@@ -5,7 +5,9 @@ A Work completes exactly once, with its output tensors or an exception. ``wait``
 ``torch.futures.Future`` completed with the list of output tensors, which DDP comm hooks
 and funcol rely on. Who makes progress while a caller waits depends on the operation:
 collectives are executed by their group's engine (or inline), send/recv are driven by the
-caller's own ``wait`` through ``driver`` so no thread hand-off sits on the critical path.
+caller's own ``wait`` through ``driver`` so no thread hand-off sits on the critical path;
+a network send/recv completes when someone looks (``wait``, ``is_completed``, ...) or,
+once a future or hook asks for it, by itself.
 
 Small synchronous collectives complete before their Work is even returned, so a Work
 allocates nothing it may not need: the future is made on first ``get_future`` and blocking
@@ -49,11 +51,28 @@ class NeuronWork(dist.Work):
         self._hooks = None
         self._waiters = 0
         self.driver = None  # callable(deadline) that makes progress until done (send/recv)
+        # A network send/recv completes lazily: ``poll()`` completes this work if its
+        # request has finished, ``arm()`` makes it complete by itself when the request
+        # does (for futures and hooks, which must not wait for a caller to look).
+        self.poll = None
+        self.arm = None
         self.engine = None  # the CollectiveEngine that runs this work, if queued
 
     # ------------------------------------------------------------- completion
+    def _look(self) -> None:
+        """Complete a lazily completed work whose operation has finished."""
+        poll = self.poll
+        if poll is not None and not self._finished:
+            poll()
+
+    def _arm(self) -> None:
+        arm, self.arm = self.arm, None
+        if arm is not None and not self._finished:
+            arm()
+
     def add_done_hook(self, hook) -> None:
         """Call ``hook()`` once this work is complete (now, if it already is)."""
+        self._arm()
         with _state:
             if not self._finished:
                 if self._hooks is None:
@@ -74,7 +93,7 @@ class NeuronWork(dist.Work):
             # The driver's closure refers back to this work: dropping it lets reference
             # counting free both (a cycle per message would wake the cyclic collector,
             # whose full passes over torch's objects cost tens of ms).
-            self.driver = None
+            self.driver = self.poll = self.arm = None
             future, hooks = self._future, self._hooks
             self._hooks = None
         try:
@@ -122,12 +141,15 @@ class NeuronWork(dist.Work):
                 self._waiters -= 1
 
     def is_completed(self) -> bool:
+        self._look()
         return self._finished
 
     def is_success(self) -> bool:
+        self._look()
         return self._finished and self._exception is None
 
     def exception(self):
+        self._look()
         return self._exception
 
     def result(self):
@@ -135,6 +157,7 @@ class NeuronWork(dist.Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
+        self._arm()
         with _state:
             if self._future is None:
                 self._future = torch.futures.Future()
@@ -143,6 +166,7 @@ class NeuronWork(dist.Work):
             return self._future
 
     def source_rank(self) -> int:
+        self._look()
         return self._source
 
     def _source_rank(self) -> int:

@@ -284,3 +284,35 @@ def _cycles(rank, world):
 def test_operations_leave_no_reference_cycles(names):
     results = run_ranks(_cycles, len(names), env=_env(names), timeout=100)
     assert not any(results.values()), results
+
+
+
+def _unwaited_network_p2p(rank, world):
+    # A send/recv between nodes completes for whoever looks: is_completed() polled without
+    # a wait (with the copy back into a non-contiguous tensor), and a future that completes
+    # by itself and runs its callbacks while nobody waits on (or even keeps) the Work.
+    peer = 1 - rank
+    if rank == 0:
+        dist.send(torch.arange(12.0), peer)
+        dist.send(torch.full((1000,), 3.0), peer)
+        dist.barrier()
+        return {}
+    buf = torch.zeros(2, 6).t()  # a non-contiguous 6x2 view: received through a flat copy
+    work = dist.irecv(buf, peer)
+    deadline = time.monotonic() + 10
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    seen = []
+    fut = dist.irecv(torch.zeros(1000), peer).get_future()
+    fut = fut.then(lambda f: seen.append(f.value()[0].sum().item()))
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    dist.barrier()
+    return {"polled": work.is_completed() and work.is_success() and work.exception() is None,
+            "data": buf.reshape(-1).tolist() == list(range(12)), "future": seen == [3000.0]}
+
+
+@pytest.mark.timeout(60)
+def test_network_send_recv_complete_without_a_wait():
+    results = run_ranks(_unwaited_network_p2p, 2, env=_env(["a", "b"]), timeout=40)
+    assert results[1] == {"polled": True, "data": True, "future": True}, results

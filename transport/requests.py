@@ -121,6 +121,10 @@ class Request:
         except Exception:  # noqa: BLE001 - a callback's failure is its own business
             logging.getLogger("neuron_dist").exception("completion callback of %r failed", self)
 
+    def done(self) -> bool:
+        """True once complete, with or without an error (never raises)."""
+        return self._event.is_set()
+
     def test(self) -> bool:
         """True once complete (raises its error if it failed)."""
         if self._event.is_set():

@@ -16,7 +16,7 @@ take one step each instead of a ring's N-1: the data volume per rank is the ring
 from __future__ import annotations
 
 from . import single_copy
-from .context import Context, partition
+from .context import Context, flat, partition
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
 ALIGN_BYTES = 64
@@ -30,7 +30,7 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     if n * es <= ctx.small_bytes and n <= cap:
         _fits_one_slot(ctx, out, inp, spec)
         return
-    out, inp = out.view(-1), inp.view(-1)
+    out, inp = flat(out), flat(inp)
     if single_copy.worth_it(ctx, n * es):
         single_copy.all_reduce(ctx, out, inp, spec)
         return

@@ -55,7 +55,7 @@ import torch
 
 from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs, rooted
 from . import alltoall
-from .context import Context, partition
+from .context import Context, flat, partition
 from .descriptor import NWORDS, Call, CollectiveMismatch
 from ..transport.errors import MessageSizeMismatch
 from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_into
@@ -361,7 +361,7 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     topo = ctx.net.topo
     first, later = _split_spec(spec)
     n = inp.numel()
-    out, inp = out.view(-1), inp.view(-1)
+    out, inp = flat(out), flat(inp)
     if len(topo.local) == 1:  # alone on this node: straight to the network
         if first.kind == PREMUL_SUM:
             torch.mul(inp, first.factor, out=out)

@@ -324,3 +324,82 @@ def test_segment_create_is_private_exclusive_and_swept(tmp_path, monkeypatch):
     finally:
         s.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_attach_refuses_what_the_job_did_not_create(tmp_path, monkeypatch):
+    """A name from the store is only followed to a private segment of this user: an absolute
+    path or other directory, a symbolic link, another user's file and a 0666 file of the
+    right size are each refused with an error naming the problem, before anything is mapped."""
+    import torch  # noqa: F401  (first; see test_init_methods.test_import_neuron_dist_before_torch_is_silent)
+    from neuron_dist.transport.shm import segment as seg
+
+    monkeypatch.setenv("NEURON_DIST_SHM_DIR", str(tmp_path))
+    size = 8192
+    good = seg.Segment.create(seg.new_segment_name(), size)
+    try:
+        seg.Segment.attach(good.name, size).close()  # the real thing attaches
+
+        for name in (str(tmp_path / good.name), f"../{tmp_path.name}/{good.name}",
+                     "/etc/passwd", "neuron-0-1-../../x", ""):
+            with pytest.raises(seg.ShmSetupError, match="not a name this backend makes"):
+                seg.Segment.attach(name, size)
+
+        link = seg.new_segment_name()
+        os.symlink(tmp_path / good.name, tmp_path / link)
+        with pytest.raises(seg.ShmSetupError, match="symbolic link"):
+            seg.Segment.attach(link, size)
+
+        def planted(mode, uid=None):
+            name = seg.new_segment_name()
+            fd = os.open(tmp_path / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                os.fchmod(fd, mode)
+                if uid is not None:
+                    os.fchown(fd, uid, -1)
+            finally:
+                os.close(fd)
+            return name
+
+        with pytest.raises(seg.ShmSetupError, match="mode 0666, expected 0600"):
+            seg.Segment.attach(planted(0o666), size)
+        with pytest.raises(seg.ShmSetupError, match="mode 0640, expected 0600"):
+            seg.Segment.attach(planted(0o640), size)
+        if os.geteuid() == 0:  # only root can plant a file owned by someone else (CI is root)
+            with pytest.raises(seg.ShmSetupError, match="owned by uid 65534"):
+                seg.Segment.attach(planted(0o600, uid=65534), size)
+        os.mkfifo(tmp_path / (fifo := seg.new_segment_name()), 0o600)
+        with pytest.raises(seg.ShmSetupError, match="not a regular file"):
+            seg.Segment.attach(fifo, size)
+    finally:
+        good.close()
+
+
+def _init_only(rank, world):
+    return "initialised"
+
+
+def test_a_refused_segment_fails_every_rank_at_once(monkeypatch):
+    """The creator's segment is made 0666 after creation (as someone loosening it would): the
+    other rank refuses it, and both ranks fail at once with that reason (not after the
+    group's timeout, and not in the probe that follows the attach)."""
+    import torch  # noqa: F401
+    from harness import run_ranks
+    from neuron_dist.transport.shm import segment as seg
+
+    create = seg.Segment.create
+
+    def loosened(name, size, *args, **kwargs):
+        s = create(name, size, *args, **kwargs)
+        os.chmod(os.path.join(seg.shm_dir(), name), 0o666)
+        return s
+
+    monkeypatch.setattr(seg.Segment, "create", loosened)  # inherited by the forked ranks
+    start = time.monotonic()
+    res = run_ranks(_init_only, 2, timeout=40, pg_timeout=30, expect_errors=True)
+    elapsed = time.monotonic() - start
+    for rank in (0, 1):
+        assert res[rank][0] == "error", res
+        assert "mode 0666, expected 0600" in res[rank][2], res[rank]
+    assert "a peer refused this node's shared-memory segment" in res[0][2], res[0]
+    assert elapsed < 15, f"the refusal took {elapsed:.1f} s to reach every rank"

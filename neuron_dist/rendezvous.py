@@ -1,7 +1,9 @@
 """Set-up of a group through the c10d store: who shares a node, shared memory, network rails.
 
-1. Every rank publishes its node identity (topology.node_identity); ranks with equal
-   identities form a node (collectives.twolevel.Topology).
+1. Every rank publishes its node identity (topology.node_identity) and its CPU
+   architecture; ranks with equal identities form a node (collectives.twolevel.Topology).
+   A node of several ranks on a CPU that is not x86-64 is refused on every rank (the
+   shared-memory protocol relies on x86-64's store ordering: transport/shm/ordering.py).
 2. Per node, the node's first rank sweeps leftover segments of dead jobs, creates the
    node's segment and publishes its (unguessable) name; the node's other ranks attach
    (refusing anything but a private segment of this user: transport/shm/segment.py).
@@ -20,6 +22,7 @@ the same store (after destroy_process_group) never reads a previous generation's
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -33,6 +36,7 @@ from .transport.shm import cma
 from .transport.shm.backoff import default_spin
 from .transport.shm.channel import ShmChannel
 from .transport.shm.layout import Layout
+from .transport.shm.ordering import machine, shares_memory_safely
 from .transport.shm.segment import (Segment, ShmSetupError, new_segment_name,
                                      sweep_leftovers)
 from .topology import choose_addresses, node_identity
@@ -54,9 +58,10 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     """Rendezvous through ``store``; return the group's channel, topology and transport."""
     gen = (store.add("neuron/generation", 1) - 1) // size
     key = f"neuron/{gen}"
-    store.set(f"{key}/node/{rank}", node_identity(settings.node_name))
-    names = [store.get(f"{key}/node/{k}").decode() for k in range(size)]
-    topo = Topology.from_names(rank, names)
+    store.set(f"{key}/node/{rank}", json.dumps([node_identity(settings.node_name), machine()]))
+    nodes = [json.loads(store.get(f"{key}/node/{k}")) for k in range(size)]
+    topo = Topology.from_names(rank, [name for name, _ in nodes])
+    check_memory_model(topo, [arch for _, arch in nodes])
     local = topo.local
     channel = _open_node_channel(store, f"{key}/n{topo.my_node}", local.index(rank), len(local),
                                  settings, timeout)
@@ -75,6 +80,22 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
              "MPI" if settings.transport == "mpi" else f"{settings.rails} rail(s) per peer",
              net.address)
     return GroupLinks(channel, topo, net)
+
+
+def check_memory_model(topo: Topology, archs: list) -> None:
+    """Refuse (on every rank alike) a node whose ranks would share memory on a CPU the
+    shared-memory protocol is not correct on; ``archs[k]`` is group rank k's architecture."""
+    for ranks in topo.nodes:
+        bad = sorted({archs[k] for k in ranks if not shares_memory_safely(archs[k])})
+        if len(ranks) > 1 and bad:
+            raise ShmSetupError(
+                f"group ranks {list(ranks)} share a node whose CPU is {'/'.join(bad)}: neuron's "
+                f"shared-memory protocol relies on x86-64's store ordering and would give wrong "
+                f"results on a weakly ordered CPU. Make every rank its own node, so ranks talk "
+                f"over the network transport (TCP on loopback): set NEURON_DIST_NODE_NAME to a "
+                f"different value in each rank, e.g. "
+                f"os.environ['NEURON_DIST_NODE_NAME'] = f\"{{socket.gethostname()}}-"
+                f"{{os.environ['LOCAL_RANK']}}\" before init_process_group")
 
 
 def _open_mpi(store, key: str, rank: int, size: int, timeout: timedelta, label: str):

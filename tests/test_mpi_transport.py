@@ -2,7 +2,8 @@
 
 * ``mpi_job_transport.py`` (3 ranks): MpiTransport send/recv of 0..8 MiB, per-tag order,
   messages sent before their receive, tags beyond MPI_TAG_UB, size mismatch, timeout,
-  callbacks, a subgroup, close() failing pending requests; at MPI thread levels MULTIPLE
+  callbacks, a subgroup, close() failing pending requests, a group creation a member never
+  joins (a PeerTimeout, and the other transports keep working); at MPI thread levels MULTIPLE
   and SERIALIZED (and FUNNELED, where a transport must refuse to start).
 * ``mpi_job_init.py`` (4 ranks, 2 virtual nodes): ``init_process_group("neuron")`` with the
   rendezvous variables taken from MPI (no torchrun), then collectives and send/recv across

@@ -262,15 +262,23 @@ def test_netem_delay_three_nodes(clean):
 @needs_netns
 @pytest.mark.timeout(120)
 def test_rate_limited_three_nodes(clean):
-    """3 nodes with an egress rate limit (netem, or tbf where the kernel lacks netem)."""
-    res = vnodes.run(3, 1, _job(clean["tag"]), netns=True, netem=vnodes.Netem(rate="1gbit"),
-                     timeout=90)
+    """3 nodes with an egress rate limit (netem, or tbf where the kernel lacks netem) that
+    takes effect: a 4 MiB send between two nodes is capped at the limit (200 Mbit/s, 25 MB/s;
+    unshaped veth pairs carry it at hundreds of MB/s to GB/s here)."""
+    limit_mbps = 25.0
+    res = vnodes.run(3, 1, _job(clean["tag"], "--send-bytes", str(4 << 20)), netns=True,
+                     netem=vnodes.Netem(rate="200mbit"), timeout=90)
     clean["results"].append(res)
     assert res.ok, f"exit codes {res.node_returncodes}\n" + "\n".join(res.outputs)
     assert res.shaping == ("netem" if vnodes.netem_available() else "tbf")
     reports = _reports(res)
     _check_layout(reports, 3, 1)
     assert len({r["shm_dev"] for r in reports}) == 3
+    measured = reports[0]["send_MBps"]
+    # the token bucket's burst (100 KB) lets a little more through than the rate at first
+    assert measured <= limit_mbps * 1.1, f"{measured:.1f} MB/s through a {limit_mbps} MB/s limit"
+    assert measured >= limit_mbps * 0.3, f"{measured:.1f} MB/s: the transfer barely moved"
+    print(f"\nrate-limited send: {measured:.1f} MB/s (limit {limit_mbps} MB/s)")
     assert res.duration < 60
 
 

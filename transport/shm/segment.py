@@ -2,7 +2,8 @@
 
 Lifecycle, chosen so that nothing can accumulate in /dev/shm:
 
-1. The creator makes ``<dir>/neuron-<uid>-<creator pid>-<random token>`` with
+1. The creator makes ``<dir>/neuron-<uid>-<pid>-<pid namespace>-<start time>-<random
+   token>`` (the creator's identity: procid.py) with
    O_CREAT|O_EXCL and mode 0600, sized with ftruncate (sparse), and reserves the pages that
    are used at once with posix_fallocate; other ranges (send/recv mailboxes) are reserved
    by ``reserve`` on first use. Either way a too-small /dev/shm fails with a clear error
@@ -17,8 +18,9 @@ Lifecycle, chosen so that nothing can accumulate in /dev/shm:
    the last process unmaps it or dies, so a SIGKILL leaves nothing behind.
 
 Only the short window between 1 and 3 can leak a name (if the creator dies inside it).
-``sweep_leftovers`` removes such names whose creator pid no longer runs; every new group
-calls it.
+``sweep_leftovers`` removes such names whose creator no longer runs (only names created in
+this PID namespace, with the creator's start time checked against pid reuse); every new
+group calls it.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import re
 import secrets
 import stat
 
+from . import procid
+
 PREFIX = "neuron-"
-# what new_segment_name makes: neuron-<uid>-<pid>-<16 hex digits>
-_NAME = re.compile(r"neuron-[0-9]+-[0-9]+-[0-9a-f]{16}")
+# what new_segment_name makes: neuron-<uid>-<pid>-<pid namespace>-<start time>-<16 hex digits>
+_NAME = re.compile(r"neuron-[0-9]+-[0-9]+-[0-9]+-[0-9]+-[0-9a-f]{16}")
 
 
 class ShmSetupError(RuntimeError):
@@ -44,8 +48,11 @@ def shm_dir() -> str:
 
 
 def new_segment_name() -> str:
-    """A name no other job can guess: uid, creator pid and 64 random bits."""
-    return f"{PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
+    """A name no other job can guess: uid, the creator's identity (pid, PID namespace,
+    start time: see procid.py) and 64 random bits."""
+    pid = os.getpid()
+    return (f"{PREFIX}{os.getuid()}-{pid}-{procid.pid_namespace()}-{procid.start_time(pid)}-"
+            f"{secrets.token_hex(8)}")
 
 
 class Segment:
@@ -96,8 +103,8 @@ class Segment:
         regular file of this user with mode 0600, or one of another size)."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ShmSetupError(f"refusing to attach shared-memory segment {name!r}: not a name "
-                                f"this backend makes ({PREFIX}<uid>-<pid>-<16 hex digits>, no "
-                                f"'/'); the rendezvous store held something else")
+                                f"this backend makes ({PREFIX}<uid>-<pid>-<pid namespace>-<start "
+                                f"time>-<16 hex digits>, no '/'); the store held something else")
         path = os.path.join(shm_dir(), name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -159,41 +166,29 @@ def _fallocate(fd: int, offset: int, length: int) -> None:
             "NEURON_DIST_SHM_MAILBOX_BYTES") from exc
 
 
-def _pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs. A zombie (killed, not yet reaped by its parent) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
-
-
 def sweep_leftovers() -> list[str]:
-    """Unlink this user's segments whose creator process is gone. Returns the names removed."""
+    """Unlink this user's segments whose creator is gone; returns the names removed.
+
+    Only segments created in this PID namespace are judged (another namespace's pids
+    mean nothing here: a creator that runs there would look dead), and a creator is the
+    pid *and* its start time, so a pid handed out again does not keep a dead job's
+    segment alive."""
     removed = []
     prefix = f"{PREFIX}{os.getuid()}-"
+    ns = procid.pid_namespace()
     try:
         names = os.listdir(shm_dir())
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) or not _NAME.fullmatch(name):
+            continue
+        pid, pidns, started = (int(f) for f in name[len(prefix):].split("-")[:3])
+        if pidns != ns or procid.alive(pid, started):
             continue
         try:
-            pid = int(name[len(prefix):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
-            try:
-                os.unlink(os.path.join(shm_dir(), name))
-                removed.append(name)
-            except OSError:
-                pass
+            os.unlink(os.path.join(shm_dir(), name))
+            removed.append(name)
+        except OSError:
+            pass
     return removed

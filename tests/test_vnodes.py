@@ -365,3 +365,34 @@ def test_shaping_arguments():
     assert not vnodes.Netem()
     with pytest.raises(ValueError, match="netns"):
         vnodes.run(2, 1, [JOB], netem={"rate": "1gbit"})
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_stale_sweep_judges_launchers_by_identity_not_pid():
+    """cleanup_stale deletes the namespaces of a launcher that is gone (dead pid, or a pid
+    now running a later process) and keeps a live launcher's and those of another PID
+    namespace (whose pids mean nothing here)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    dead, me = p.pid, os.getpid()
+    ns, started = vnodes._pid_namespace(), vnodes._start_time(me)
+    assert ns and started
+    names = {
+        "dead": f"nd{dead}_{ns}_{started}_0n0",
+        "reused": f"nd{me}_{ns}_{started - 1}_0br",
+        "alive": f"nd{me}_{ns}_{started}_990n0",
+        "foreign": f"nd{dead}_{ns + 1}_{started}_0n0",
+    }
+    assert vnodes._launcher_tag(990) + "n0" == names["alive"]
+    for name in names.values():
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        removed = vnodes.cleanup_stale()
+        left = set(vnodes._list_netns())
+        assert {names["dead"], names["reused"]} <= set(removed), removed
+        assert names["dead"] not in left and names["reused"] not in left
+        assert names["alive"] in left and names["foreign"] in left, left
+    finally:
+        for name in names.values():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)

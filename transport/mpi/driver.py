@@ -207,7 +207,8 @@ class MpiTransport:
         Parent communicator (default ``MPI.COMM_WORLD``).
     deadline : float, optional
         ``time.monotonic()`` by which every member must have joined the communicator's
-        creation; ``PeerTimeout`` naming all peers otherwise. Default: wait as long as MPI does.
+        creation; ``PeerTimeout`` naming the members that had not otherwise (or, for a
+        member that comes late, those that gave up). Default: wait as long as it takes.
 
     Raises
     ------

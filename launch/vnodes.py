@@ -21,8 +21,11 @@ Two flavours:
 
 * ``--netns`` (root; Linux network namespaces): every node is isolated like a host::
 
-      ns nd{pid}_{k}n0              ns nd{pid}_{k}br             ns nd{pid}_{k}n1
+      ns nd{id}_{k}n0               ns nd{id}_{k}br              ns nd{id}_{k}n1
       eth0 10.R.0.1/24 <--veth--> vn0 -[br0]- vn1 <--veth--> eth0 10.R.0.2/24
+
+  (``{id}`` is the launcher's identity, ``{pid}_{pid namespace}_{start time}``: see
+  ``cleanup_stale``.)
 
   One namespace per node holds ``lo`` and ``eth0`` (one end of a veth pair); the other end
   of each veth is a port of bridge ``br0``, which lives in a namespace of its own, so no
@@ -110,7 +113,7 @@ NODE_IFNAME = "eth0"
 BRIDGE_NAME = "br0"
 
 _NS_PREFIX = "nd"
-_NS_RE = re.compile(rf"^{_NS_PREFIX}(\d+)_(\d+)(?:n\d+|br)$")
+_NS_RE = re.compile(rf"^{_NS_PREFIX}(\d+)_(\d+)_(\d+)_(\d+)(?:n\d+|br)$")
 _RUN_COUNTER = itertools.count()
 _PRINT_LOCK = threading.Lock()
 
@@ -265,14 +268,41 @@ def _free_port_in_ns(ns: str, addr: str) -> int:
     return int(out.strip())
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_namespace() -> int:
+    """Inode of this process's PID namespace (0 if /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _start_time(pid: int) -> int:
+    """Start of process ``pid`` in clock ticks since boot (stat(5) field 22); 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _launcher_tag(seq: int) -> str:
+    """``nd{pid}_{pid namespace}_{start time}_{seq}``: names this launcher's namespaces
+    with an identity a pid alone is not (see ``cleanup_stale``)."""
+    pid = os.getpid()
+    return f"{_NS_PREFIX}{pid}_{_pid_namespace()}_{_start_time(pid)}_{seq}"
+
+
+def _process_alive(pid: int, started: int) -> bool:
+    """True if ``pid`` runs (in this PID namespace) and is the process that started at
+    ``started`` (not a later one given the same pid)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return _start_time(pid) in (0, started)
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -343,7 +373,7 @@ def _probe_netns() -> bool:
         return False
     if not all(shutil.which(c) for c in ("ip", "unshare", "mount", "hostname")):
         return False
-    ns = f"{_NS_PREFIX}{os.getpid()}_{next(_RUN_COUNTER)}br"
+    ns = f"{_launcher_tag(next(_RUN_COUNTER))}br"
     try:
         _sh("ip", "netns", "add", ns)
         _sh("ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
@@ -369,7 +399,7 @@ def netem_available() -> bool:
     if "netem" not in _PROBES:
         ok = False
         if netns_available():
-            ns = f"{_NS_PREFIX}{os.getpid()}_{next(_RUN_COUNTER)}n0"
+            ns = f"{_launcher_tag(next(_RUN_COUNTER))}n0"
             try:
                 _sh("ip", "netns", "add", ns)
                 _sh("ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
@@ -386,9 +416,11 @@ def netem_available() -> bool:
 def cleanup_stale() -> list[str]:
     """Delete namespaces left by launchers that died without cleaning up.
 
-    A namespace is ours if its name is ``nd{pid}_{k}n{i}`` or ``nd{pid}_{k}br``; it is
-    stale if no process ``pid`` exists any more. Deleting a namespace removes its veths and
-    bridge.
+    A namespace is a launcher's if its name is ``nd{pid}_{pidns}_{start}_{k}n{i}`` or
+    ``...br`` (``_launcher_tag``). It is judged only by launchers of the same PID
+    namespace (another namespace's pids mean nothing here: its live launchers would look
+    dead), and it is stale if that pid no longer runs or runs a later process (its start
+    time differs: the pid was reused). Deleting a namespace removes its veths and bridge.
 
     Returns
     -------
@@ -396,9 +428,13 @@ def cleanup_stale() -> list[str]:
         The namespaces deleted.
     """
     stale = []
+    me = _pid_namespace()
     for ns in _list_netns():
         m = _NS_RE.match(ns)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if not m:
+            continue
+        pid, pidns, started = (int(g) for g in m.groups()[:3])
+        if pidns == me and not _process_alive(pid, started):
             stale.append(ns)
     stale.sort(key=lambda n: n.endswith("br"))  # nodes before bridges
     _delete_netns(stale)
@@ -652,7 +688,7 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
 
     pid = os.getpid()
     seq = next(_RUN_COUNTER)
-    tag = f"{_NS_PREFIX}{pid}_{seq}"
+    tag = _launcher_tag(seq)
     octet = _subnet_octet(pid, seq)
     created: list[str] = []
     agents: list[_Agent] = []

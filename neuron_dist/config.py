@@ -74,8 +74,9 @@ class Settings:
         NEURON_DIST_TRANSPORT          rdm   between nodes: rdm (TCP rails) or mpi (mpi4py;
                                              ranks started by one mpiexec)
 
-        The flight recorder reads NEURON_DIST_FR_SIZE (2000) and NEURON_DIST_FR_DIR (.)
-        itself (neuron_dist/flight_recorder.py): it is process-wide, not per group.
+        The flight recorder reads NEURON_DIST_FR_SIZE (2000) and NEURON_DIST_FR_DIR (default:
+        the temp directory) itself (neuron_dist/flight_recorder.py): it is process-wide, not
+        per group.
         """
         spin = _env("NEURON_DIST_SPIN", "auto")
         settings = cls(

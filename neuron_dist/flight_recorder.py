@@ -3,10 +3,14 @@
 Every collective a group issues gets a ``Record`` (group, sequence number, op, call
 descriptor, state, timestamps, error) in a bounded ring (``NEURON_DIST_FR_SIZE`` entries,
 default 2000, 0 disables). The ring is written as JSON to
-``$NEURON_DIST_FR_DIR/neuron-fr-rank<RANK>-pid<pid>.json`` (default directory: the current
-one) when a collective fails with a timeout, a dead peer or an abort, and on SIGUSR1 (if the
-program has not installed its own handler). ``python -m neuron_dist.fr_analyze DIR`` reads
-the dumps of all ranks and says which rank is behind or called something different.
+``$NEURON_DIST_FR_DIR/neuron-fr-rank<rank>-pid<pid>.json`` when a collective fails with a
+timeout, a dead peer or an abort, and on SIGUSR1 (if the program has not installed its own
+handler). The default directory is the temporary one (``tempfile.gettempdir()``: ``$TMPDIR``
+or /tmp), like PyTorch's NCCL flight recorder (/tmp/nccl_trace_rank_<rank>), never the
+program's working directory; ``<rank>`` is the process's global rank (its rank in the
+default process group, ``rank?`` before there is one), whatever ``RANK`` says.
+``python -m neuron_dist.fr_analyze DIR`` reads the dumps of all ranks and says which rank is
+behind or called something different.
 
 Recording costs one small object per collective; formatting happens only when dumping.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections import deque
@@ -75,9 +80,11 @@ class FlightRecorder:
         return rec
 
     def path(self) -> str:
-        directory = os.environ.get("NEURON_DIST_FR_DIR", ".")
-        rank = os.environ.get("RANK", "x")
-        return os.path.join(directory, f"neuron-fr-rank{rank}-pid{os.getpid()}.json")
+        """Where ``dump`` writes: ``$NEURON_DIST_FR_DIR`` (default: the temp directory)."""
+        directory = os.environ.get("NEURON_DIST_FR_DIR") or tempfile.gettempdir()
+        rank = global_rank()
+        return os.path.join(directory, f"neuron-fr-rank{'?' if rank is None else rank}"
+                                       f"-pid{os.getpid()}.json")
 
     def dump(self, reason: str) -> str | None:
         """Write the ring to ``path()``; returns the path (None if disabled or it failed)."""
@@ -85,7 +92,7 @@ class FlightRecorder:
             return None
         with self._lock:
             records = [r.as_dict() for r in list(self._ring)]
-            doc = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "reason": reason,
+            doc = {"pid": os.getpid(), "rank": global_rank(), "reason": reason,
                    "time": time.time(), "records": records}
             path = self.path()
             try:
@@ -98,6 +105,16 @@ class FlightRecorder:
                 return None
             self.dumps += 1
             return path
+
+
+def global_rank() -> int | None:
+    """This process's rank in the default process group, or None if there is none (yet)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    except (RuntimeError, ValueError):
+        return None
 
 
 recorder = FlightRecorder(int(os.environ.get("NEURON_DIST_FR_SIZE", "2000")))

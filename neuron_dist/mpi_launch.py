@@ -13,7 +13,10 @@ MPI itself:
   binds port 0 there and closes the socket: the same small race torchrun's
   ``--standalone`` accepts) and broadcasts both.
 
-Variables already set are never overridden (per variable, on each rank). ``MASTER_ADDR``
+All six come from MPI, or none: a rank's environment that already sets some of them
+(``RANK`` without ``WORLD_SIZE``, a ``LOCAL_RANK``, its own ``MASTER_PORT``) must agree with
+MPI's values, or every rank fails with an error naming the rank, the variable and both
+values, so ranks can never mix sources and rendezvous at different stores. ``MASTER_ADDR``
 is, in order: rank 0's ``MASTER_ADDR`` if set; the IPv4 address of
 ``NEURON_DIST_SOCKET_IFNAME`` on rank 0; ``127.0.0.1`` when every rank shares rank 0's node
 (nothing leaves the host); else the address rank 0's host name resolves to, or, if that is
@@ -53,14 +56,16 @@ def env_from_mpi() -> dict | None:
 
     Does nothing (returns None, does not touch MPI) unless an MPI launcher started this
     process and ``RANK`` or ``WORLD_SIZE`` is missing. Otherwise initialises MPI through
-    mpi4py (if not already) and sets each of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` that is not set yet. Every
-    rank of ``MPI_COMM_WORLD`` must call it (it uses collectives on it).
+    mpi4py (if not already) and sets all of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from MPI (rank 0's
+    ``MASTER_ADDR``/``MASTER_PORT`` if it has them). Every rank of ``MPI_COMM_WORLD`` must
+    call it (it uses collectives on it).
 
     Raises
     ------
     RuntimeError
-        mpi4py is not installed.
+        mpi4py is not installed; or, on every rank, some rank's environment already set
+        one of the six to a value that differs from MPI's (the error names them all).
     """
     if not launched_by_mpi() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return None
@@ -90,10 +95,19 @@ def env_from_mpi() -> dict | None:
         raise RuntimeError(f"rank 0 could not choose MASTER_ADDR/MASTER_PORT: {error}")
     values = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": local_rank,
               "LOCAL_WORLD_SIZE": local_size, "MASTER_ADDR": addr, "MASTER_PORT": port}
-    done = {}
-    for name in _SET:
-        if not os.environ.get(name):
-            os.environ[name] = done[name] = str(values[name])
+    values = {name: str(value) for name, value in values.items()}
+    # all from MPI or none: every rank learns of any rank's disagreeing preset variable
+    mine = [f"{name}={os.environ[name]} (MPI: {values[name]})" for name in _SET
+            if os.environ.get(name) and os.environ[name] != values[name]]
+    clashes = [f"rank {r}: {', '.join(c)}" for r, c in enumerate(world.allgather(mine)) if c]
+    if clashes:
+        raise RuntimeError(
+            "started by an MPI launcher without RANK and WORLD_SIZE, but some ranks' "
+            "environment already sets rendezvous variables that differ from MPI's, so ranks "
+            f"would mix sources: {'; '.join(clashes)}. Unset them, or set RANK, WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT on every rank (then MPI is not asked)")
+    done = {name: values[name] for name in _SET if not os.environ.get(name)}
+    os.environ.update(values)
     log.info("neuron: rendezvous variables from MPI (rank %d/%d, local %d/%d): %s", rank,
              size, local_rank, local_size, done)
     return done

@@ -1,11 +1,15 @@
 """Set-up of a group through the c10d store: who shares a node, shared memory, network rails.
 
-1. Every rank publishes its node identity (topology.node_identity); ranks with equal
-   identities form a node (collectives.twolevel.Topology).
+1. Every rank publishes its node identity (topology.node_identity) and its CPU
+   architecture; ranks with equal identities form a node (collectives.twolevel.Topology).
+   A node of several ranks on a CPU that is not x86-64 is refused on every rank (the
+   shared-memory protocol relies on x86-64's store ordering: transport/shm/ordering.py).
 2. Per node, the node's first rank sweeps leftover segments of dead jobs, creates the
-   node's segment and publishes its (unguessable) name; the node's other ranks attach.
-   Every rank counts itself in; the creator waits for the count and unlinks the name, so
-   the memory disappears with the last process even after SIGKILL.
+   node's segment and publishes its (unguessable) name; the node's other ranks attach
+   (refusing anything but a private segment of this user: transport/shm/segment.py).
+   Every rank counts itself in (or counts a refusal, which fails every rank naming it);
+   all wait for the count, then the creator unlinks the name, so the memory disappears
+   with the last process even after SIGKILL.
 3. If the group spans nodes, every rank also opens an inter-node transport (the MPI one
    with ``NEURON_DIST_TRANSPORT=mpi``, else rdm): it listens on the
    chosen interface (topology.choose_address), publishes ``host:port``, and connects
@@ -18,6 +22,7 @@ the same store (after destroy_process_group) never reads a previous generation's
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -31,7 +36,9 @@ from .transport.shm import cma
 from .transport.shm.backoff import default_spin
 from .transport.shm.channel import ShmChannel
 from .transport.shm.layout import Layout
-from .transport.shm.segment import Segment, new_segment_name, sweep_leftovers
+from .transport.shm.ordering import machine, shares_memory_safely
+from .transport.shm.segment import (Segment, ShmSetupError, new_segment_name,
+                                     sweep_leftovers)
 from .topology import choose_addresses, node_identity
 
 log = logging.getLogger("neuron_dist")
@@ -51,9 +58,10 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     """Rendezvous through ``store``; return the group's channel, topology and transport."""
     gen = (store.add("neuron/generation", 1) - 1) // size
     key = f"neuron/{gen}"
-    store.set(f"{key}/node/{rank}", node_identity(settings.node_name))
-    names = [store.get(f"{key}/node/{k}").decode() for k in range(size)]
-    topo = Topology.from_names(rank, names)
+    store.set(f"{key}/node/{rank}", json.dumps([node_identity(settings.node_name), machine()]))
+    nodes = [json.loads(store.get(f"{key}/node/{k}")) for k in range(size)]
+    topo = Topology.from_names(rank, [name for name, _ in nodes])
+    check_memory_model(topo, [arch for _, arch in nodes])
     local = topo.local
     channel = _open_node_channel(store, f"{key}/n{topo.my_node}", local.index(rank), len(local),
                                  settings, timeout)
@@ -74,6 +82,22 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     return GroupLinks(channel, topo, net)
 
 
+def check_memory_model(topo: Topology, archs: list) -> None:
+    """Refuse (on every rank alike) a node whose ranks would share memory on a CPU the
+    shared-memory protocol is not correct on; ``archs[k]`` is group rank k's architecture."""
+    for ranks in topo.nodes:
+        bad = sorted({archs[k] for k in ranks if not shares_memory_safely(archs[k])})
+        if len(ranks) > 1 and bad:
+            raise ShmSetupError(
+                f"group ranks {list(ranks)} share a node whose CPU is {'/'.join(bad)}: neuron's "
+                f"shared-memory protocol relies on x86-64's store ordering and would give wrong "
+                f"results on a weakly ordered CPU. Make every rank its own node, so ranks talk "
+                f"over the network transport (TCP on loopback): set NEURON_DIST_NODE_NAME to a "
+                f"different value in each rank, e.g. "
+                f"os.environ['NEURON_DIST_NODE_NAME'] = f\"{{socket.gethostname()}}-"
+                f"{{os.environ['LOCAL_RANK']}}\" before init_process_group")
+
+
 def _open_mpi(store, key: str, rank: int, size: int, timeout: timedelta, label: str):
     """The group's MPI transport: ranks publish their MPI_COMM_WORLD rank, then build the
     group's communicator together."""
@@ -90,6 +114,9 @@ def _open_mpi(store, key: str, rank: int, size: int, timeout: timedelta, label: 
     return net
 
 
+_REFUSED = 1 << 40  # added to the attach count by a rank that refused the segment
+
+
 def _open_node_channel(store, key: str, rank: int, size: int, settings,
                        timeout: timedelta) -> ShmChannel:
     layout = Layout(size, settings.slot_bytes, settings.mailbox_bytes)
@@ -98,21 +125,34 @@ def _open_node_channel(store, key: str, rank: int, size: int, settings,
         segment = Segment.create(new_segment_name(), layout.total_bytes, layout.eager_ranges())
         store.set(f"{key}/segment", segment.name)
     else:
-        segment = Segment.attach(store.get(f"{key}/segment").decode(), layout.total_bytes)
+        try:
+            segment = Segment.attach(store.get(f"{key}/segment").decode(), layout.total_bytes)
+        except ShmSetupError as exc:  # tell the creator, who waits for the count
+            store.set(f"{key}/refused", f"local rank {rank} of the node: {exc}")
+            store.add(f"{key}/attached", _REFUSED)
+            raise
     spin = settings.spin if settings.spin is not None else default_spin(size)
     channel = ShmChannel(segment, layout, rank, spin)
     store.add(f"{key}/attached", 1)
+    try:
+        # every rank waits for the count, so that a rank that refused the segment fails
+        # them all at once, naming why (instead of leaving them waiting in the probe below)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while (count := store.add(f"{key}/attached", 0)) != size:
+            if count >= _REFUSED:
+                raise ShmSetupError(f"a peer refused this node's shared-memory segment: "
+                                    f"{store.get(f'{key}/refused').decode()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {count} of {size} ranks attached the shared-memory "
+                                   f"segment within {timeout}")
+            time.sleep(0.001)
+    except BaseException:
+        channel.close()  # (the creator's close unlinks the name)
+        raise
+    if rank == 0:
+        segment.unlink()
     if size > 1:
         channel.cma = cma.probe(store, key, rank, size, channel.pid_word_address())
-    if rank == 0:
-        deadline = time.monotonic() + timeout.total_seconds()
-        while store.add(f"{key}/attached", 0) < size:
-            if time.monotonic() > deadline:
-                segment.unlink()
-                raise TimeoutError(f"only {store.add(f'{key}/attached', 0)} of {size} ranks "
-                                   f"attached the shared-memory segment within {timeout}")
-            time.sleep(0.001)
-        segment.unlink()
     return channel
 
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 import os
 import socket
 
+from .transport.shm.procid import pid_namespace
+
 
 def node_identity(override: str | None = None) -> str:
     """A string equal for processes that can map the same shared memory.
 
     ``NEURON_DIST_NODE_NAME`` overrides it (virtual nodes on one machine). Otherwise it is
-    the hostname, the kernel boot id and the device/inode of the shared-memory directory,
-    so two containers or network namespaces with separate /dev/shm never look alike.
+    the hostname, the kernel boot id, the device/inode of the shared-memory directory and
+    the PID namespace, so two containers or network namespaces with separate /dev/shm never
+    look alike, and neither do containers that share /dev/shm but not their pids
+    (``--ipc=host``): ranks of a node watch each other's pids, which mean nothing across
+    PID namespaces.
     """
     if override:
         return override
@@ -25,7 +30,7 @@ def node_identity(override: str | None = None) -> str:
         shm = f"{st.st_dev}:{st.st_ino}"
     except OSError:
         shm = "?"
-    return f"{socket.gethostname()}/{boot}/{shm}"
+    return f"{socket.gethostname()}/{boot}/{shm}/{pid_namespace()}"
 
 
 def choose_addresses(ifnames: str | None, store=None) -> list[str]:

@@ -38,13 +38,13 @@ def _ours_or_orphaned(name: str) -> bool:
     (A segment whose creator still runs belongs to another job on this machine, caught in
     the moment between creating and unlinking its segment.)
     """
-    from neuron_dist.transport.shm.segment import _pid_alive
+    from neuron_dist.transport.shm.procid import alive
 
     try:
         pid = int(name.split("-")[2])
     except (IndexError, ValueError):
         return True
-    return pid == os.getpid() or not _pid_alive(pid)
+    return pid == os.getpid() or not alive(pid)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,9 @@ MODE
                    fills the variables in from MPI.
     mpi-transport  like explicit, with NEURON_DIST_TRANSPORT=mpi: the groups' inter-node
                    transport is an MpiTransport.
+    clash          a partly pre-set environment: rank 1 has its own MASTER_PORT, rank 2 a
+                   wrong LOCAL_RANK, rank 3 a RANK that agrees with MPI; ``env_from_mpi()``
+                   must fail on every rank naming ranks 1 and 2 (and not 3), setting nothing.
 
 Rank 0 prints ``@@mpi-init {json}`` (mode, what was set, timings) at the end.
 """
@@ -46,8 +49,30 @@ def use_mpi_transport() -> None:
     os.environ["NEURON_DIST_TRANSPORT"] = "mpi"
 
 
+def clash() -> None:
+    preset = {1: ("MASTER_PORT", "1"), 2: ("LOCAL_RANK", "7"), 3: ("RANK", "3")}.get(PMI_RANK)
+    if preset:
+        os.environ[preset[0]] = preset[1]
+    before = dict(os.environ)
+    try:
+        m.env_from_mpi()
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a partly pre-set environment was mixed with MPI's values")
+    assert "rank 1: MASTER_PORT=1 (MPI: " in message, message
+    assert "rank 2: LOCAL_RANK=7 (MPI: 2)" in message, message
+    assert "rank 3" not in message and "rank 0" not in message, message
+    assert dict(os.environ) == before, "env_from_mpi set variables although it failed"
+    if PMI_RANK == 0:
+        print("@@mpi-init " + json.dumps({"mode": MODE, "error": message}), flush=True)
+
+
 def main() -> None:
     t0 = time.monotonic()
+    if MODE == "clash":
+        clash()
+        return
     set_vars = None
     if MODE in ("explicit", "mpi-transport"):
         set_vars = m.env_from_mpi()

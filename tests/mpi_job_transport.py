@@ -407,6 +407,55 @@ def check_close() -> None:
     barrier()
 
 
+def check_creation_timeout(t: MpiTransport) -> None:
+    """A group whose member comes too late: ranks 0 and 1 get a PeerTimeout naming rank 2 at
+    their deadline, and their other transports go on working (at SERIALIZED every
+    transport shares one lock with the creation: it must not be held by a call that waits
+    for a member that is not there). Rank 2 then arrives: it finds they withdrew and fails
+    at once, naming them, instead of waiting forever in MPI_Comm_create_group."""
+    if RANK in (0, 1):
+        start = time.monotonic()
+        try:
+            MpiTransport(RANK, SIZE, list(range(SIZE)), label="incomplete",
+                         deadline=time.monotonic() + 1.0)
+        except PeerTimeout as e:
+            assert e.ranks == [2], e.ranks
+            assert "group rank(s) [2] (MPI ranks [2]) did not join" in str(e), e
+        else:
+            raise AssertionError("a transport was created without rank 2")
+        waited = time.monotonic() - start
+        assert waited < 5, f"the creation took {waited:.1f} s to time out"
+    barrier()
+    if RANK == 2:
+        start = time.monotonic()
+        try:
+            MpiTransport(RANK, SIZE, list(range(SIZE)), label="incomplete",
+                         deadline=time.monotonic() + 20)
+        except PeerTimeout as e:
+            assert e.ranks == [0, 1], e.ranks
+            assert "gave up waiting" in str(e), e
+        else:
+            raise AssertionError("a transport was created with ranks that had given up")
+        waited = time.monotonic() - start
+        assert waited < 5, f"the late rank took {waited:.1f} s to fail"
+    nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    got = np.zeros(4, np.uint8)
+    req = t.irecv(prv, 60, got)
+    t.isend(nxt, 60, np.full(4, RANK, np.uint8)).wait(deadline(10))
+    req.wait(deadline(10))
+    assert (got == prv).all(), got
+    if RANK in (0, 1):
+        # Notes nobody will read (rank 2's arrival, the other's withdrawal): receive them,
+        # as MPICH keeps its shared-memory file when a rank finalizes with unread messages.
+        for source in (1 - RANK, 2):
+            note = bytearray(9)
+            with MPI_LOCK:
+                req = WORLD.Irecv(note, source=source, tag=0x4E45)  # the driver's _ARRIVE_TAG
+            wait_mpi(req)
+            assert note.endswith(b"W" if source != 2 else b"A"), (source, note)
+    barrier()
+
+
 def timings(t: MpiTransport) -> None:
     """Ping-pong latency (8 B) and one-way bandwidth (8 MiB) between ranks 0 and 1."""
     if RANK in (0, 1):
@@ -465,6 +514,8 @@ def main() -> None:
     check_close()
     phase("abort")
     check_abort()
+    phase("creation-timeout")
+    check_creation_timeout(t)
     stats = t.stats()
     t.close()
     assert stats["pending_requests"] == 0 and stats["posted_receives"] == 0, stats

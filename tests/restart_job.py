@@ -1,5 +1,6 @@
-"""A job for tests/test_restart.py: on its first attempt rank 1 dies mid-run (SIGKILL);
-torchrun (--max-restarts) restarts every worker and the second attempt must succeed."""
+"""A job for tests/test_restart.py: on its first attempt rank 1 dies mid-run (SIGKILL), the
+survivors report the error they got; torchrun (--max-restarts) restarts every worker and
+the second attempt must succeed."""
 
 import argparse
 import json
@@ -22,6 +23,10 @@ error = None
 if attempt == 0:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+    # The agent stops the survivors with SIGTERM once it sees rank 1 gone (it polls every
+    # few seconds): a survivor finishes its report first (it then exits with 1 anyway; the
+    # agent would SIGKILL it after its 30 s grace).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         time.sleep(0.2)
         dist.all_reduce(t)  # rank 1 is dead: this must fail, not hang

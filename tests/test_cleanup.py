@@ -180,8 +180,9 @@ def _clean_env(**extra):
     return env
 
 
-def run_job(tmp_path, mode: str, world: int = 2, pg_timeout: float = 10.0):
-    """Run one job; return (job.json, {rank: rank json}, stderr). Checks nothing survived."""
+def run_job(tmp_path, mode: str, world: int = 2, pg_timeout: float = 10.0, shm_dir=None):
+    """Run one job; return (job.json, {rank: rank json}, stderr). Checks nothing survived.
+    ``shm_dir``: the job's NEURON_DIST_SHM_DIR (default /dev/shm)."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
     out = tmp_path / f"out-{mode}"
@@ -192,7 +193,9 @@ def run_job(tmp_path, mode: str, world: int = 2, pg_timeout: float = 10.0):
         proc = subprocess.run(
             [sys.executable, str(script), mode, str(world), str(out), str(pg_timeout),
              str(JOB_DEADLINE)],
-            env=_clean_env(NEURON_TEST_JOB_TAG=tag, NEURON_DIST_FR_DIR=str(tmp_path)), capture_output=True, text=True,
+            env=_clean_env(NEURON_TEST_JOB_TAG=tag, NEURON_DIST_FR_DIR=str(tmp_path),
+                           **({"NEURON_DIST_SHM_DIR": str(shm_dir)} if shm_dir else {})),
+            capture_output=True, text=True,
             timeout=SUBPROCESS_TIMEOUT)
     finally:
         # whatever happened, nothing of the job may still run
@@ -241,7 +244,7 @@ def test_destroy_leaves_nothing_and_segment_is_private_while_it_exists(tmp_path)
     uid, creator = os.getuid(), job["pids"][0]
     assert len(job["seen"]) == 1, job["seen"]
     name, mode_bits = next(iter(job["seen"].items()))
-    assert re.fullmatch(rf"neuron-{uid}-{creator}-[0-9a-f]{{16}}", name), name
+    assert re.fullmatch(rf"neuron-{uid}-{creator}-[0-9]+-[0-9]+-[0-9a-f]{{16}}", name), name
     assert mode_bits == 0o600, oct(mode_bits)
 
 
@@ -276,25 +279,64 @@ def _dead_pid() -> int:
 
 
 def test_leftover_segment_of_dead_creator_is_swept(tmp_path):
-    uid = os.getuid()
-    dead = f"neuron-{uid}-{_dead_pid()}-deadbeefdeadbeef"
-    alive = f"neuron-{uid}-{os.getpid()}-{uuid.uuid4().hex[:16]}"  # creator (us) still runs
-    paths = [os.path.join("/dev/shm", n) for n in (dead, alive)]
-    for p in paths:
+    """The next job sweeps a segment whose creator is gone, judged by (PID namespace, pid,
+    start time): a dead pid, or a live pid that started at another time (reused), is gone;
+    a segment of another PID namespace is never judged (its pids mean nothing here)."""
+    from neuron_dist.transport.shm import procid
+
+    uid, ns, me = os.getuid(), procid.pid_namespace(), os.getpid()
+    started = procid.start_time(me)
+    dead = f"neuron-{uid}-{_dead_pid()}-{ns}-{started}-deadbeefdeadbeef"
+    reused = f"neuron-{uid}-{me}-{ns}-{started - 1}-{uuid.uuid4().hex[:16]}"  # our pid, not us
+    alive = f"neuron-{uid}-{me}-{ns}-{started}-{uuid.uuid4().hex[:16]}"  # creator (us) runs
+    foreign = f"neuron-{uid}-{_dead_pid()}-{ns + 1}-{started}-{uuid.uuid4().hex[:16]}"
+    # a directory of its own: other jobs on this machine (older code) sweep /dev/shm too
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    paths = {n: os.path.join(shm, n) for n in (dead, reused, alive, foreign)}
+    for p in paths.values():
         fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.write(fd, b"\0" * 4096)
         os.close(fd)
     try:
-        job, ranks, err = run_job(tmp_path, "exit")
+        job, ranks, err = run_job(tmp_path, "exit", shm_dir=shm)
         assert job["status"] == {0: 0, 1: 0}, (job, err[-4000:])
-        assert not os.path.exists(paths[0]), f"{dead} (creator pid dead) was not swept"
-        assert os.path.exists(paths[1]), f"{alive} (creator pid alive) was swept"
+        assert not os.path.exists(paths[dead]), f"{dead} (creator pid dead) was not swept"
+        assert not os.path.exists(paths[reused]), f"{reused} (pid reused) was not swept"
+        assert os.path.exists(paths[alive]), f"{alive} (creator alive) was swept"
+        assert os.path.exists(paths[foreign]), f"{foreign} (another PID namespace) was swept"
     finally:
-        for p in paths:
+        for p in paths.values():
             try:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def test_process_identity_survives_pid_reuse_and_pid_namespaces():
+    """procid: a pid with another start time is not the process; the node identity differs
+    between PID namespaces (so ranks never watch pids of another namespace)."""
+    import shutil
+
+    from neuron_dist.topology import node_identity
+    from neuron_dist.transport.shm import procid
+
+    me = os.getpid()
+    assert procid.alive(me) and procid.alive(me, procid.start_time(me))
+    assert not procid.alive(me, procid.start_time(me) + 1)
+    assert not procid.alive(_dead_pid()) and procid.start_time(_dead_pid()) == 0
+    assert node_identity().endswith(f"/{procid.pid_namespace()}")
+    if os.geteuid() == 0 and shutil.which("unshare"):  # CI runs as root
+        code = ("from neuron_dist.topology import node_identity; "
+                "from neuron_dist.transport.shm import procid; "
+                "print(node_identity(), procid.pid_namespace(), procid.start_time(1))")
+        env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+        out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
+                              "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        other, other_ns, _ = out.stdout.split()
+        assert int(other_ns) != procid.pid_namespace()
+        assert other != node_identity(), "two PID namespaces looked like one node"
 
 
 # ------------------------------------------------------------- unit level (no job)
@@ -310,7 +352,10 @@ def test_segment_create_is_private_exclusive_and_swept(tmp_path, monkeypatch):
         os.umask(old)
     try:
         path = tmp_path / s.name
-        assert re.fullmatch(rf"neuron-{os.getuid()}-{os.getpid()}-[0-9a-f]{{16}}", s.name), s.name
+        ns, started = seg.procid.pid_namespace(), seg.procid.start_time(os.getpid())
+        assert ns and started
+        assert re.fullmatch(rf"neuron-{os.getuid()}-{os.getpid()}-{ns}-{started}-[0-9a-f]{{16}}",
+                            s.name), s.name
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
         assert st.st_size == 8192
@@ -324,3 +369,82 @@ def test_segment_create_is_private_exclusive_and_swept(tmp_path, monkeypatch):
     finally:
         s.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_attach_refuses_what_the_job_did_not_create(tmp_path, monkeypatch):
+    """A name from the store is only followed to a private segment of this user: an absolute
+    path or other directory, a symbolic link, another user's file and a 0666 file of the
+    right size are each refused with an error naming the problem, before anything is mapped."""
+    import torch  # noqa: F401  (first; see test_init_methods.test_import_neuron_dist_before_torch_is_silent)
+    from neuron_dist.transport.shm import segment as seg
+
+    monkeypatch.setenv("NEURON_DIST_SHM_DIR", str(tmp_path))
+    size = 8192
+    good = seg.Segment.create(seg.new_segment_name(), size)
+    try:
+        seg.Segment.attach(good.name, size).close()  # the real thing attaches
+
+        for name in (str(tmp_path / good.name), f"../{tmp_path.name}/{good.name}",
+                     "/etc/passwd", "neuron-0-1-../../x", ""):
+            with pytest.raises(seg.ShmSetupError, match="not a name this backend makes"):
+                seg.Segment.attach(name, size)
+
+        link = seg.new_segment_name()
+        os.symlink(tmp_path / good.name, tmp_path / link)
+        with pytest.raises(seg.ShmSetupError, match="symbolic link"):
+            seg.Segment.attach(link, size)
+
+        def planted(mode, uid=None):
+            name = seg.new_segment_name()
+            fd = os.open(tmp_path / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                os.fchmod(fd, mode)
+                if uid is not None:
+                    os.fchown(fd, uid, -1)
+            finally:
+                os.close(fd)
+            return name
+
+        with pytest.raises(seg.ShmSetupError, match="mode 0666, expected 0600"):
+            seg.Segment.attach(planted(0o666), size)
+        with pytest.raises(seg.ShmSetupError, match="mode 0640, expected 0600"):
+            seg.Segment.attach(planted(0o640), size)
+        if os.geteuid() == 0:  # only root can plant a file owned by someone else (CI is root)
+            with pytest.raises(seg.ShmSetupError, match="owned by uid 65534"):
+                seg.Segment.attach(planted(0o600, uid=65534), size)
+        os.mkfifo(tmp_path / (fifo := seg.new_segment_name()), 0o600)
+        with pytest.raises(seg.ShmSetupError, match="not a regular file"):
+            seg.Segment.attach(fifo, size)
+    finally:
+        good.close()
+
+
+def _init_only(rank, world):
+    return "initialised"
+
+
+def test_a_refused_segment_fails_every_rank_at_once(monkeypatch):
+    """The creator's segment is made 0666 after creation (as someone loosening it would): the
+    other rank refuses it, and both ranks fail at once with that reason (not after the
+    group's timeout, and not in the probe that follows the attach)."""
+    import torch  # noqa: F401
+    from harness import run_ranks
+    from neuron_dist.transport.shm import segment as seg
+
+    create = seg.Segment.create
+
+    def loosened(name, size, *args, **kwargs):
+        s = create(name, size, *args, **kwargs)
+        os.chmod(os.path.join(seg.shm_dir(), name), 0o666)
+        return s
+
+    monkeypatch.setattr(seg.Segment, "create", loosened)  # inherited by the forked ranks
+    start = time.monotonic()
+    res = run_ranks(_init_only, 2, timeout=40, pg_timeout=30, expect_errors=True)
+    elapsed = time.monotonic() - start
+    for rank in (0, 1):
+        assert res[rank][0] == "error", res
+        assert "mode 0666, expected 0600" in res[rank][2], res[rank]
+    assert "a peer refused this node's shared-memory segment" in res[0][2], res[0]
+    assert elapsed < 15, f"the refusal took {elapsed:.1f} s to reach every rank"

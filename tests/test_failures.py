@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -46,8 +47,12 @@ def test_mismatch_fails_on_every_rank_naming_both_calls(case):
     res = run_ranks(mismatched_calls, world, case, timeout=60, pg_timeout=20)
     for rank, (err, after) in res.items():
         assert err is not None and "CollectiveMismatchError" in err, (rank, err)
-        assert f"rank {world - 1} called #1" in err and "rank 0 called #1" in err or \
-            f"rank {rank} called #1" in err, err
+        # every rank names its own call and one of the other side (the last rank called the
+        # other one), and the two differ
+        calls = dict(re.findall(r"rank (\d+) called #1 ([^;]+)", err))
+        other = "0" if rank == world - 1 else str(world - 1)
+        assert str(rank) in calls and other in calls, (rank, err)
+        assert calls[str(rank)] != calls[other], (rank, err)
         assert after == [3.0] * 3, after
     print(res[0][0])
 
@@ -86,23 +91,44 @@ def test_missing_peer_times_out_naming_rank_and_sequence():
     assert late and ("GroupAbortedError" in late or "PeerTimeoutError" in late), late
 
 
-def killed_peer(rank, world):
+# The README promises a dead peer is reported "within ~0.2 s" (waits look at peers' pids
+# every 0.2 s). Measured from the SIGKILL to each survivor's error on the 2-core machine
+# this was written on (shared with other engineers' test runs), 10 runs x 2 survivors
+# each: idle 0.123-0.134 s; with 2 busy loops competing 0.127-0.193 s; with 4, 0.125-0.177 s.
+# 1 s is 5x the worst of those 60 and still fails if the pid watch slows to a second or
+# stops (the next thing to notice the death would be the 60 s group timeout).
+KILL_DETECTION_BOUND = 1.0
+
+
+def killed_peer(rank, world, killed_at):
     if rank == 1:
-        time.sleep(0.3)
+        time.sleep(0.3)  # the others are waiting in the all_reduce by now
+        with open(killed_at, "w") as f:
+            f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.monotonic()
     err = _try(lambda: dist.all_reduce(torch.ones(1000)))
-    return err, time.monotonic() - t0
+    return err, time.time()
 
 
-def test_sigkilled_peer_is_reported_quickly_and_nothing_leaks():
-    res = run_ranks(killed_peer, 3, timeout=60, pg_timeout=60, expect_errors=True)
+def test_sigkilled_peer_is_reported_quickly_and_nothing_leaks(tmp_path):
+    killed_at = str(tmp_path / "killed_at")
+    pids = {}
+    res = run_ranks(killed_peer, 3, killed_at, timeout=60, pg_timeout=60, expect_errors=True,
+                    hooks=lambda procs: pids.update(enumerate(p.pid for p in procs)))
     assert res[1][0] == "error" and res[1][1] == "Died"
+    with open(killed_at) as f:
+        t_kill = float(f.read())
     for rank in (0, 2):
-        status, (err, took) = res[rank]
+        status, (err, t_err) = res[rank]
         assert status == "ok"
-        assert err and ("PeerDiedError" in err and "rank 1" in err or "GroupAbortedError" in err), err
-        assert took < 10, took
+        assert err and "PeerDiedError" in err, err
+        assert f"rank 1 (pid {pids[1]}) died" in err, err
+        took = t_err - t_kill
+        assert took < KILL_DETECTION_BOUND, f"rank {rank} heard of the death after {took:.2f} s"
+    # nothing of the job's shared memory is left (names carry the creator's pid)
+    left = [n for n in os.listdir(os.environ.get("NEURON_DIST_SHM_DIR", "/dev/shm"))
+            if any(n.startswith(f"neuron-{os.getuid()}-{pid}-") for pid in pids.values())]
+    assert not left, left
 
 
 def bad_arguments(rank, world):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -46,9 +48,14 @@ def test_timeout_dumps_and_analyser_names_the_rank_behind(tmp_path):
     assert "last completed #3 all_reduce(float32, 4 elements, SUM)" in report, report
 
 
-def mismatch(rank, world, out_dir):
-    os.environ["NEURON_DIST_FR_DIR"] = out_dir
-    os.environ["RANK"] = str(rank)
+def mismatch(rank, world, out_dir, cwd):
+    # No NEURON_DIST_FR_DIR: the dumps go to the temp directory (here $TMPDIR), not to the
+    # working directory; RANK is wrong on purpose: the dump names the process group's rank.
+    os.environ.pop("NEURON_DIST_FR_DIR", None)
+    os.environ["TMPDIR"] = out_dir
+    tempfile.tempdir = None  # gettempdir() reads $TMPDIR again
+    os.environ["RANK"] = "7"
+    os.chdir(cwd)
     dist.all_reduce(torch.ones(2))
     try:
         dist.all_reduce(torch.ones(5 if rank else 4))
@@ -59,7 +66,15 @@ def mismatch(rank, world, out_dir):
 
 
 def test_analyser_reports_mismatched_calls(tmp_path):
-    run_ranks(mismatch, 2, str(tmp_path), timeout=60)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    paths = run_ranks(mismatch, 2, str(tmp_path), str(cwd), timeout=60)
+    assert os.listdir(cwd) == [], "a dump went to the working directory"
+    for rank in (0, 1):
+        assert os.path.dirname(paths[rank]) == str(tmp_path), paths
+        assert os.path.basename(paths[rank]).startswith(f"neuron-fr-rank{rank}-pid"), paths
+        with open(paths[rank]) as f:
+            assert json.load(f)["rank"] == rank
     proc = subprocess.run([sys.executable, "-m", "neuron_dist.fr_analyze", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1

@@ -2,12 +2,14 @@
 
 * ``mpi_job_transport.py`` (3 ranks): MpiTransport send/recv of 0..8 MiB, per-tag order,
   messages sent before their receive, tags beyond MPI_TAG_UB, size mismatch, timeout,
-  callbacks, a subgroup, close() failing pending requests; at MPI thread levels MULTIPLE
+  callbacks, a subgroup, close() failing pending requests, a group creation a member never
+  joins (a PeerTimeout, and the other transports keep working); at MPI thread levels MULTIPLE
   and SERIALIZED (and FUNNELED, where a transport must refuse to start).
 * ``mpi_job_init.py`` (4 ranks, 2 virtual nodes): ``init_process_group("neuron")`` with the
   rendezvous variables taken from MPI (no torchrun), then collectives and send/recv across
   the nodes; once with ``env_from_mpi()``, once through the env:// hook, once with the
-  MPI transport between the nodes.
+  MPI transport between the nodes; and once with a partly pre-set environment, which must
+  fail on every rank.
 
 mpiexec runs with Hydra's fork launcher on localhost, and MPI's UCX layer is limited to
 shared memory (``UCX_TLS=self,sm``), so nothing but loopback is used. Each job runs in its
@@ -165,6 +167,15 @@ def test_init_process_group_under_mpiexec(mode):
         assert report["set"]["MASTER_ADDR"] == "127.0.0.1", report
         assert set(report["set"]) == {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                       "MASTER_ADDR", "MASTER_PORT"}, report
+
+
+@pytest.mark.timeout(120)
+def test_env_from_mpi_takes_all_from_mpi_or_none():
+    """Ranks whose environment already sets some rendezvous variables to other values than
+    MPI's: every rank fails naming them, instead of some ranks mixing sources."""
+    out, err, seconds = run_mpi(4, "mpi_job_init.py", "clash", timeout=100)
+    report = _report(out, "@@mpi-init ")
+    print(f"\nmpi init (clash): {report['error']} (job {seconds:.1f} s)")
 
 
 @pytest.mark.timeout(30)

@@ -23,18 +23,40 @@ def _usage():
             "threads": threading.active_count(), "shm_names": shm}
 
 
+def _pattern(n: int, cache: dict = {}) -> torch.Tensor:  # noqa: B006 - a deliberate cache
+    """0, 1, .., 250, 0, 1, ... as float32 (exact in every sum below)."""
+    if n not in cache:
+        cache[n] = (torch.arange(n) % 251).float()
+    return cache[n]
+
+
 def soak(rank, world):
+    """Every result is compared whole with its exact value: inputs depend on the rank and
+    on the position, so a block from the wrong rank or at the wrong offset shows."""
     torch.set_num_threads(1)
     groups = [None, dist.new_group(list(range(world))), dist.new_group([0, 1])]
     rng = random.Random(1234)  # same sequence on every rank
     sizes = [2, 64, 4096, 65_536, 1 << 20, 4 << 20]  # elements of float32: 8 B .. 16 MiB
     weights = [40, 30, 15, 10, 4, 1]
     pending, marks = [], {}
+    checked = 0
+
+    def settle():
+        nonlocal checked
+        for w, (i, got, want) in pending:
+            if w is not None:
+                w.wait()
+            expected = want()
+            if not torch.equal(got, expected):
+                bad = (got != expected).nonzero()[0].item()
+                raise AssertionError(f"op {i}: element {bad} is {got[bad].item()}, expected "
+                                     f"{expected[bad].item()}")
+            checked += 1
+        pending.clear()
+
     for i in range(TOTAL):
         if i in (1000, TOTAL - 1):
-            for w, _ in pending:
-                w.wait()
-            pending.clear()
+            settle()
             dist.barrier()
             marks[i] = _usage()
         g = groups[rng.randrange(3)]
@@ -43,40 +65,45 @@ def soak(rank, world):
         async_op = rng.random() < 0.5
         if g is groups[2] and rank not in (0, 1):
             continue
-        gsize = dist.get_world_size(g)
+        gsize, me = dist.get_world_size(g), dist.get_rank(g)
+        ranks_sum = float(gsize * (gsize - 1) // 2)
+        base = _pattern(n)
         if kind == 0:
-            t = torch.full((n,), 1.0)
+            t = base + me
             w = dist.all_reduce(t, group=g, async_op=async_op)
-            check = (t, float(gsize))
+            check = (i, t, lambda base=base, gsize=gsize, s=ranks_sum: base * gsize + s)
         elif kind == 1:
             out = torch.empty(n * gsize)
-            w = dist.all_gather_into_tensor(out, torch.full((n,), 1.0), group=g, async_op=async_op)
-            check = (out, 1.0)
+            w = dist.all_gather_into_tensor(out, base + 1000 * me, group=g, async_op=async_op)
+            check = (i, out, lambda base=base, gsize=gsize:
+                     torch.cat([base + 1000 * k for k in range(gsize)]))
         elif kind == 2:
             out = torch.empty(n)
-            w = dist.reduce_scatter_tensor(out, torch.ones(n * gsize), group=g, async_op=async_op)
-            check = (out, float(gsize))
+            w = dist.reduce_scatter_tensor(out, _pattern(n * gsize) + me, group=g,
+                                           async_op=async_op)
+            check = (i, out, lambda n=n, gsize=gsize, me=me, s=ranks_sum:
+                     _pattern(n * gsize)[me * n:(me + 1) * n] * gsize + s)
         else:
-            t = torch.full((n,), 3.0)
+            t = base + 7 if me == 0 else torch.zeros(n)
             w = dist.broadcast(t, src=0, group=g, async_op=async_op)
-            check = (t, 3.0)
+            check = (i, t, lambda base=base: base + 7)
         pending.append((w, check))
         if len(pending) > 8 or not async_op:
-            for w, (t, want) in pending:
-                if w is not None:
-                    w.wait()
-                if t[0].item() != want or t[-1].item() != want:
-                    raise AssertionError(f"op {i}: got {t[0].item()} want {want}")
-            pending.clear()
-    for w, _ in pending:
-        w.wait()
+            settle()
+    settle()
+    marks["checked"] = checked
     return marks
 
 
+# The 3 ranks took 40 s on the 2-core machine this was written on (shared with other test
+# runs). The harness kills hung ranks after 240 s, printing their stacks, well inside
+# pytest's 300 s limit (pyproject.toml), so a hang is reported by the harness, naming them.
 @pytest.mark.slow
 def test_soak_ten_thousand_mixed_collectives_stays_flat():
-    res = run_ranks(soak, 3, timeout=900)
+    res = run_ranks(soak, 3, timeout=240)
     for rank, marks in res.items():
+        # ranks 0 and 1 run every op, rank 2 those of the two groups it belongs to
+        assert marks["checked"] > (TOTAL * 0.6 if rank == 2 else TOTAL * 0.99), (rank, marks)
         early, late = marks[1000], marks[TOTAL - 1]
         assert late["fds"] <= early["fds"], (rank, marks)
         assert late["threads"] <= early["threads"], (rank, marks)

@@ -262,15 +262,23 @@ def test_netem_delay_three_nodes(clean):
 @needs_netns
 @pytest.mark.timeout(120)
 def test_rate_limited_three_nodes(clean):
-    """3 nodes with an egress rate limit (netem, or tbf where the kernel lacks netem)."""
-    res = vnodes.run(3, 1, _job(clean["tag"]), netns=True, netem=vnodes.Netem(rate="1gbit"),
-                     timeout=90)
+    """3 nodes with an egress rate limit (netem, or tbf where the kernel lacks netem) that
+    takes effect: a 4 MiB send between two nodes is capped at the limit (200 Mbit/s, 25 MB/s;
+    unshaped veth pairs carry it at hundreds of MB/s to GB/s here)."""
+    limit_mbps = 25.0
+    res = vnodes.run(3, 1, _job(clean["tag"], "--send-bytes", str(4 << 20)), netns=True,
+                     netem=vnodes.Netem(rate="200mbit"), timeout=90)
     clean["results"].append(res)
     assert res.ok, f"exit codes {res.node_returncodes}\n" + "\n".join(res.outputs)
     assert res.shaping == ("netem" if vnodes.netem_available() else "tbf")
     reports = _reports(res)
     _check_layout(reports, 3, 1)
     assert len({r["shm_dev"] for r in reports}) == 3
+    measured = reports[0]["send_MBps"]
+    # the token bucket's burst (100 KB) lets a little more through than the rate at first
+    assert measured <= limit_mbps * 1.1, f"{measured:.1f} MB/s through a {limit_mbps} MB/s limit"
+    assert measured >= limit_mbps * 0.3, f"{measured:.1f} MB/s: the transfer barely moved"
+    print(f"\nrate-limited send: {measured:.1f} MB/s (limit {limit_mbps} MB/s)")
     assert res.duration < 60
 
 
@@ -357,3 +365,34 @@ def test_shaping_arguments():
     assert not vnodes.Netem()
     with pytest.raises(ValueError, match="netns"):
         vnodes.run(2, 1, [JOB], netem={"rate": "1gbit"})
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_stale_sweep_judges_launchers_by_identity_not_pid():
+    """cleanup_stale deletes the namespaces of a launcher that is gone (dead pid, or a pid
+    now running a later process) and keeps a live launcher's and those of another PID
+    namespace (whose pids mean nothing here)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    dead, me = p.pid, os.getpid()
+    ns, started = vnodes._pid_namespace(), vnodes._start_time(me)
+    assert ns and started
+    names = {
+        "dead": f"nd{dead}_{ns}_{started}_0n0",
+        "reused": f"nd{me}_{ns}_{started - 1}_0br",
+        "alive": f"nd{me}_{ns}_{started}_990n0",
+        "foreign": f"nd{dead}_{ns + 1}_{started}_0n0",
+    }
+    assert vnodes._launcher_tag(990) + "n0" == names["alive"]
+    for name in names.values():
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        removed = vnodes.cleanup_stale()
+        left = set(vnodes._list_netns())
+        assert {names["dead"], names["reused"]} <= set(removed), removed
+        assert names["dead"] not in left and names["reused"] not in left
+        assert names["alive"] in left and names["foreign"] in left, left
+    finally:
+        for name in names.values():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)

@@ -11,6 +11,9 @@ prints one line::
 ``--fail-rank R --fail-code C`` makes rank R exit with code C right after initialisation
 (its peers then block in the all_reduce until the launcher stops them).
 ``--tag T`` is a marker that tests look for in /proc to find leftover processes.
+``--send-bytes N`` times a send of N bytes from rank 0 to the last rank (on another node
+when there is one rank per node), acknowledged by a 1-element reply, and reports rank 0's
+``"send_MBps"`` (what a link rate limit must cap).
 ``--unresolvable-hostname`` (netns nodes only: each has its own UTS namespace) renames the
 node to a host name nothing resolves and drops ``NEURON_DIST_NODE_NAME``, so the backend
 must find nodes and addresses on its own, as on hosts whose name is not in DNS (gloo
@@ -62,6 +65,7 @@ def main() -> int:
     p.add_argument("--latency-iters", type=int, default=0,
                    help="time this many 1-element all_reduces after the check")
     p.add_argument("--tag", default="")
+    p.add_argument("--send-bytes", type=int, default=0)
     p.add_argument("--matrix", action="store_true")
     p.add_argument("--unresolvable-hostname", action="store_true")
     args = p.parse_args()
@@ -110,6 +114,22 @@ def main() -> int:
             dist.all_reduce(x)
         latency = (time.perf_counter() - start) / args.latency_iters
 
+    send_mbps = None
+    if args.send_bytes and world > 1 and rank in (0, world - 1):
+        payload, ack = torch.zeros(args.send_bytes, dtype=torch.uint8), torch.zeros(1)
+        peer = world - 1 - rank
+        for timed in (False, True):  # a small warm-up exchange first
+            data = payload if timed else payload[:64]
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(data, peer)
+                dist.recv(ack, peer)
+            else:
+                dist.recv(data, peer)
+                dist.send(ack, peer)
+            if timed and rank == 0:
+                send_mbps = args.send_bytes / (time.perf_counter() - start) / 1e6
+
     matrix_fails = None
     if args.matrix:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -134,6 +154,7 @@ def main() -> int:
         "shm_dev": os.stat("/dev/shm").st_dev, "shm_peers": shm_peers,
         "ip": local_ip(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
         "master_addr": os.environ["MASTER_ADDR"], "allreduce_s": latency,
+        "send_MBps": send_mbps,
     }
     # One write() per line (< PIPE_BUF, so atomic): ranks of a node share one pipe.
     sys.stdout.write("VNODE_JOB " + json.dumps(report) + "\n")

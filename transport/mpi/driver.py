@@ -8,6 +8,13 @@ How it works
 creates the transport together, as it opens the group) and gives the communicator a fresh
 context, so tags of different groups, and of the user's own MPI traffic, never meet.
 Communicator rank ``k`` is group rank ``k``: no rank translation afterwards.
+``MPI_Comm_create_group`` blocks until every member calls it, and nothing can interrupt it;
+so each member first sends every other a 9-byte arrival note (a digest of the member list)
+on the parent communicator, tag ``_ARRIVE_TAG`` (0x4E45, reserved there), with nonblocking
+calls tested under the lock and sleeps between, and calls ``MPI_Comm_create_group`` only once
+it has every member's note (and none withdrew: see ``_await_members``). A member that never
+comes costs that group a ``PeerTimeout`` naming it at the deadline; the lock (at SERIALIZED,
+every transport's) is not held by a call that waits for a member that is not there.
 
 *Matching.* Messages are not received with ``MPI_Irecv`` but matched with ``MPI_Improbe`` and
 received with ``MPI_Imrecv``: the probe gives the message's size before a byte lands, so a
@@ -99,6 +106,7 @@ log = logging.getLogger("neuron_dist.mpi")
 _NOTE = struct.Struct("!QQ")         # a sender's note: (transport tag, MPI tag)
 _ABORT_REASON_BYTES = 1000           # notices stay small: MPI sends them eagerly
 _CREATE_TAG = 0x4E44                 # tag of MPI_Comm_create_group (any value <= 32767)
+_ARRIVE_TAG = 0x4E45                 # members' arrival notes before it, on the parent
 _SPIN_SECONDS = 1e-3                 # a waiting thread polls (yielding the CPU) this long ...
 _HOT_SLEEP = 2e-4                    # ... then sleeps up to this long between polls
 _IDLE_POLLS = 4                      # the progress thread's back-to-back polls, then
@@ -158,6 +166,13 @@ def _lock_for(MPI, level: int):
     return _SERIALIZED_LOCK
 
 
+def _members_digest(world_ranks) -> bytes:
+    """8 bytes naming a member list (what arrival notes carry)."""
+    import hashlib
+
+    return hashlib.blake2b(repr(list(world_ranks)).encode(), digest_size=8).digest()
+
+
 class Request(_Request):
     """A pending ``isend``, ``irecv`` or ``irecv_any`` (see transport/requests.py).
 
@@ -192,7 +207,8 @@ class MpiTransport:
         Parent communicator (default ``MPI.COMM_WORLD``).
     deadline : float, optional
         ``time.monotonic()`` by which every member must have joined the communicator's
-        creation; ``PeerTimeout`` naming all peers otherwise. Default: wait as long as MPI does.
+        creation; ``PeerTimeout`` naming the members that had not otherwise (or, for a
+        member that comes late, those that gave up). Default: wait as long as it takes.
 
     Raises
     ------
@@ -274,46 +290,108 @@ class MpiTransport:
         _register(self)
 
     def _create_comm(self, parent, world_ranks, deadline):
-        with self._lock:  # at SERIALIZED other transports' threads may be inside MPI
+        # Create_group blocks until every member calls it, and is made under the lock (at
+        # SERIALIZED the process's one lock, which every transport's MPI calls need). So it
+        # is called only once every member is known to be here (``_await_members``): a
+        # member that never comes costs this group a PeerTimeout, and never a call that
+        # holds the lock forever while the process's other groups wait for it.
+        self._await_members(parent, world_ranks, deadline)
+        with self._lock:
             whole = parent.Get_group()
             try:
                 group = whole.Incl(world_ranks)
             finally:
                 whole.Free()
-
-        def create():
-            # the group is freed by whoever created the communicator with it, under the
-            # lock (not by the caller while a helper that timed out still uses it)
-            with self._lock:
-                try:
-                    return parent.Create_group(group, _CREATE_TAG)
-                finally:
-                    group.Free()
-
-        if deadline is None:
-            return create()
-        # Create_group blocks until every member calls it; wait in a helper thread so
-        # a member that never comes costs a PeerTimeout, not a hang. (The helper stays
-        # blocked in MPI then; the job is expected to end on that error.)
-        box: list = []
-
-        def run():
             try:
-                box.append(create())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box.append(e)
+                return parent.Create_group(group, _CREATE_TAG)
+            finally:
+                group.Free()
 
-        t = threading.Thread(target=run, daemon=True, name=f"neuron-mpi-create-{self.rank}")
-        t.start()
-        t.join(max(0.0, deadline - time.monotonic()))
-        if not box:
-            peers = [k for k in range(self.world_size) if k != self.rank]
-            raise PeerTimeout(peers, 0.0, f"{self._label}: not every rank of the group "
-                                          f"(MPI ranks {world_ranks}) joined the creation "
-                                          f"of its MPI communicator in time")
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
+    def _await_members(self, parent, world_ranks, deadline) -> None:
+        """Wait until every member has reached the communicator's creation.
+
+        Each member sends every other an arrival note (a digest of the member list, then
+        ``A``) on ``parent``, tag ``_ARRIVE_TAG``, and waits for theirs, with nonblocking
+        calls tested under the lock one at a time (never held while waiting). A member
+        whose deadline passes withdraws: it cancels its receives and sends every other a
+        withdrawal note (digest, ``W``), which a member that came late finds right after
+        the arrival notes, so it fails too instead of waiting in ``MPI_Comm_create_group``
+        for a member that left. (A withdrawal left over from an earlier abandoned creation
+        is skipped.) Only a member that withdraws in the instant between another's last
+        arrival note and its check can still leave that one waiting.
+
+        Raises PeerTimeout naming the members not heard from by ``deadline`` (None: wait as
+        long as it takes) or the members that withdrew; TransportError if a member's note
+        names another member list (groups created in different orders)."""
+        MPI = self._MPI
+        digest = _members_digest(world_ranks)
+        arrived, withdrawn = digest + b"A", digest + b"W"
+        me = world_ranks[self.rank]
+        others = {k: r for k, r in enumerate(world_ranks) if r != me}
+        bufs = {k: bytearray(len(arrived)) for k in others}
+        start, pause = time.monotonic(), 1e-4
+        with self._lock:
+            sends = [parent.Isend(arrived, dest=r, tag=_ARRIVE_TAG) for r in others.values()]
+            recvs = {k: parent.Irecv(bufs[k], source=r, tag=_ARRIVE_TAG)
+                     for k, r in others.items()}
+        while True:
+            with self._lock:
+                sent = MPI.Request.Testall(sends)
+                for k in sorted(recvs):
+                    if not recvs[k].Test():
+                        continue
+                    if bufs[k].endswith(b"W"):  # an earlier, abandoned creation's: skip it
+                        recvs[k] = parent.Irecv(bufs[k], source=others[k], tag=_ARRIVE_TAG)
+                    elif bytes(bufs[k]) == arrived:
+                        del recvs[k]
+                    else:
+                        raise TransportError(
+                            f"{self._label}: group rank {k} (MPI rank {others[k]}) is creating "
+                            f"a communicator over other members than {world_ranks} (do all "
+                            f"ranks create their groups in the same order?)")
+                if sent and not recvs:
+                    left = [k for k, r in others.items() if self._withdrew(parent, r, withdrawn)]
+                    if not left:
+                        return
+                    raise PeerTimeout(left, time.monotonic() - start,
+                                      f"{self._label}: group rank(s) {left} gave up waiting for "
+                                      f"the creation of the group's MPI communicator (members "
+                                      f"{world_ranks}) before this rank joined it")
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, _COLD_SLEEP)
+        status = MPI.Status()
+        late = []
+        with self._lock:  # withdraw: cancel the receives, tell every member
+            for k, req in recvs.items():
+                req.Cancel()
+                req.Wait(status)
+                if status.Is_cancelled() or bufs[k].endswith(b"W"):
+                    late.append(k)
+            orphans = [(q, arrived) for q in sends if not q.Test()]
+            for r in others.values():
+                q = parent.Isend(withdrawn, dest=r, tag=_ARRIVE_TAG)
+                if not q.Test():
+                    orphans.append((q, withdrawn))
+        if orphans:
+            with _ORPHANS_LOCK:
+                _ORPHANS.extend(orphans)
+        late = sorted(late) or sorted(others)
+        raise PeerTimeout(late, time.monotonic() - start,
+                          f"{self._label}: group rank(s) {late} (MPI ranks "
+                          f"{[world_ranks[k] for k in late]}) did not join the creation of the "
+                          f"group's MPI communicator (members {world_ranks}) in time")
+
+    def _withdrew(self, parent, source: int, withdrawn: bytes) -> bool:
+        """True if ``source``'s next note (if one is there) is its withdrawal (under the
+        lock; a matched probe, so no other thread can take the note in between)."""
+        msg = parent.Improbe(source=source, tag=_ARRIVE_TAG)
+        if msg is None:
+            return False
+        note = bytearray(len(withdrawn))
+        msg.Recv(note)
+        return bytes(note) == withdrawn
 
     # ------------------------------------------------------------------ set-up
 

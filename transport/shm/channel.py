@@ -30,7 +30,8 @@ from . import cma, futex
 from . import layout as L
 from .backoff import Backoff
 from .mailbox import ShmMailbox
-from .segment import Segment, _pid_alive
+from . import procid
+from .segment import Segment
 
 LIVENESS_PERIOD = 0.2  # seconds between checks that waited-for peers still run
 SLEEP_SLICE = 2e-3  # longest futex sleep before looking again (bounds a missed wake-up)
@@ -82,6 +83,7 @@ class ShmChannel:
         self._shaped_views = {}
         self._others = [k for k in range(n) if k != rank]
         self._pids = {}
+        self._starts = {}  # rank -> its process's start time (procid.start_time)
         self._next_liveness = 0.0
         self.cma = False  # may ranks read each other's memory (cma.py)? set by rendezvous
         self._w[self._pid_word[rank]] = os.getpid()
@@ -228,7 +230,7 @@ class ShmChannel:
         now = time.monotonic()
         if now >= next_liveness:
             dead = [(k, pid) for k in pending
-                    if (pid := self._peer_pid(k)) and not _pid_alive(pid)]
+                    if (pid := self._peer_pid(k)) and not procid.alive(pid, self._starts[k])]
             if dead and (not any_suffices or len(dead) == len(pending)):
                 raise PeerDied(*dead[0])
             next_liveness = now + LIVENESS_PERIOD
@@ -252,11 +254,15 @@ class ShmChannel:
             raise
 
     def _peer_pid(self, k: int) -> int:
+        """Rank ``k``'s pid (0 until it has published it). Its start time is read with it,
+        so that a later process given the same pid is not taken for it (ranks of a node
+        share a PID namespace: it is part of the node identity, topology.node_identity)."""
         pid = self._pids.get(k)
         if not pid:
             pid = self._w[self._pid_word[k]]
             if pid:
                 self._pids[k] = pid
+                self._starts[k] = procid.start_time(pid)
         return pid
 
     # ---------------------------------------------------------------- failure

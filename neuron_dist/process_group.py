@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by dist
 from torch.autograd import profiler as _profiler
 
 from types import SimpleNamespace
@@ -382,7 +383,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # ------------------------------------------------------------- all-gather
     def allgather(self, output_tensors, input_tensors, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         inp = checks.single(input_tensors, "allgather input")
         outs = self._rank_list(output_tensors, inp, "allgather output")
         checks.numel(inp, outs[self._rank].numel(), "allgather input (vs output[rank])")
@@ -396,17 +397,51 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             [list(outs)], opts, inp.numel() * inp.element_size(), fo)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        opts = opts or dist.AllgatherOptions()
-        works = [self.allgather([outs], [inp], opts) for outs, inp in
-                 zip(output_lists, input_list, strict=True)]
-        return _combined_work(works, output_lists)
+        """All-gather of several tensors as one: ``output_lists[r][i]`` receives rank r's
+        ``input_list[i]`` (torch's ``all_gather_coalesced``: one list per rank, each holding
+        one tensor per input). The inputs travel concatenated, in one all_gather."""
+        opts = opts or AllgatherOptions()
+        for i, t in enumerate(input_list):
+            checks.tensor(t, f"all_gather_coalesced input {i}")
+            checks.same_dtype(t, input_list[0], f"all_gather_coalesced input {i}")
+        checks.length(output_lists, self._size, "all_gather_coalesced output list of lists")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(input_list):
+                raise ValueError(f"all_gather_coalesced: output list {r} has {len(outs)} tensors, "
+                                 f"expected one per input ({len(input_list)})")
+            for i, (o, t) in enumerate(zip(outs, input_list)):
+                what = f"all_gather_coalesced output[{r}][{i}]"
+                checks.tensor(o, what)
+                checks.same_dtype(o, t, what)
+                checks.numel(o, t.numel(), f"{what} (vs input {i})")
+        dtype = input_list[0].dtype if input_list else torch.uint8
+        counts = [t.numel() for t in input_list]
+        total, size = sum(counts), self._size
+        call = Call("all_gather", dtype, total * size, extra=digest(counts))
+
+        def algo(ctx):
+            mine = torch.cat([t.detach().reshape(-1) for t in input_list]) if input_list else \
+                torch.empty(0, dtype=dtype)
+            gathered = torch.empty(total * size, dtype=dtype)
+            n = mine.numel() * mine.element_size()
+            gb = gathered.view(torch.uint8)
+            self._algos.all_gather(ctx, [gb[k * n:(k + 1) * n] for k in range(size)],
+                                   mine.view(torch.uint8))
+            for r, outs in enumerate(output_lists):
+                o = r * total
+                for t in outs:
+                    t.detach().copy_(gathered[o:o + t.numel()].view(t.shape))
+                    o += t.numel()
+
+        return self._submit("all_gather_coalesced", call, algo, output_lists, opts,
+                            total * dtype.itemsize)
 
     def all_gather_single(self, output, input, opts=None):
         if opts is not None and not opts.asyncOp:
             work = self._express.all_gather(output, input, self._deadline_seconds(opts))
             if work is not None:
                 return work
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         checks.tensor(output, "all_gather output")
         checks.tensor(input, "all_gather input")
         checks.same_dtype(output, input, "all_gather_into_tensor")
@@ -425,7 +460,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         works = [self.all_gather_single(o, i, opts)
                  for o, i in zip(outputs, inputs, strict=True)]
         return _combined_work(works, list(outputs))

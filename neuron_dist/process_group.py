@@ -29,7 +29,7 @@ from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
 from .transport.shm.futex import available as futex_available
 from .transport.errors import (ABORTED, ABORTED_MISMATCH, ABORTED_PEER_DIED, ABORTED_TIMEOUT,
                                ChannelClosed, PeerAborted, PeerDied, PeerTimeout)
-from . import checks, stats
+from . import checks, sparse, stats
 from .config import Settings
 from .engine import CollectiveEngine
 from .express import ExpressLane
@@ -333,6 +333,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if work is not None:
                 return work
         opts = opts or dist.AllreduceOptions()
+        if len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
+            return sparse.all_reduce(self, tensors[0], opts)
         t = checks.single(tensors, "allreduce tensor")
         spec = reduce_spec(opts.reduceOp)
         check_supported(spec, t.dtype)

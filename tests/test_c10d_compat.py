@@ -1,5 +1,5 @@
 """What torch's own distributed tests and users expect of a backend, beyond the matrices:
-all_gather_coalesced's list-per-rank layout.
+all_gather_coalesced's list-per-rank layout, sparse COO all_reduce (SUM).
 """
 
 from __future__ import annotations
@@ -76,3 +76,65 @@ def test_all_gather_coalesced_takes_one_list_per_rank(nodes):
     names = NODES[nodes]
     res = run_ranks(gather_coalesced, 3 if names else 2, env=_node_env(names), timeout=100)
     assert not any(res.values()), res
+
+
+# ----------------------------------------------------------------- sparse all_reduce
+def _sparse_input(rank, world, dtype, dense_dims):
+    """Rank r holds entries at rows 0..r (overlapping across ranks), some duplicated."""
+    rows = torch.arange(rank + 1)
+    idx = torch.stack([torch.cat([rows, rows[:1]]), torch.zeros(rank + 2, dtype=torch.long)])
+    vals = (torch.arange(rank + 2, dtype=torch.float64) * 0.37 + rank + 1 / 3)
+    vals = vals.view(-1, *([1] * dense_dims)).expand(-1, *([2] * dense_dims))
+    return torch.sparse_coo_tensor(idx, vals.to(dtype), (world + 1, 3) + (2,) * dense_dims)
+
+
+def sparse_sum(rank, world):
+    fails, digests = [], []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.complex64):
+        for dense_dims in (0, 1, 2):
+            t = _sparse_input(rank, world, dtype, dense_dims)
+            exact = torch.complex128 if dtype.is_complex else torch.float64
+            want = sum(_sparse_input(r, world, dtype, dense_dims).to_dense().to(exact)
+                       for r in range(world)).to(dtype)
+            dist.all_reduce(t)
+            if not (t.is_sparse and t.is_coalesced()):
+                fails.append(f"{dtype}/{dense_dims}: result is not a coalesced sparse tensor")
+            tol = {"atol": 0.1, "rtol": 0.01} if dtype == torch.bfloat16 else {}
+            if not torch.allclose(t.to_dense().to(want.dtype), want, **tol):
+                fails.append(f"{dtype}/{dense_dims}: {t.to_dense()} != {want}")
+            digests.append(t.values().view(-1).view(torch.uint8).tolist() + t.indices().view(-1).tolist())
+    # a rank with no entries at all, and async_op
+    t = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0), (4,)) \
+        if rank == 0 else torch.sparse_coo_tensor([[rank]], [float(rank)], (4,))
+    dist.all_reduce(t, async_op=True).wait()
+    want = torch.tensor([0.0] + [float(r) if r < world else 0.0 for r in range(1, 4)])
+    if not torch.equal(t.to_dense(), want):
+        fails.append(f"empty contribution: {t.to_dense()} != {want}")
+    # ops other than SUM, and a rank whose shape differs: clear errors, the group goes on
+    err = _try(lambda: dist.all_reduce(_sparse_input(rank, world, torch.float32, 0),
+                                       op=dist.ReduceOp.MAX))
+    if not (err and "sparse COO tensor supports ReduceOp.SUM only, not MAX" in err):
+        fails.append(f"MAX on sparse: {err}")
+    err = _try(lambda: dist.all_gather_into_tensor(torch.zeros(world),
+                                                   torch.sparse_coo_tensor([[0]], [1.0], (1,))))
+    if not (err and "layout torch.sparse_coo" in err and "all_reduce with SUM only" in err):
+        fails.append(f"sparse all_gather: {err}")
+    shape = (4,) if rank else (5,)
+    err = _try(lambda: dist.all_reduce(torch.sparse_coo_tensor([[0]], [1.0], shape)))
+    if not (err and err.startswith("ValueError") and "differ in shape" in err):
+        fails.append(f"shape mismatch: {err}")
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    if x.tolist() != [world] * 2:
+        fails.append(f"after the errors: {x}")
+    return fails, digests
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nodes", list(NODES))
+def test_sparse_all_reduce_sums_in_rank_order_on_every_rank(nodes):
+    names = NODES[nodes]
+    res = run_ranks(sparse_sum, 3 if names else 2, env=_node_env(names), timeout=100)
+    assert not any(fails for fails, _ in res.values()), res
+    digests = [d for _, d in res.values()]
+    assert all(d == digests[0] for d in digests), "ranks hold different bits"

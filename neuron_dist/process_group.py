@@ -279,7 +279,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             detail = str(exc) if exc.network else \
                 self._describe_laggards(exc.ranks)
             error = PeerTimeoutError(
-                f"{what} timed out after {self._timeout_text()}: {detail}")
+                f"{what}: Timed out after {self._timeout_text()}: {detail}")
             kind = ABORTED_TIMEOUT
         elif isinstance(exc, PeerDied):
             error = PeerDiedError(f"{what}: rank {self._peer(exc.rank)} (pid {exc.pid}) died"
@@ -749,9 +749,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 req.wait(min(deadline, op_deadline))
             except PeerTimeout as e:
                 if deadline < op_deadline:
-                    raise PeerTimeoutError(f"{what}: Work.wait timed out") from None
+                    raise PeerTimeoutError(f"{what}: Timed out in Work.wait") from None
                 error = PeerTimeoutError(
-                    f"{what} timed out after {self._timeout_text()}: {who} did not "
+                    f"{what}: Timed out after {self._timeout_text()}: {who} did not "
                     f"{'receive' if is_send else 'send'} it")
                 # Withdrawn before the Work fails: the tensor is the caller's again, a late
                 # message never lands in it, and later traffic with that peer fails loudly

@@ -93,6 +93,8 @@ class NeuronWork(dist.Work):
             try:
                 if self.driver is not None:
                     self.driver(deadline)
+                    if not self._finished:  # another thread is completing it right now
+                        self._block(deadline, seconds)
                 elif self.engine is not None and self.engine.is_engine_thread():
                     self.engine.run_until(self)
                 else:
@@ -111,7 +113,7 @@ class NeuronWork(dist.Work):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise PeerTimeoutError(
-                            f"{self.what}: Work.wait timed out after {seconds:.3f} s")
+                            f"{self.what}: Timed out after {seconds:.3f} s in Work.wait")
                     _state.wait(None if left == float("inf") else left)
             finally:
                 self._waiters -= 1

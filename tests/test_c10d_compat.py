@@ -1,8 +1,13 @@
 """What torch's own distributed tests and users expect of a backend, beyond the matrices:
-all_gather_coalesced's list-per-rank layout, sparse COO all_reduce (SUM).
+all_gather_coalesced's list-per-rank layout, sparse COO all_reduce (SUM), and timeout
+errors worded like gloo's and NCCL's (" Timed out ") while naming rank, op and sequence.
 """
 
 from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -10,6 +15,8 @@ import torch.distributed as dist
 
 from harness import run_ranks
 
+# torch's tests (distributed_test.py: _test_barrier_timeout) and users' retry logic match this.
+TORCH_TIMEOUT_RE = " (Timed out|closed|timeout) "
 NODES = {"one-node": None, "2-nodes": ["a", "b", "a"]}
 
 
@@ -138,3 +145,37 @@ def test_sparse_all_reduce_sums_in_rank_order_on_every_rank(nodes):
     assert not any(fails for fails, _ in res.values()), res
     digests = [d for _, d in res.values()]
     assert all(d == digests[0] for d in digests), "ranks hold different bits"
+
+
+# ------------------------------------------------------------------ timeout wording
+def timeouts(rank, world):
+    """Rank 0 calls collectives alone, in a subgroup and in the whole group."""
+    out = {}
+    sub = dist.new_group(list(range(world)), timeout=timedelta(seconds=1))
+    p2p = dist.new_group(list(range(world)), timeout=timedelta(seconds=1))
+    if rank == 0:
+        t0 = time.monotonic()
+        out["barrier"] = _try(lambda: dist.barrier(sub))
+        out["took"] = time.monotonic() - t0
+        out["recv"] = _try(lambda: dist.recv(torch.zeros(2), 1, group=p2p))
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        out["wait"] = _try(lambda: work.wait(timedelta(seconds=0.2)))
+        out["after"] = _try(work.wait)
+    else:
+        time.sleep(6)  # past rank 0's last timeout: a dead peer is another error
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nodes", list(NODES))
+def test_timeout_errors_use_torchs_wording_and_name_rank_op_sequence(nodes):
+    names = NODES[nodes]
+    world = 3 if names else 2
+    res = run_ranks(timeouts, world, env=_node_env(names), timeout=100, pg_timeout=1.5)[0]
+    for key in ("barrier", "recv", "wait", "after"):
+        assert res[key] and re.search(TORCH_TIMEOUT_RE, res[key]), (key, res[key])
+        assert res[key].startswith("PeerTimeoutError"), (key, res[key])
+    assert f"barrier #1 in group" in res["barrier"] and f"rank 0/{world}" in res["barrier"], res
+    assert "never arrived" in res["barrier"] and 0.9 < res["took"] < 3, res
+    assert "recv from rank 1" in res["recv"], res
+    assert "all_reduce #" in res["after"] and "Timed out after 1.5 s" in res["after"], res

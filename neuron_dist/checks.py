@@ -13,7 +13,9 @@ def tensor(t, what: str) -> torch.Tensor:
     if t.device.type != "cpu":
         raise ValueError(f"{what} is on {t.device}; the neuron backend takes CPU tensors")
     if t.layout != torch.strided:
-        raise ValueError(f"{what} has layout {t.layout}; only dense (strided) tensors are supported")
+        sparse = " (sparse COO tensors: all_reduce with SUM only)" if t.layout == torch.sparse_coo else ""
+        raise ValueError(f"{what} has layout {t.layout}; only dense (strided) tensors are "
+                         f"supported{sparse}")
     dtype_code(t.dtype)
     return t
 

@@ -99,7 +99,7 @@ class P2PEngine:
                     return
                 if time.monotonic() > deadline:
                     raise PeerTimeoutError(f"{req.describe()} in group {self._label}: "
-                                           "Work.wait timed out")
+                                           "Timed out in Work.wait")
                 if moved:
                     backoff = self._channel.backoff()
                 elif backoff.pause():

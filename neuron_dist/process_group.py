@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by dist
 from torch.autograd import profiler as _profiler
 
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
 from .transport.shm.futex import available as futex_available
 from .transport.errors import (ABORTED, ABORTED_MISMATCH, ABORTED_PEER_DIED, ABORTED_TIMEOUT,
                                ChannelClosed, PeerAborted, PeerDied, PeerTimeout)
-from . import checks, stats
+from . import checks, sparse, stats
 from .config import Settings
 from .engine import CollectiveEngine
 from .express import ExpressLane
@@ -278,7 +279,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             detail = str(exc) if exc.network else \
                 self._describe_laggards(exc.ranks)
             error = PeerTimeoutError(
-                f"{what} timed out after {self._timeout_text()}: {detail}")
+                f"{what}: Timed out after {self._timeout_text()}: {detail}")
             kind = ABORTED_TIMEOUT
         elif isinstance(exc, PeerDied):
             error = PeerDiedError(f"{what}: rank {self._peer(exc.rank)} (pid {exc.pid}) died"
@@ -332,6 +333,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if work is not None:
                 return work
         opts = opts or dist.AllreduceOptions()
+        if len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
+            return sparse.all_reduce(self, tensors[0], opts)
         t = checks.single(tensors, "allreduce tensor")
         spec = reduce_spec(opts.reduceOp)
         check_supported(spec, t.dtype)
@@ -382,7 +385,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # ------------------------------------------------------------- all-gather
     def allgather(self, output_tensors, input_tensors, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         inp = checks.single(input_tensors, "allgather input")
         outs = self._rank_list(output_tensors, inp, "allgather output")
         checks.numel(inp, outs[self._rank].numel(), "allgather input (vs output[rank])")
@@ -396,17 +399,51 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             [list(outs)], opts, inp.numel() * inp.element_size(), fo)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        opts = opts or dist.AllgatherOptions()
-        works = [self.allgather([outs], [inp], opts) for outs, inp in
-                 zip(output_lists, input_list, strict=True)]
-        return _combined_work(works, output_lists)
+        """All-gather of several tensors as one: ``output_lists[r][i]`` receives rank r's
+        ``input_list[i]`` (torch's ``all_gather_coalesced``: one list per rank, each holding
+        one tensor per input). The inputs travel concatenated, in one all_gather."""
+        opts = opts or AllgatherOptions()
+        for i, t in enumerate(input_list):
+            checks.tensor(t, f"all_gather_coalesced input {i}")
+            checks.same_dtype(t, input_list[0], f"all_gather_coalesced input {i}")
+        checks.length(output_lists, self._size, "all_gather_coalesced output list of lists")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(input_list):
+                raise ValueError(f"all_gather_coalesced: output list {r} has {len(outs)} tensors, "
+                                 f"expected one per input ({len(input_list)})")
+            for i, (o, t) in enumerate(zip(outs, input_list)):
+                what = f"all_gather_coalesced output[{r}][{i}]"
+                checks.tensor(o, what)
+                checks.same_dtype(o, t, what)
+                checks.numel(o, t.numel(), f"{what} (vs input {i})")
+        dtype = input_list[0].dtype if input_list else torch.uint8
+        counts = [t.numel() for t in input_list]
+        total, size = sum(counts), self._size
+        call = Call("all_gather", dtype, total * size, extra=digest(counts))
+
+        def algo(ctx):
+            mine = torch.cat([t.detach().reshape(-1) for t in input_list]) if input_list else \
+                torch.empty(0, dtype=dtype)
+            gathered = torch.empty(total * size, dtype=dtype)
+            n = mine.numel() * mine.element_size()
+            gb = gathered.view(torch.uint8)
+            self._algos.all_gather(ctx, [gb[k * n:(k + 1) * n] for k in range(size)],
+                                   mine.view(torch.uint8))
+            for r, outs in enumerate(output_lists):
+                o = r * total
+                for t in outs:
+                    t.detach().copy_(gathered[o:o + t.numel()].view(t.shape))
+                    o += t.numel()
+
+        return self._submit("all_gather_coalesced", call, algo, output_lists, opts,
+                            total * dtype.itemsize)
 
     def all_gather_single(self, output, input, opts=None):
         if opts is not None and not opts.asyncOp:
             work = self._express.all_gather(output, input, self._deadline_seconds(opts))
             if work is not None:
                 return work
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         checks.tensor(output, "all_gather output")
         checks.tensor(input, "all_gather input")
         checks.same_dtype(output, input, "all_gather_into_tensor")
@@ -425,7 +462,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         works = [self.all_gather_single(o, i, opts)
                  for o, i in zip(outputs, inputs, strict=True)]
         return _combined_work(works, list(outputs))
@@ -710,9 +747,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 req.wait(min(deadline, op_deadline))
             except PeerTimeout as e:
                 if deadline < op_deadline:
-                    raise PeerTimeoutError(f"{what}: Work.wait timed out") from None
+                    raise PeerTimeoutError(f"{what}: Timed out in Work.wait") from None
                 error = PeerTimeoutError(
-                    f"{what} timed out after {self._timeout_text()}: {who} did not "
+                    f"{what}: Timed out after {self._timeout_text()}: {who} did not "
                     f"{'receive' if is_send else 'send'} it")
                 # Withdrawn before the Work fails: the tensor is the caller's again, a late
                 # message never lands in it, and later traffic with that peer fails loudly

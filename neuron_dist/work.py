@@ -117,6 +117,8 @@ class NeuronWork(dist.Work):
                 driver = self.driver  # (None once complete)
                 if driver is not None:
                     driver(deadline)
+                    if not self._finished:  # another thread is completing it right now
+                        self._block(deadline, seconds)
                 elif self.engine is not None and self.engine.is_engine_thread():
                     self.engine.run_until(self)
                 else:
@@ -135,7 +137,7 @@ class NeuronWork(dist.Work):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise PeerTimeoutError(
-                            f"{self.what}: Work.wait timed out after {seconds:.3f} s")
+                            f"{self.what}: Timed out after {seconds:.3f} s in Work.wait")
                     _state.wait(None if left == float("inf") else left)
             finally:
                 self._waiters -= 1

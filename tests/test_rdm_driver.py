@@ -89,11 +89,16 @@ def test_order_per_tag_and_early_messages(pair):
 def test_rail_cut_mid_transfer_loses_nothing(pair):
     a, b = pair
     src, dst, r, s = _transfer(pair, 64 << 20, seed=1)
-    time.sleep(0.02)
-    a._rails[1][1].sock.shutdown(socket.SHUT_RDWR)  # the connection resets under the transfer
+    deadline = time.monotonic() + 10  # until rail 1 carries unacked data ...
+    while a.ep.inflight_bytes(1, 1) < (1 << 20) and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    in_flight = a.ep.inflight_bytes(1, 1)
+    a._rails[1][1].sock.shutdown(socket.SHUT_RDWR)  # ... then reset it under the transfer
+    assert in_flight >= 1 << 20 and not r.done(), (in_flight, r.done())
     r.wait(time.monotonic() + 30)
     s.wait(time.monotonic() + 30)
     assert np.array_equal(src, dst)
+    assert a.stats()["retransmits"] >= 1  # what rail 1 held went again on the others
     # the pair keeps working on the remaining rails
     src, dst, r, s = _transfer(pair, 5 << 20, seed=2)
     r.wait(time.monotonic() + 30)

@@ -1,0 +1,222 @@
+"""What the README claims about dtypes, ops and tensor shapes, each checked by a test.
+
+README, "Reduce ops and dtypes": complex64/128 reduce with SUM/AVG/PRODUCT/PREMUL_SUM;
+integers wrap around; every rank gets bit-identical results (each slice reduced once, in
+rank order); zero-element, odd-sized and non-contiguous tensors work; from 256 KiB the
+single-copy algorithms run (collectives/single_copy.py). Every result is compared with a
+reference computed here, in this file, from the inputs every rank can regenerate.
+
+One forked job per world size / layout runs every case and reports every mismatch, so
+the whole file costs a few process start-ups, not one per case.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cases import ALL_DTYPES, close, make, ops_for, reduce_ref, torch_op
+from harness import cma_expected, run_ranks
+from test_multinode import _env
+
+COMPLEX = [torch.complex64, torch.complex128]
+COMPLEX_OPS = ["SUM", "AVG", "PRODUCT", "PREMUL_SUM"]
+SINGLE_COPY_BYTES = 256 << 10  # collectives/single_copy.MIN_BYTES, as the README states it
+
+
+def big_n(dtype) -> int:
+    """An odd element count whose bytes reach the single-copy threshold."""
+    n = SINGLE_COPY_BYTES // dtype.itemsize + 3
+    return n if n % 2 else n + 1
+
+
+# ---------------------------------------------------------------- inputs and references
+
+def gen(rank: int, n: int, dtype, salt: int = 0, op: str = "SUM") -> torch.Tensor:
+    """cases.make, extended to complex (real and imaginary parts drawn independently)."""
+    if dtype.is_complex:
+        re = make(rank, n, torch.float64, salt=salt, op=op)
+        im = make(rank, n, torch.float64, salt=salt + 7919, op=op)
+        return torch.complex(re, im).to(dtype)
+    return make(rank, n, dtype, salt=salt, op=op)
+
+
+def ref(inputs, op: str, dtype) -> torch.Tensor:
+    """The exact reduction of ``inputs`` (one per rank); complex computed in complex128."""
+    if not dtype.is_complex:
+        return reduce_ref(inputs, op, dtype)
+    x = torch.stack([t.to(torch.complex128) for t in inputs])
+    if op == "PREMUL_SUM":
+        x = x * 0.5  # cases.premul_factor()
+    out = {"SUM": lambda: x.sum(0), "PREMUL_SUM": lambda: x.sum(0),
+           "AVG": lambda: x.sum(0) / len(inputs), "PRODUCT": lambda: x.prod(0)}[op]()
+    return out.to(dtype)
+
+
+def same(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
+    if dtype.is_complex:
+        return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    return close(a, b, dtype)
+
+
+def strided(values: torch.Tensor, fill=7):
+    """A non-contiguous view (stride 2) holding ``values``, and the buffer around it, whose
+    other elements hold ``fill`` and must still hold it after the collective."""
+    base = torch.full((values.numel(), 2), fill, dtype=values.dtype)
+    view = base[:, 0]
+    view.copy_(values.reshape(-1))
+    assert not view.is_contiguous() or values.numel() <= 1
+    return view, base
+
+
+def gaps_ok(base: torch.Tensor, fill=7) -> bool:
+    return bool((base[:, 1] == torch.tensor(fill, dtype=base.dtype)).all())
+
+
+class Paths:
+    """Counts the calls of the single-copy algorithms in this rank (ranks are forked, so
+    patching the module here changes nothing in the test process)."""
+
+    def __init__(self):
+        from neuron_dist.collectives import single_copy
+        self.calls = {}
+        for name in ("all_reduce", "reduce_scatter", "all_gather"):
+            fn = getattr(single_copy, name)
+
+            def counted(*a, _fn=fn, _name=name, **kw):
+                self.calls[_name] = self.calls.get(_name, 0) + 1
+                return _fn(*a, **kw)
+            setattr(single_copy, name, counted)
+
+    def take(self, name: str) -> int:
+        return self.calls.pop(name, 0)
+
+
+# ---------------------------------------------------------------- the cases
+
+def backend():
+    """The default group's neuron backend itself (below torch's frontend checks)."""
+    return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+
+
+def reducing(rank, world, fails, dtype, op, n, paths=None, salt=0):
+    """Every collective that reduces, ``n`` elements per rank (per block for the scatters)."""
+    what = f"{dtype} {op} n={n}"
+    full = [gen(k, world * n, dtype, salt=salt, op=op) for k in range(world)]
+    want = ref(full, op, dtype)
+    mine = slice(rank * n, (rank + 1) * n)
+    single = cma_expected() and n * dtype.itemsize >= SINGLE_COPY_BYTES and paths is not None
+
+    # torch's all_reduce refuses PRODUCT on complex tensors and hands the backend the
+    # others as real views (torch.view_as_real): the backend's own complex all_reduce is
+    # called directly as well, with every op
+    calls = ["frontend", "backend"] if dtype.is_complex else ["frontend"]
+    if dtype.is_complex and op == "PRODUCT":
+        calls = ["backend"]
+    for how in calls:
+        t = full[rank][:n].clone()
+        if how == "frontend":
+            dist.all_reduce(t, op=torch_op(op))
+        else:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = torch_op(op)
+            backend().allreduce([t], opts).wait()
+        if not same(t, ref([f[:n] for f in full], op, dtype), dtype):
+            fails.append(f"all_reduce ({how}) {what}")
+        if single and paths.take("all_reduce") != 1:
+            fails.append(f"all_reduce ({how}) {what}: single-copy path not taken")
+
+    root = (n + salt) % world
+    t = full[rank][:n].clone()
+    dist.reduce(t, dst=root, op=torch_op(op))
+    if rank == root and not same(t, ref([f[:n] for f in full], op, dtype), dtype):
+        fails.append(f"reduce {what} root={root}")
+
+    out = torch.empty(n, dtype=dtype)
+    dist.reduce_scatter_tensor(out, full[rank], op=torch_op(op))
+    if not same(out, want[mine], dtype):
+        fails.append(f"reduce_scatter_tensor {what}")
+    if single and paths.take("reduce_scatter") != 1:
+        fails.append(f"reduce_scatter_tensor {what}: single-copy path not taken")
+
+    out = torch.empty(n, dtype=dtype)
+    dist.reduce_scatter(out, list(full[rank].split(n)) if n else [torch.empty(0, dtype=dtype)] * world,
+                        op=torch_op(op))
+    if not same(out, want[mine], dtype):
+        fails.append(f"reduce_scatter list {what}")
+    if single and paths.take("reduce_scatter") != 1:
+        fails.append(f"reduce_scatter list {what}: single-copy path not taken")
+
+    # coalesced: the whole buffer as a 2-D tensor, a block, and a 0-dim tensor
+    for how in (calls if n else []):
+        ts = [full[rank].clone().view(world, n), full[rank][n:2 * n].clone(),
+              full[rank][:1].clone().reshape(())]
+        if how == "frontend":
+            dist.all_reduce_coalesced(ts, op=torch_op(op))
+        else:
+            opts = dist.AllreduceCoalescedOptions()
+            opts.reduceOp = torch_op(op)
+            backend().allreduce_coalesced(ts, opts).wait()
+        wants = [want.view(world, n), want[n:2 * n], ref([f[:1] for f in full], op, dtype).reshape(())]
+        for i, (t, w) in enumerate(zip(ts, wants)):
+            if not same(t, w, dtype):
+                fails.append(f"all_reduce_coalesced ({how}) {what} tensor {i}")
+    if paths is not None:
+        paths.calls.clear()  # the coalesced call may take either path (its total decides)
+
+
+def moving(rank, world, fails, dtype, n, paths):
+    """The data-movement collectives that have a single-copy algorithm, ``n`` per rank."""
+    what = f"{dtype} n={n}"
+    ins = [gen(k, n, dtype, salt=3) for k in range(world)]
+    single = cma_expected() and n * dtype.itemsize >= SINGLE_COPY_BYTES
+    big = torch.empty(world * n, dtype=dtype)
+    dist.all_gather_into_tensor(big, ins[rank])
+    if not torch.equal(big, torch.cat(ins)):
+        fails.append(f"all_gather_into_tensor {what}")
+    outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+    dist.all_gather(outs, ins[rank])
+    if not all(torch.equal(o, i) for o, i in zip(outs, ins)):
+        fails.append(f"all_gather {what}")
+    if single and paths.take("all_gather") != 2:
+        fails.append(f"all_gather {what}: single-copy path not taken")
+    a2a = [gen(k, world * n, dtype, salt=4) for k in range(world)]
+    out = torch.empty(world * n, dtype=dtype)
+    dist.all_to_all_single(out, a2a[rank])
+    if not torch.equal(out, torch.cat([a[rank * n:(rank + 1) * n] for a in a2a])):
+        fails.append(f"all_to_all_single {what}")
+    paths.calls.clear()
+
+
+def complex_and_big(rank, world, big):
+    """complex64/128 with every op they support, in every reducing collective, small and
+    from 256 KiB; with ``big``, every dtype and op from 256 KiB too."""
+    fails, paths = [], Paths()
+    for dtype in COMPLEX:
+        for op in COMPLEX_OPS:
+            for n in (0, 1, 7, 1001) + ((big_n(dtype),) if big else ()):
+                reducing(rank, world, fails, dtype, op, n, paths)
+        moving(rank, world, fails, dtype, 5, paths)
+    # a tensor PREMUL_SUM factor on complex
+    t = gen(rank, 33, torch.complex64)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor(0.25)))
+    if not same(t, sum(gen(k, 33, torch.complex64) * 0.25 for k in range(world)), torch.complex64):
+        fails.append("all_reduce complex64 PREMUL_SUM tensor factor")
+    if big:
+        for dtype in ALL_DTYPES:
+            for op in ops_for(dtype):
+                reducing(rank, world, fails, dtype, op, big_n(dtype), paths, salt=1)
+        for dtype in ALL_DTYPES + COMPLEX:
+            moving(rank, world, fails, dtype, big_n(dtype), paths)
+    return fails
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_node(world):
+    results = run_ranks(complex_and_big, world, True, timeout=100)
+    fails = {r: f for r, f in results.items() if f}
+    assert not fails, fails

@@ -214,9 +214,118 @@ def complex_and_big(rank, world, big):
     return fails
 
 
+def noncontiguous(rank, world):
+    """Every collective and p2p call with strided (non-contiguous) inputs and outputs; the
+    elements between a view's elements must be left alone."""
+    fails = []
+
+    def check(ok, what):
+        if not ok:
+            fails.append(what)
+
+    for dtype, n in ((torch.float32, 5), (torch.int64, 1001), (torch.complex64, 7),
+                     (torch.float32, big_n(torch.float32))):
+        w = f"{dtype} n={n}"
+        ins = [gen(k, n, dtype, salt=5) for k in range(world)]
+        t, b = strided(ins[rank])
+        dist.all_reduce(t)
+        check(torch.equal(t, ref(ins, "SUM", dtype)) and gaps_ok(b), f"all_reduce {w}")
+        t, b = strided(ins[rank])
+        dist.reduce(t, dst=world - 1)
+        check(rank != world - 1 or torch.equal(t, ref(ins, "SUM", dtype)), f"reduce {w}")
+        check(gaps_ok(b), f"reduce gaps {w}")
+        t, b = strided(ins[rank])
+        dist.broadcast(t, src=1)
+        check(torch.equal(t, ins[1]) and gaps_ok(b), f"broadcast {w}")
+        # all_gather: strided input, strided outputs
+        src, bs = strided(ins[rank])
+        outs = [strided(torch.zeros(n, dtype=dtype)) for _ in range(world)]
+        dist.all_gather([o for o, _ in outs], src)
+        check(all(torch.equal(o, i) and gaps_ok(ob) for (o, ob), i in zip(outs, ins)) and gaps_ok(bs),
+              f"all_gather {w}")
+        out, ob = strided(torch.zeros(world * n, dtype=dtype))
+        dist.all_gather_into_tensor(out, src)
+        check(torch.equal(out, torch.cat(ins)) and gaps_ok(ob), f"all_gather_into_tensor {w}")
+        # reduce_scatter: strided inputs and output
+        full = [gen(k, world * n, dtype, salt=6) for k in range(world)]
+        want = ref(full, "SUM", dtype)[rank * n:(rank + 1) * n]
+        src, bs = strided(full[rank])
+        out, ob = strided(torch.zeros(n, dtype=dtype))
+        dist.reduce_scatter_tensor(out, src)
+        check(torch.equal(out, want) and gaps_ok(ob) and gaps_ok(bs), f"reduce_scatter_tensor {w}")
+        pieces = [strided(p) for p in full[rank].split(n)]
+        out, ob = strided(torch.zeros(n, dtype=dtype))
+        dist.reduce_scatter(out, [p for p, _ in pieces])
+        check(torch.equal(out, want) and gaps_ok(ob), f"reduce_scatter list {w}")
+        # gather / scatter (root 0)
+        src, _ = strided(ins[rank])
+        gl = [strided(torch.zeros(n, dtype=dtype)) for _ in range(world)] if rank == 0 else None
+        dist.gather(src, [g for g, _ in gl] if gl else None, dst=0)
+        check(rank != 0 or all(torch.equal(g, i) and gaps_ok(gb) for (g, gb), i in zip(gl, ins)),
+              f"gather {w}")
+        sl = [strided(gen(0, n, dtype, salt=10 + k))[0] for k in range(world)]
+        out, ob = strided(torch.zeros(n, dtype=dtype))
+        dist.scatter(out, sl if rank == 0 else None, src=0)
+        check(torch.equal(out, gen(0, n, dtype, salt=10 + rank)) and gaps_ok(ob), f"scatter {w}")
+        # all_to_all: single tensor and list
+        a2a = [gen(k, world * n, dtype, salt=7) for k in range(world)]
+        wa = torch.cat([a[rank * n:(rank + 1) * n] for a in a2a])
+        src, bs = strided(a2a[rank])
+        out, ob = strided(torch.zeros(world * n, dtype=dtype))
+        dist.all_to_all_single(out, src)
+        check(torch.equal(out, wa) and gaps_ok(ob), f"all_to_all_single {w}")
+        outs = [strided(torch.zeros(n, dtype=dtype)) for _ in range(world)]
+        dist.all_to_all([o for o, _ in outs], [strided(p)[0] for p in a2a[rank].split(n)])
+        check(torch.equal(torch.cat([o for o, _ in outs]), wa) and all(gaps_ok(ob) for _, ob in outs),
+              f"all_to_all list {w}")
+        # coalesced all_reduce: one strided, one transposed 2-D
+        two = torch.stack([ins[rank], ins[rank]])  # 2 x n
+        t, b = strided(ins[rank])
+        tt = two.t()
+        dist.all_reduce_coalesced([t, tt])
+        s = ref(ins, "SUM", dtype)
+        check(torch.equal(t, s) and gaps_ok(b) and torch.equal(tt, torch.stack([s, s]).t()),
+              f"all_reduce_coalesced {w}")
+        # p2p: blocking send/recv between ranks 0 and 1; isend/irecv and batch_isend_irecv
+        # around the ring
+        if rank in (0, 1):
+            t, b = strided(ins[rank])
+            if rank == 0:
+                dist.send(t, dst=1)
+                r, rb = strided(torch.zeros(n, dtype=dtype))
+                dist.recv(r, src=1)
+                check(torch.equal(r, ins[1]) and gaps_ok(rb) and gaps_ok(b), f"send/recv {w}")
+            else:
+                r, rb = strided(torch.zeros(n, dtype=dtype))
+                dist.recv(r, src=0)
+                dist.send(t, dst=0)
+                check(torch.equal(r, ins[0]) and gaps_ok(rb), f"send/recv {w}")
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        t, _ = strided(ins[rank])
+        r, rb = strided(torch.zeros(n, dtype=dtype))
+        works = [dist.isend(t, dst=nxt), dist.irecv(r, src=prv)]
+        for wk in works:
+            wk.wait()
+        check(torch.equal(r, ins[prv]) and gaps_ok(rb), f"isend/irecv {w}")
+        r, rb = strided(torch.zeros(n, dtype=dtype))
+        for wk in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, r, prv)]):
+            wk.wait()
+        check(torch.equal(r, ins[prv]) and gaps_ok(rb), f"batch_isend_irecv {w}")
+    dist.barrier()
+    return fails
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_node(world):
     results = run_ranks(complex_and_big, world, True, timeout=100)
+    fails = {r: f for r, f in results.items() if f}
+    assert not fails, fails
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_non_contiguous(world):
+    results = run_ranks(noncontiguous, world, timeout=100)
     fails = {r: f for r, f in results.items() if f}
     assert not fails, fails

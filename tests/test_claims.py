@@ -315,6 +315,128 @@ def noncontiguous(rank, world):
     return fails
 
 
+UNEVEN_DTYPES = [torch.int32, torch.bfloat16, torch.float64, torch.complex64, torch.int8]
+
+
+def uneven(rank, world):
+    """Sizes that do not divide by the world size, odd lengths, per-rank sizes that differ
+    (list forms, all_to_all splits), in dtypes other than float32; small and large."""
+    fails = []
+    for dtype in UNEVEN_DTYPES:
+        for base in (1, 333, big_n(dtype)):
+            w = f"{dtype} base={base}"
+            # an odd length that no world size divides evenly
+            n = base * world + 1
+            ins = [gen(k, n, dtype, salt=8) for k in range(world)]
+            t = ins[rank].clone()
+            dist.all_reduce(t)
+            if not same(t, ref(ins, "SUM", dtype), dtype):
+                fails.append(f"all_reduce n={n} {w}")
+            big = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(big, ins[rank])
+            if not torch.equal(big, torch.cat(ins)):
+                fails.append(f"all_gather_into_tensor n={n} {w}")
+            full = [gen(k, world * n, dtype, salt=9) for k in range(world)]
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, full[rank])
+            if not same(out, ref(full, "SUM", dtype)[rank * n:(rank + 1) * n], dtype):
+                fails.append(f"reduce_scatter_tensor n={n} {w}")
+            # per-rank sizes that differ: rank k's block has base + 2k + 1 elements
+            sizes = [base + 2 * k + 1 for k in range(world)]
+            mine = [gen(k, sizes[k], dtype, salt=11) for k in range(world)]
+            outs = [torch.empty(s, dtype=dtype) for s in sizes]
+            dist.all_gather(outs, mine[rank])
+            if not all(torch.equal(o, m) for o, m in zip(outs, mine)):
+                fails.append(f"all_gather uneven {w}")
+            blocks = [gen(rank, s, dtype, salt=20 + k) for k, s in enumerate(sizes)]
+            out = torch.empty(sizes[rank], dtype=dtype)
+            dist.reduce_scatter(out, blocks)
+            want = ref([gen(k, sizes[rank], dtype, salt=20 + rank) for k in range(world)], "SUM", dtype)
+            if not same(out, want, dtype):
+                fails.append(f"reduce_scatter uneven {w}")
+            # all_to_all_single: rank r sends base + r + 2j + 1 elements to rank j
+            def cnt(src, dst):
+                return base + src + 2 * dst + 1
+            send = [gen(rank, cnt(rank, j), dtype, salt=30 + j) for j in range(world)]
+            out = torch.empty(sum(cnt(k, rank) for k in range(world)), dtype=dtype)
+            dist.all_to_all_single(out, torch.cat(send), [cnt(k, rank) for k in range(world)],
+                                   [cnt(rank, j) for j in range(world)])
+            want = torch.cat([gen(k, cnt(k, rank), dtype, salt=30 + rank) for k in range(world)])
+            if not torch.equal(out, want):
+                fails.append(f"all_to_all_single uneven {w}")
+            outs = [torch.empty(cnt(k, rank), dtype=dtype) for k in range(world)]
+            dist.all_to_all(outs, send)
+            if not torch.equal(torch.cat(outs), want):
+                fails.append(f"all_to_all list uneven {w}")
+    return fails
+
+
+WRAP_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+
+
+def wrap_inputs(rank, n, dtype):
+    """Values near the top of ``dtype``'s range (and, signed, near the bottom), so that
+    sums over two or more ranks overflow in both directions."""
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(4242 + rank + n)
+    off = torch.randint(0, 50, (n,), generator=g, dtype=torch.int64)
+    top = torch.full((n,), info.max, dtype=dtype) - off.to(dtype)
+    if info.min == 0:
+        return top
+    bottom = torch.full((n,), info.min, dtype=dtype) + off.to(dtype)
+    return torch.where(torch.arange(n) % 3 == 0, bottom, top)
+
+
+def wrap_ref(inputs):
+    """SUM as torch computes it in the tensors' own dtype (two's complement wrap-around)."""
+    acc = inputs[0].clone()
+    for t in inputs[1:]:
+        acc += t
+    return acc
+
+
+def wraparound(rank, world):
+    """Integer SUM that overflows must wrap like torch's own additions, in every reducing
+    collective, small and from 256 KiB."""
+    fails = []
+    for dtype in WRAP_DTYPES:
+        for n in (7, 1001, big_n(dtype)):
+            w = f"{dtype} n={n}"
+            full = [wrap_inputs(k, world * n, dtype) for k in range(world)]
+            want = wrap_ref(full)
+            # the reference must itself have wrapped (else this checks nothing)
+            exact = sum(int(f[1]) for f in full)
+            if exact == int(want[1]) or not (torch.iinfo(dtype).min <= int(want[1]) <= torch.iinfo(dtype).max):
+                fails.append(f"reference did not wrap {w}")
+            t = full[rank][:n].clone()
+            dist.all_reduce(t)
+            if not torch.equal(t, want[:n]):
+                fails.append(f"all_reduce {w}")
+            t = full[rank][:n].clone()
+            dist.reduce(t, dst=world - 1)
+            if rank == world - 1 and not torch.equal(t, want[:n]):
+                fails.append(f"reduce {w}")
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, full[rank])
+            if not torch.equal(out, want[rank * n:(rank + 1) * n]):
+                fails.append(f"reduce_scatter_tensor {w}")
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter(out, list(full[rank].split(n)))
+            if not torch.equal(out, want[rank * n:(rank + 1) * n]):
+                fails.append(f"reduce_scatter list {w}")
+            ts = [full[rank][:n].clone(), full[rank][n:2 * n].clone()]
+            dist.all_reduce_coalesced(ts)
+            if not (torch.equal(ts[0], want[:n]) and torch.equal(ts[1], want[n:2 * n])):
+                fails.append(f"all_reduce_coalesced {w}")
+            # AVG divides the wrapped sum (README: sum, then divide truncating toward zero)
+            t = full[rank][:n].clone()
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+            avg = torch.div(want[:n].long(), world, rounding_mode="trunc").to(dtype)
+            if not torch.equal(t, avg):
+                fails.append(f"all_reduce AVG {w}")
+    return fails
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_node(world):
@@ -327,5 +449,14 @@ def test_one_node(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_non_contiguous(world):
     results = run_ranks(noncontiguous, world, timeout=100)
+    fails = {r: f for r, f in results.items() if f}
+    assert not fails, fails
+
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_uneven_and_wrap(world):
+    results = run_ranks(lambda r, w: uneven(r, w) + wraparound(r, w), world, timeout=100)
     fails = {r: f for r, f in results.items() if f}
     assert not fails, fails

@@ -437,6 +437,87 @@ def wraparound(rank, world):
     return fails
 
 
+def spread(rank, n, dtype, salt=0):
+    """Values of magnitudes 2**-e .. 2**e with both signs (e = 20, 8 for float16, which
+    must not overflow): the result of a float sum depends on the order of the additions."""
+    e = 8 if dtype is torch.float16 else 20
+    g = torch.Generator().manual_seed(777 + 31 * rank + n + salt)
+    v = torch.randn(n, generator=g, dtype=torch.float64)
+    v = v * torch.pow(2.0, torch.randint(-e, e + 1, (n,), generator=g).double())
+    return v.to(dtype)
+
+
+def fold(inputs, op, dtype, wide_result=False):
+    """The README's order: v0 + v1 + ... + vN-1, left to right; float16/bfloat16 widened to
+    float32 (after PREMUL_SUM's factor, applied in the input dtype) and rounded once."""
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    xs = [(t * 0.5 if op == "PREMUL_SUM" else t).to(wide) for t in inputs]
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc += x
+    if op == "AVG":
+        acc /= len(inputs)
+    return acc if wide_result else acc.to(dtype)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+BIT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def bit_identical(rank, world, exact_order):
+    """Float SUM/AVG/PREMUL_SUM of order-sensitive values: returns (fails, {case: sha256 of
+    the result}); the test compares the hashes across ranks. With ``exact_order`` (one
+    node) the result must equal the rank-order fold bit for bit."""
+    fails, hashes = [], {}
+    for dtype in BIT_DTYPES:
+        for op in ("SUM", "AVG", "PREMUL_SUM"):
+            for n in (1, 101, 5003, 70_001, big_n(dtype) + 2):
+                w = f"{dtype} {op} n={n}"
+                ins = [spread(k, n, dtype) for k in range(world)]
+                want = fold(ins, op, dtype)
+                # (float16/bfloat16: the order must matter in the float32 accumulator)
+                if world >= 3 and n > 100 and torch.equal(fold(ins[::-1], op, dtype, True),
+                                                          fold(ins, op, dtype, True)):
+                    fails.append(f"inputs do not make the order matter {w}")
+                results = {}
+                t = ins[rank].clone()
+                dist.all_reduce(t, op=torch_op(op))  # synchronous: the express lane when small
+                results["all_reduce"] = t
+                t = ins[rank].clone()
+                dist.all_reduce(t, op=torch_op(op), async_op=True).wait()  # the general path
+                results["all_reduce async"] = t
+                ts = [ins[rank][:n // 2 + 1].clone(), ins[rank][n // 2 + 1:].clone()]
+                dist.all_reduce_coalesced(ts, op=torch_op(op))
+                results["all_reduce_coalesced"] = torch.cat(ts)
+                t = ins[rank].clone()
+                dist.reduce(t, dst=0, op=torch_op(op))
+                t = t if rank == 0 else torch.empty_like(t)
+                dist.broadcast(t, src=0)
+                results["reduce"] = t
+                m = -(-n // world)  # reduce_scatter over the input padded to world * m
+                full = [torch.cat([x, torch.zeros(world * m - n, dtype=dtype)]) for x in ins]
+                out = torch.empty(m, dtype=dtype)
+                dist.reduce_scatter_tensor(out, full[rank], op=torch_op(op))
+                whole = torch.empty(world * m, dtype=dtype)
+                dist.all_gather_into_tensor(whole, out)
+                results["reduce_scatter_tensor"] = whole[:n]
+                scale = sum(x.double().abs() for x in ins) * (0.5 if op == "PREMUL_SUM" else 1)
+                if op == "AVG":
+                    scale = scale / world
+                tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-5
+                for what, got in results.items():
+                    hashes[f"{what} {w}"] = digest(got)
+                    if exact_order:
+                        if not torch.equal(got, want):
+                            fails.append(f"{what} {w}: not the rank-order result")
+                    elif not bool(((got.double() - want.double()).abs() <= tol * scale + 1e-30).all()):
+                        fails.append(f"{what} {w}: off the reference")
+    return fails, hashes
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_node(world):
@@ -460,3 +541,15 @@ def test_uneven_and_wrap(world):
     results = run_ranks(lambda r, w: uneven(r, w) + wraparound(r, w), world, timeout=100)
     fails = {r: f for r, f in results.items() if f}
     assert not fails, fails
+
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_bits(world):
+    results = run_ranks(bit_identical, world, True, timeout=100)
+    fails = {r: f for r, (f, _) in results.items() if f}
+    assert not fails, fails
+    hashes = [h for _, h in results.values()]
+    differ = sorted(k for k in hashes[0] if len({h[k] for h in hashes}) > 1)
+    assert not differ, differ

@@ -287,6 +287,36 @@ def noncontiguous(rank, world):
         s = ref(ins, "SUM", dtype)
         check(torch.equal(t, s) and gaps_ok(b) and torch.equal(tt, torch.stack([s, s]).t()),
               f"all_reduce_coalesced {w}")
+        # coalesced all_gather (torch's list of lists) and the coalescing manager's
+        # all_gather_into_tensor / reduce_scatter_tensor
+        src, _ = strided(ins[rank])
+        src2, _ = strided(ins[rank][: n // 2 + 1])
+        outs = [[strided(torch.zeros(n, dtype=dtype)), strided(torch.zeros(n // 2 + 1, dtype=dtype))]
+                for _ in range(world)]
+        dist.all_gather_coalesced([[o for o, _ in per] for per in outs], [src, src2])
+        check(all(torch.equal(per[0][0], i) and torch.equal(per[1][0], i[: n // 2 + 1])
+                  and gaps_ok(per[0][1]) and gaps_ok(per[1][1]) for per, i in zip(outs, ins)),
+              f"all_gather_coalesced {w}")
+        ag, agb = strided(torch.zeros(world * n, dtype=dtype))
+        rs, rsb = strided(torch.zeros(n, dtype=dtype))
+        rs_in, _ = strided(full[rank])
+        ag2, agb2 = strided(torch.zeros(world * (n // 2 + 1), dtype=dtype))
+        rs2 = torch.zeros(1, dtype=dtype)  # a contiguous one in the same batch
+        rs_in2 = full[rank][:world].clone()
+        with dist._coalescing_manager(async_ops=True) as cm:  # one kind per batch (torch)
+            dist.all_gather_into_tensor(ag, src)
+            dist.all_gather_into_tensor(ag2, src2)
+        cm.wait()
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.reduce_scatter_tensor(rs, rs_in)
+            dist.reduce_scatter_tensor(rs2, rs_in2)
+        cm.wait()
+        check(torch.equal(ag, torch.cat(ins)) and gaps_ok(agb), f"coalesced all_gather_into_tensor {w}")
+        check(torch.equal(ag2, torch.cat([i[: n // 2 + 1] for i in ins])) and gaps_ok(agb2),
+              f"coalesced all_gather_into_tensor (2nd) {w}")
+        check(torch.equal(rs, want) and gaps_ok(rsb), f"coalesced reduce_scatter_tensor {w}")
+        check(torch.equal(rs2, ref([f[:world] for f in full], "SUM", dtype)[rank:rank + 1]),
+              f"coalesced reduce_scatter_tensor (2nd) {w}")
         # p2p: blocking send/recv between ranks 0 and 1; isend/irecv and batch_isend_irecv
         # around the ring
         if rank in (0, 1):

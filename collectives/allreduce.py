@@ -16,10 +16,9 @@ take one step each instead of a ring's N-1: the data volume per rank is the ring
 from __future__ import annotations
 
 from . import single_copy
-from .context import Context, flat, partition
+from .context import ALIGN_BYTES, Context, flat, partition
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
-ALIGN_BYTES = 64
 
 
 def all_reduce(ctx: Context, out, inp, spec) -> None:

@@ -22,10 +22,9 @@ from __future__ import annotations
 import ctypes
 
 from . import single_copy
-from .context import Context, steps_for
+from .context import ALIGN_BYTES, Context, steps_for
 from .descriptor import CollectiveMismatch
 
-ALIGN_BYTES = 64
 
 
 def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:

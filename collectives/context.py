@@ -91,6 +91,9 @@ def steps_for(nbytes: int, per_step: int) -> int:
     return max(1, math.ceil(nbytes / per_step)) if per_step > 0 else 1
 
 
+ALIGN_BYTES = 64  # slices and blocks start on cache-line boundaries
+
+
 def flat(t):
     """``t`` as a 1-D view (``t`` itself if it is 1-D: a torch view op costs µs)."""
     return t if t.dim() == 1 else t.view(-1)

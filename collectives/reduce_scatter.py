@@ -10,10 +10,9 @@ step (compare gloo, which runs a full all-reduce per call).
 from __future__ import annotations
 
 from . import single_copy
-from .context import Context, steps_for
+from .context import ALIGN_BYTES, Context, steps_for
 from .reduce_ops import reduce_into, stage
 
-ALIGN_BYTES = 64
 
 
 def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:

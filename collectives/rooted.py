@@ -7,10 +7,9 @@ scatter the root stages piece i of input k in block k of its slot; rank k copies
 
 from __future__ import annotations
 
-from .context import Context, steps_for
+from .context import ALIGN_BYTES, Context, steps_for
 from .reduce_ops import reduce_into, stage
 
-ALIGN_BYTES = 64
 
 
 def reduce(ctx: Context, out, inp, spec, root: int) -> None:

@@ -24,12 +24,11 @@ path. Used when the node's ranks agreed CMA works and the message is large (``wo
 
 from __future__ import annotations
 
-from .context import Context, partition
+from .context import ALIGN_BYTES, Context, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, reduce_into
 
 MIN_BYTES = 256 << 10  # below this the slot algorithms' few steps cost less than the syscalls
 CHUNK_BYTES = 256 << 10  # reduce this much at a time: the peers' chunks stay in cache
-ALIGN_BYTES = 64
 MAX_ADDRESSES = 8  # spare words in a call descriptor
 
 

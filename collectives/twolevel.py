@@ -55,7 +55,7 @@ import torch
 
 from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs, rooted
 from . import alltoall
-from .context import Context, flat, partition
+from .context import ALIGN_BYTES, Context, flat, partition
 from .descriptor import NWORDS, Call, CollectiveMismatch
 from ..transport.errors import MessageSizeMismatch
 from .reduce_ops import AVG, PREMUL_SUM, SUM, ReduceSpec, _finish_avg, reduce_into
@@ -64,7 +64,6 @@ COLLECTIVE_TAG = 1
 PIGGYBACK_BYTES = 64 << 10  # data up to this size travels in one message with the descriptor
 RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
 HALVES_BYTES = 2 << 20  # network all-reduce between two peers: halves from here, else direct
-ALIGN_BYTES = 64
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
 _SUM = ReduceSpec(SUM)
 
@@ -109,9 +108,6 @@ class Topology:
     def local(self) -> tuple:
         """Group ranks of this node, in local-index order."""
         return self.nodes[self.my_node]
-
-    def local_index(self, rank: int) -> int:
-        return self.nodes[self.node_of(rank)].index(rank)
 
     @property
     def even(self) -> bool:

@@ -113,7 +113,8 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
 
 
 def parse_size(text: str) -> int:
-    """``"256M"`` -> 268435456 (K, M, G are powers of 1024)."""
+    """``"256M"`` -> 268435456 (K, M, G are powers of 1024). (As ``sweep.parse_size``: this
+    file also runs as a standalone script inside network namespaces, without its package.)"""
     m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 8M, 256M, 1G)")

@@ -152,9 +152,6 @@ class ShmChannel:
         off = self._desc_word[rank] * 8 + (seq & 1) * L.DESC_WORDS * 8
         return struct.unpack_from(f"{nwords}q", self.segment.map, off)
 
-    def peer_step(self, rank: int) -> int:
-        return self._w[self._step_word[rank]]
-
     def _wait_step(self, e: int, deadline: float) -> None:
         w = self._w
         sw = self._step_word
@@ -269,7 +266,7 @@ class ShmChannel:
     def abort(self, reason: str, kind: int = 1) -> None:
         """Mark this rank's side of the group failed; peers' waits raise PeerAborted.
 
-        ``kind`` (a small positive int, see ``errors.ABORT_KINDS``) tells peers the class of
+        ``kind`` (one of ``transport.errors.ABORTED*``) tells peers the class of
         the original failure, so every rank can raise the same exception type.
         """
         if self._closed:
@@ -278,12 +275,6 @@ class ShmChannel:
         off = self.layout.region(self.rank) + L.ABORT_MSG_OFF
         self._bytes[off:off + len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
         self._w[self._abort_word[self.rank]] = kind
-
-    def aborted_by(self) -> int | None:
-        for k in range(self.size):
-            if self._w[self._abort_word[k]]:
-                return k
-        return None
 
     def abort_reason(self, rank: int) -> str:
         off = self.layout.region(rank) + L.ABORT_MSG_OFF

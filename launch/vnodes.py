@@ -268,6 +268,9 @@ def _free_port_in_ns(ns: str, addr: str) -> int:
     return int(out.strip())
 
 
+# _pid_namespace, _start_time and _process_alive are transport/shm/procid.py's identity,
+# written out here: the launcher imports nothing of the package (that would import torch
+# and register the backend in every launcher process).
 def _pid_namespace() -> int:
     """Inode of this process's PID namespace (0 if /proc does not say)."""
     try:

@@ -57,6 +57,15 @@ def _entry(fn, rank, world, ports, queue, args, env, pg_timeout, init, timeout):
         os._exit(0)
 
 
+def error_of(fn):
+    """``"ErrorType: message"`` of what ``fn()`` raised, or None if it returned."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def cma_expected() -> bool:
     """Can a process read a sibling's memory here (root, or Yama absent / scope 0)?"""
     try:

@@ -2,13 +2,13 @@
 ranks under mpiexec, run by test_net_contract.py. Prints ``@@contract {json}`` on rank 0."""
 
 import json
-import sys
 import time
 
 from mpi4py import MPI
 
 from neuron_dist.transport.mpi import MpiTransport, mpi_lock
 
+import mpi_job_common as common
 import net_contract as C
 
 WORLD = MPI.COMM_WORLD
@@ -17,13 +17,7 @@ LOCK = mpi_lock()
 
 
 def sync() -> None:
-    with LOCK:
-        req = WORLD.Ibarrier()
-    while True:
-        with LOCK:
-            if req.Test():
-                return
-        time.sleep(0.001)
+    common.barrier(LOCK)
 
 
 def main() -> None:
@@ -43,10 +37,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        WORLD.Abort(1)
+    common.run(main)

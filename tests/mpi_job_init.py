@@ -39,6 +39,8 @@ import torch.distributed as dist  # noqa: E402
 import neuron_dist  # noqa: E402
 import neuron_dist.mpi_launch as m  # noqa: E402
 
+import mpi_job_common as common  # noqa: E402
+
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's
 TIMEOUT = timedelta(seconds=60)
@@ -154,12 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        # end the whole job now (a rank that just exits leaves its peers waiting in MPI)
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI as _MPI
-        _MPI.COMM_WORLD.Abort(1)
+    common.run(main)

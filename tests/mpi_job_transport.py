@@ -32,6 +32,8 @@ from transport.errors import (ABORTED_TIMEOUT, ChannelClosed, PeerAborted,  # no
                               PeerTimeout, TransportError)
 from transport.mpi import MpiTransport, mpi_lock, thread_level  # noqa: E402
 
+import mpi_job_common as common  # noqa: E402
+
 assert "torch" not in sys.modules, "the MPI transport imported torch"
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -58,20 +60,11 @@ def pattern(n: int, seed: int) -> np.ndarray:
 
 
 def wait_mpi(req) -> None:
-    """Wait for an MPI request of ours, testing it under MPI_LOCK (never holding the lock
-    while waiting: this rank's transports need it to progress)."""
-    while True:
-        with MPI_LOCK:
-            if req.Test():
-                return
-        time.sleep(0.001)
+    common.wait_mpi(req, MPI_LOCK)
 
 
 def barrier() -> None:
-    """MPI_Barrier that sleeps while it waits (MPICH's spins: a core of our two)."""
-    with MPI_LOCK:
-        req = WORLD.Ibarrier()
-    wait_mpi(req)
+    common.barrier(MPI_LOCK)
 
 
 def phase(name: str) -> None:
@@ -528,12 +521,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        # end the whole job now (a rank that just exits leaves its peers waiting in MPI)
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI as _MPI
-        _MPI.COMM_WORLD.Abort(1)
+    common.run(main)

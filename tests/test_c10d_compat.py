@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import error_of, run_ranks
 
 # torch's tests (distributed_test.py: _test_barrier_timeout) and users' retry logic match this.
 TORCH_TIMEOUT_RE = " (Timed out|closed|timeout) "
@@ -24,14 +24,6 @@ def _node_env(names):
     if names is None:
         return None
     return lambda rank: {"NEURON_DIST_NODE_NAME": names[rank]}
-
-
-def _try(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 # ------------------------------------------------------------- all_gather_coalesced
@@ -64,9 +56,9 @@ def gather_coalesced(rank, world):
             fails.append(f"non-contiguous output[{r}]: {outs[r][0]}")
     # wrong layouts fail before anything is sent, naming the problem
     errors = [
-        _try(lambda: dist.all_gather_coalesced([[torch.zeros(2)]], [torch.zeros(2)])),
-        _try(lambda: dist.all_gather_coalesced([[torch.zeros(2)] * 2] * world, [torch.zeros(2)])),
-        _try(lambda: dist.all_gather_coalesced([[torch.zeros(3)]] * world, [torch.zeros(2)])),
+        error_of(lambda: dist.all_gather_coalesced([[torch.zeros(2)]], [torch.zeros(2)])),
+        error_of(lambda: dist.all_gather_coalesced([[torch.zeros(2)] * 2] * world, [torch.zeros(2)])),
+        error_of(lambda: dist.all_gather_coalesced([[torch.zeros(3)]] * world, [torch.zeros(2)])),
     ]
     want = ["has 1 entries, expected " + str(world), "output list 0 has 2 tensors, expected one "
             "per input (1)", "output[0][0] (vs input 0) has 3 elements, expected 2"]
@@ -118,16 +110,16 @@ def sparse_sum(rank, world):
     if not torch.equal(t.to_dense(), want):
         fails.append(f"empty contribution: {t.to_dense()} != {want}")
     # ops other than SUM, and a rank whose shape differs: clear errors, the group goes on
-    err = _try(lambda: dist.all_reduce(_sparse_input(rank, world, torch.float32, 0),
+    err = error_of(lambda: dist.all_reduce(_sparse_input(rank, world, torch.float32, 0),
                                        op=dist.ReduceOp.MAX))
     if not (err and "sparse COO tensor supports ReduceOp.SUM only, not MAX" in err):
         fails.append(f"MAX on sparse: {err}")
-    err = _try(lambda: dist.all_gather_into_tensor(torch.zeros(world),
+    err = error_of(lambda: dist.all_gather_into_tensor(torch.zeros(world),
                                                    torch.sparse_coo_tensor([[0]], [1.0], (1,))))
     if not (err and "layout torch.sparse_coo" in err and "all_reduce with SUM only" in err):
         fails.append(f"sparse all_gather: {err}")
     shape = (4,) if rank else (5,)
-    err = _try(lambda: dist.all_reduce(torch.sparse_coo_tensor([[0]], [1.0], shape)))
+    err = error_of(lambda: dist.all_reduce(torch.sparse_coo_tensor([[0]], [1.0], shape)))
     if not (err and err.startswith("ValueError") and "differ in shape" in err):
         fails.append(f"shape mismatch: {err}")
     x = torch.ones(2)
@@ -155,12 +147,12 @@ def timeouts(rank, world):
     p2p = dist.new_group(list(range(world)), timeout=timedelta(seconds=1))
     if rank == 0:
         t0 = time.monotonic()
-        out["barrier"] = _try(lambda: dist.barrier(sub))
+        out["barrier"] = error_of(lambda: dist.barrier(sub))
         out["took"] = time.monotonic() - t0
-        out["recv"] = _try(lambda: dist.recv(torch.zeros(2), 1, group=p2p))
+        out["recv"] = error_of(lambda: dist.recv(torch.zeros(2), 1, group=p2p))
         work = dist.all_reduce(torch.ones(1), async_op=True)
-        out["wait"] = _try(lambda: work.wait(timedelta(seconds=0.2)))
-        out["after"] = _try(work.wait)
+        out["wait"] = error_of(lambda: work.wait(timedelta(seconds=0.2)))
+        out["after"] = error_of(work.wait)
     else:
         time.sleep(6)  # past rank 0's last timeout: a dead peer is another error
     return out

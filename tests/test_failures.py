@@ -11,15 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
-
-
-def _try(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return None
+from harness import error_of, run_ranks
 
 
 def mismatched_calls(rank, world, case):
@@ -34,7 +26,7 @@ def mismatched_calls(rank, world, case):
                       lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.MAX)),
         "big_vs_small": (lambda: dist.all_reduce(torch.ones(300_000)), lambda: dist.all_reduce(torch.ones(3))),
     }[case]
-    err = _try(calls[0] if rank != world - 1 else calls[1])
+    err = error_of(calls[0] if rank != world - 1 else calls[1])
     # the group stays usable after a mismatch
     t = torch.ones(3)
     dist.all_reduce(t)
@@ -61,7 +53,7 @@ def alltoall_split_disagreement(rank, world):
     inp = torch.ones(4)
     out = torch.empty(4)
     splits = [2, 2] if rank == 0 else [1, 3]
-    err = _try(lambda: dist.all_to_all_single(out, inp, output_split_sizes=[2, 2], input_split_sizes=splits))
+    err = error_of(lambda: dist.all_to_all_single(out, inp, output_split_sizes=[2, 2], input_split_sizes=splits))
     return err
 
 
@@ -74,9 +66,9 @@ def test_all_to_all_split_disagreement_fails_everywhere():
 def missing_peer(rank, world):
     if rank == world - 1:
         time.sleep(4)  # never joins collective #2 in time
-        return _try(lambda: dist.all_reduce(torch.ones(2)))
+        return error_of(lambda: dist.all_reduce(torch.ones(2)))
     t0 = time.monotonic()
-    err = _try(lambda: dist.all_reduce(torch.ones(2)))
+    err = error_of(lambda: dist.all_reduce(torch.ones(2)))
     return err, time.monotonic() - t0
 
 
@@ -106,7 +98,7 @@ def killed_peer(rank, world, killed_at):
         with open(killed_at, "w") as f:
             f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
-    err = _try(lambda: dist.all_reduce(torch.ones(1000)))
+    err = error_of(lambda: dist.all_reduce(torch.ones(1000)))
     return err, time.time()
 
 
@@ -143,7 +135,7 @@ def bad_arguments(rank, world):
         "list len": lambda: dist.all_gather([torch.empty(2)], torch.ones(2)),
         "not tensor": lambda: dist.all_reduce([1, 2]),
     }
-    errs = {name: _try(fn) for name, fn in checks.items()}
+    errs = {name: error_of(fn) for name, fn in checks.items()}
     t = torch.ones(2)
     dist.all_reduce(t)  # nothing was sent: the group is still aligned
     return errs, t.tolist()
@@ -170,8 +162,8 @@ def work_api_errors(rank, world):
         w = dist.all_reduce(torch.ones(2), async_op=True)
     else:
         w = dist.all_reduce(torch.ones(3), async_op=True)
-    err = _try(w.wait)
-    return err, w.is_completed(), w.is_success(), w.exception() is not None, _try(w.get_future().wait) is not None
+    err = error_of(w.wait)
+    return err, w.is_completed(), w.is_success(), w.exception() is not None, error_of(w.get_future().wait) is not None
 
 
 def test_async_failure_surfaces_everywhere():
@@ -185,7 +177,7 @@ def destroyed_while_pending(rank, world):
         w = dist.all_reduce(torch.ones(2), async_op=True)  # rank 1 never joins
         time.sleep(0.5)
         dist.destroy_process_group()
-        err = _try(w.wait)
+        err = error_of(w.wait)
         return err
     time.sleep(1.0)
     return None
@@ -199,7 +191,7 @@ def test_destroy_unblocks_pending_work():
 def stopped_peer(rank, world, victim):
     time.sleep(1.0)  # the victim is SIGSTOPped meanwhile
     t0 = time.monotonic()
-    err = _try(lambda: dist.all_reduce(torch.ones(1000)))
+    err = error_of(lambda: dist.all_reduce(torch.ones(1000)))
     return err, time.monotonic() - t0
 
 

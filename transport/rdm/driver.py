@@ -300,6 +300,15 @@ class RdmTransport:
         if hasattr(socket, "TCP_USER_TIMEOUT"):  # a dead link breaks the rail (Linux)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
                             max(1, int(self._link_timeout * 1000)))
+            # ... also on a rail that only receives: one stalled half way through a payload
+            # keeps its claim on that range (see the protocol's "Buffer ownership"), so the
+            # resends of the range on other rails are dropped until the rail is found dead.
+            # After KEEPIDLE seconds without a byte from the peer, TCP probes it, and a probe
+            # unanswered for TCP_USER_TIMEOUT breaks the connection.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE,
+                            max(1, int(self._link_timeout / 2)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
         sock.setblocking(False)
         rail = _Rail(sock, peer, index)
         with self._lock:

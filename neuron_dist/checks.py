@@ -10,7 +10,7 @@ from .collectives.descriptor import dtype_code
 def tensor(t, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{what} is on {t.device}; the neuron backend takes CPU tensors")
     if t.layout != torch.strided:
         sparse = " (sparse COO tensors: all_reduce with SUM only)" if t.layout == torch.sparse_coo else ""

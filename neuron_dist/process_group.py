@@ -123,6 +123,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._rank = rank
         self._size = size
         self._timeout = timeout
+        self._timeout_s = timeout.total_seconds()
         self._group_name = ""
         self._group_desc = ""
         self.settings = settings or Settings.from_env()
@@ -183,6 +184,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"set_timeout needs a positive timedelta, got {timeout!r}")
         self._timeout = timeout
+        self._timeout_s = timeout.total_seconds()
 
     # ------------------------------------------------------ per-device backend
     # torch asks the per-device c10d Backend for capabilities (pg._device_types,
@@ -699,7 +701,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         A contiguous tensor's memory is handed to the transport as it is (no torch view ops:
         they cost several µs each here); a send the transport completes at once (it copied
-        a small message) returns a finished Work without any completion machinery.
+        a small message) returns a finished Work without any completion machinery. The
+        Work's description is only formatted if someone reads it (an error, a log).
         """
         if tag < 0:
             raise ValueError(f"{name}: tag must be >= 0, not {tag}")
@@ -710,34 +713,38 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             f = _Flat(t, read=is_send)
             buf = twolevel.as_bytes(f.bytes)
         nbytes = buf.nbytes
-        who = f"rank {peer}" if peer is not None else "any rank"
-        what = (f"{name} {'to' if is_send else 'from'} {who} (tag {tag}, "
-                f"{nbytes} bytes) in group {self._label()}")
-        work = NeuronWork([t], what)
+
+        def describe():
+            who = f"rank {peer}" if peer is not None else "any rank"
+            return (f"{name} {'to' if is_send else 'from'} {who} (tag {tag}, "
+                    f"{nbytes} bytes) in group {self._label()}")
+
+        work = NeuronWork([t], describe)
         stats.add_call(nbytes)
+        net = self._net
         try:
             if peer is None:
-                req = self._net.irecv_any(P2P_TAG_BASE + int(tag), buf)
+                req = net.irecv_any(P2P_TAG_BASE + int(tag), buf)
+            elif is_send:
+                req = net.isend(peer, P2P_TAG_BASE + int(tag), buf)
+                if req.test():
+                    work._finished = True
+                    return work
             else:
-                post = self._net.isend if is_send else self._net.irecv
-                req = post(peer, P2P_TAG_BASE + int(tag), buf)
-            if is_send and req.test():
-                work._finished = True
-                return work
+                req = net.irecv(peer, P2P_TAG_BASE + int(tag), buf)
         except (PeerDied, PeerAborted, ChannelClosed) as e:
-            raise self._on_error(e, what)[0] from None
-        op_deadline = time.monotonic() + self._timeout.total_seconds()
-        lock = threading.Lock()
-        done = []
+            raise self._on_error(e, work.what)[0] from None
+        op_deadline = time.monotonic() + self._timeout_s
+        token = [True]  # whoever pops it completes the work (list.pop is atomic)
 
         def finish(req):
-            with lock:
-                if done:
-                    return
-                done.append(True)
+            try:
+                token.pop()
+            except IndexError:
+                return
             error = req.error
             if error is not None:
-                error = self._on_error(error, what)[0]
+                error = self._on_error(error, work.what)[0]
             elif f is not None and not is_send:
                 f.finish()  # a receive into a non-contiguous tensor: copy it back
             work._complete(error, req.source if req.source is not None else -1)
@@ -747,20 +754,21 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 req.wait(min(deadline, op_deadline))
             except PeerTimeout as e:
                 if deadline < op_deadline:
-                    raise PeerTimeoutError(f"{what}: Timed out in Work.wait") from None
+                    raise PeerTimeoutError(f"{work.what}: Timed out in Work.wait") from None
+                who = f"rank {peer}" if peer is not None else "any rank"
                 error = PeerTimeoutError(
-                    f"{what}: Timed out after {self._timeout_text()}: {who} did not "
+                    f"{work.what}: Timed out after {self._timeout_text()}: {who} did not "
                     f"{'receive' if is_send else 'send'} it")
                 # Withdrawn before the Work fails: the tensor is the caller's again, a late
                 # message never lands in it, and later traffic with that peer fails loudly
                 # instead of matching the wrong message (the peer is told).
-                if not self._net.cancel(req, e):
+                if not net.cancel(req, e):
                     finish(req)  # it completed in the meantime after all
                     return
-                with lock:
-                    if done:
-                        return
-                    done.append(True)
+                try:
+                    token.pop()
+                except IndexError:
+                    return
                 work._complete(error, -1)
                 return
             except Exception:  # noqa: BLE001 - finish() reports it

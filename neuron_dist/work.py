@@ -36,14 +36,15 @@ class NeuronWork(dist.Work):
     ----------
     outputs : list[torch.Tensor]
         What the future is completed with.
-    what : str
-        Human-readable description (e.g. ``"all_reduce #12 in group 'default_pg'"``).
+    what : str or callable
+        Human-readable description (e.g. ``"all_reduce #12 in group 'default_pg'"``), or a
+        function returning it (formatted only if read).
     """
 
-    def __init__(self, outputs, what: str):
+    def __init__(self, outputs, what):
         super().__init__()
         self._outputs = outputs
-        self.what = what
+        self._what = what
         self._finished = False
         self._exception = None
         self._future = None
@@ -57,6 +58,19 @@ class NeuronWork(dist.Work):
         self.poll = None
         self.arm = None
         self.engine = None  # the CollectiveEngine that runs this work, if queued
+
+    @property
+    def what(self) -> str:
+        """What this work is, e.g. ``"all_reduce #3 in group 'default_pg'"`` (given as a
+        string, or as a function formatting it the first time it is read)."""
+        what = self._what
+        if not isinstance(what, str):
+            what = self._what = what()
+        return what
+
+    @what.setter
+    def what(self, value) -> None:
+        self._what = value
 
     # ------------------------------------------------------------- completion
     def _look(self) -> None:

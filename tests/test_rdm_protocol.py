@@ -177,6 +177,51 @@ def test_two_ranks_lossy_duplicating_reordering(seed):
         assert ep.reassembly_bytes == 0
 
 
+@pytest.mark.parametrize("seed", [4, 5])
+def test_messages_framed_at_once_mix_with_queued_ones_under_loss(seed):
+    """``send_now`` (the driver's fast path for small messages) beside ``send``, on a network
+    that drops, duplicates and reorders: exactly once, in per-(src, tag) order, resent
+    like the rest. It declines while messages wait to go to the peer (or the window is
+    full), so a message framed at once never overtakes one queued before it."""
+    eps = make(2, window_bytes=2048)
+    net = Net(eps, seed=seed, drop=0.2, dup=0.1)
+    rng = random.Random(seed)
+    sent, ids = {}, {}
+    counts = {"now": 0, "queued": 0}
+    per_pair = 80
+
+    def more(net):
+        for ep in eps:
+            peer = 1 - ep.rank
+            if len(ids.get((ep.rank, peer), ())) >= per_pair:
+                continue
+            for _ in range(rng.randrange(1, 4)):
+                tag = rng.choice((0, 1))
+                data = payload(rng, rng.choice((0, 5, 200, 256)))
+                state = ep._peers.get(peer)
+                waiting = state is not None and bool(state.queue)
+                got = ep.send_now(peer, tag, data, net.now)
+                if got is None:
+                    counts["queued"] += 1
+                    msg_id = ep.send(peer, tag, data)
+                else:
+                    assert not waiting, "framed at once past a queued message"
+                    counts["now"] += 1
+                    msg_id, tx = got
+                    net._put(ep.rank, tx)
+                sent.setdefault((ep.rank, peer, tag), []).append(data)
+                ids.setdefault((ep.rank, peer), set()).add(msg_id)
+
+    net.on_step.append(more)
+    delivered = all_delivered(net, sent, ids)
+    net.run(lambda: all(len(ids.get((r, 1 - r), ())) >= per_pair for r in (0, 1)) and delivered())
+    check_delivery(net, sent, ids)
+    assert counts["now"] >= 10 and counts["queued"] >= 10  # both paths, and the window filled
+    assert eps[0].stats["retransmits"] > 0
+    for ep in eps:
+        assert net.max_inflight[ep.rank] <= ep.window_bytes
+
+
 def test_three_ranks_all_pairs_lossy():
     eps = make(3)
     net = Net(eps, seed=3, drop=0.2, dup=0.05, delay=(0.001, 0.02))

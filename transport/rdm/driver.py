@@ -327,28 +327,68 @@ class RdmTransport:
 
         Messages up to ``EAGER_BYTES`` are copied and the request completes at once (like
         MPI's eager protocol): the copy stays with the protocol until the peer acknowledges
-        it, so a small send costs no round trip. Larger ones complete when acknowledged.
-        ``callback(request)``, if given, runs on the engine's callback thread when the
-        request completes (successfully or not).
+        it, so a small send costs no round trip. When nothing waits to go to the peer
+        before it, its frame is written to the socket right here (``Endpoint.send_now``).
+        Larger ones complete when acknowledged. ``callback(request)``, if given, runs on
+        the engine's callback thread when the request completes (successfully or not).
         """
         view = memoryview(buf).cast("B")
-        req = Request(peer, tag, view, True, self)
-        req.callback = callback
         n = view.nbytes
         with self._lock:
             self._check_usable(peer)
+            ep = self.ep
             if n > EAGER_BYTES:
-                self._sends[(peer, self.ep.send(peer, tag, view))] = req
-            elif n <= _SMALL_COPY:
-                self.ep.send(peer, tag, bytes(view))
-                req._finish()
+                req = Request(peer, tag, view, True, self)
+                req.callback = callback
+                self._sends[(peer, ep.send(peer, tag, view))] = req
+                self._pump()
+                return req
+            if n <= _SMALL_COPY:
+                data = copy = bytes(view)
             else:
                 copy = self._pool.take(n)
                 copy[:n] = view
-                self._copies[(peer, self.ep.send(peer, tag, memoryview(copy)[:n]))] = copy
-                req._finish()
-            self._pump()
+                data = memoryview(copy)[:n]
+            now = time.monotonic()
+            sent = ep.send_now(peer, tag, data, now)
+            if sent is None:
+                msg_id = ep.send(peer, tag, data)
+                if n > _SMALL_COPY:
+                    self._copies[(peer, msg_id)] = copy
+                self._pump()
+            else:
+                msg_id, tx = sent
+                if n > _SMALL_COPY:
+                    self._copies[(peer, msg_id)] = copy
+                self._put(tx)
+                due = self._due
+                if due is None or due > now + ep.rto:
+                    self._due = due = ep.next_deadline()
+                    self._engine.due_changed(due)
+                if ep.has_work:
+                    self._pump()
+        if callback is None:
+            return _Request.completed(peer, tag, view)
+        req = Request(peer, tag, view, True, self)
+        req.callback = callback
+        req._finish()
         return req
+
+    def _put(self, tx) -> None:
+        """Under the lock: write frame ``tx`` now if its rail's socket is free, else queue it
+        behind what waits there."""
+        rails = self._rails.get(tx.peer)
+        rail = rails[tx.rail] if rails else None
+        if rail is None or not rail.alive:
+            return  # (resent on another rail: the endpoint learns of the failure)
+        out = rail.out
+        out.append(memoryview(tx.header))
+        if len(tx.payload):
+            out.append(memoryview(tx.payload).cast("B"))
+        if tx.trailer:
+            out.append(memoryview(tx.trailer))
+        if not rail.events & _OUT:  # (else the socket is full: epoll says when not)
+            self._flush(rail)
 
     def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
         """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size)."""

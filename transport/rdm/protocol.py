@@ -453,6 +453,37 @@ class Endpoint:
         self.has_work = True
         return msg.msg_id
 
+    def send_now(self, peer: int, tag: int, data, now: float):
+        """``send`` a message of one segment and frame it at once, when nothing waits to go
+        to ``peer`` before it: ``(msg_id, frame to put on the wire)``, or None when the
+        message was not taken (then ``send`` it: it queues behind what waits, or raises
+        what ``send`` raises).
+
+        The fast path of small messages: what ``send`` then ``poll_transmit`` would do for
+        it, without visiting every peer. Acks waiting for ``peer`` ride on the frame; the
+        segment's retransmission deadline is ``now + rto`` (``next_deadline`` may now be
+        earlier than the driver thought). ``data`` must not change until acknowledged.
+        """
+        state = self._peers.get(peer)
+        n = len(data)
+        if (state is None or state.queue or state.urgent or self.crc
+                or n > self.segment_bytes or n > self.max_message_bytes
+                or (state.inflight and state.inflight + n + F.HEADER_SIZE > self.window_bytes)
+                or state.next_msg_id >= state.sent_done.low + self.max_open_messages
+                or not 0 <= tag <= 0x7FFFFFFFFFFFFFFF):
+            return None
+        seq = state.tag_seq.get(tag, 0)
+        state.tag_seq[tag] = seq + 1
+        msg = _OutMessage(state.next_msg_id, tag, seq, memoryview(data), max(n, 1), 1, 1, 1)
+        state.next_msg_id += 1
+        state.open[msg.msg_id] = msg
+        seg = _Segment(msg, 0, n, self._pick_rail(state))
+        cost = n + F.HEADER_SIZE  # (_Segment.cost)
+        state.rail_bytes[seg.rail] += cost
+        state.inflight += cost
+        state.unacked[(msg.msg_id, 0)] = seg
+        return msg.msg_id, self._transmit(peer, seg, now)
+
     def post_recv(self, src: int, tag: int, buffer):
         """Offer ``buffer`` for the next message of ``(src, tag)`` not yet taken or matched.
 
@@ -834,7 +865,7 @@ class Endpoint:
         state.rr = (best + 1) % n
         return best
 
-    def _transmit(self, peer: int, seg: _Segment, now: float, out: list) -> None:
+    def _transmit(self, peer: int, seg: _Segment, now: float) -> Transmit:
         msg = seg.msg
         payload = msg.data[seg.offset:seg.offset + seg.length]
         state = self._peers[peer]
@@ -851,7 +882,7 @@ class Endpoint:
         if deadline < state.scan_at:
             state.scan_at = deadline
         self.stats["sent"] += 1
-        out.append(Transmit(peer, seg.rail, header, payload, trailer))
+        return Transmit(peer, seg.rail, header, payload, trailer)
 
     def _take_acks(self, state: _Peer) -> bytes:
         """Every ack waiting for this peer (up to a frame's worth), packed to ride behind a
@@ -882,7 +913,7 @@ class Endpoint:
                 continue
             if not state.rails[seg.rail]:
                 self._move(state, seg, self._pick_rail(state))
-            self._transmit(peer, seg, now, out)
+            out.append(self._transmit(peer, seg, now))
             self.stats["retransmits"] += 1
             resent.add(key)
         if now < state.scan_at:
@@ -896,7 +927,7 @@ class Endpoint:
                 return False
             seg.retries += 1
             self._move(state, seg, self._pick_rail(state, avoid=seg.rail))
-            self._transmit(peer, seg, now, out)
+            out.append(self._transmit(peer, seg, now))
             self.stats["retransmits"] += 1
         state.scan_at = min((seg.deadline for seg in state.unacked.values()), default=math.inf)
         return True
@@ -919,7 +950,7 @@ class Endpoint:
             msg.next_seg += 1
             if msg.next_seg == msg.nsegs:
                 state.queue.popleft()
-            self._transmit(peer, seg, now, out)
+            out.append(self._transmit(peer, seg, now))
 
     def _on_ack(self, peer: int, state: _Peer, entries) -> None:
         if state.queue:

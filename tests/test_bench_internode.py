@@ -106,11 +106,12 @@ def test_internode_tiny(tmp_path):
             assert g["transport_rails"] == rails, g
             assert g["address"].startswith("10."), g  # the veth, not loopback
         assert r["groups"]["gloo"]["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert "error" not in r["groups"]["floor"], r["groups"]["floor"]
 
     rows = doc["results"]
     cells = {(r["op"], r["bytes"], r["backend"]): r for r in rows}
     want = ([("p2p", s, b) for s in (65536, 262144) for b in BACKENDS]
-            + [("all_reduce", s, b) for s in (8, 32768) for b in BACKENDS])
+            + [("all_reduce", s, b) for s in (8, 32768) for b in (*BACKENDS, "floor")])
     assert sorted(cells) == sorted(want), sorted(cells)
     for key, r in cells.items():
         assert r["status"] == "ok" and r["check"] == "OK", (key, r)
@@ -120,7 +121,7 @@ def test_internode_tiny(tmp_path):
         if r["op"] == "p2p":
             assert r["window"] == max(1, min(64, (16 << 20) // r["bytes"]))
 
-    assert "4r/gloo" in stdout and "4r/1r" in stdout
+    assert "4r/gloo" in stdout and "4r/1r" in stdout and "floor/gloo" in stdout
     assert "raw TCP, 1 stream: 1.250 GB/s" in stdout
     assert "raw TCP, 4 streams: 2.500 GB/s" in stdout
     assert stdout.startswith("# python -m neuron_dist.bench.internode ")

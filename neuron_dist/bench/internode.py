@@ -11,7 +11,11 @@ interleaved per size, in the same two processes:
   (algbw x 2(n-1)/n, = algbw for 2 ranks),
 
 for the neuron backend with ``NEURON_DIST_RAILS=1``, with ``NEURON_DIST_RAILS=4`` and for
-gloo (``GLOO_SOCKET_IFNAME=eth0``). The rank side is ``internode_worker.py`` (see its
+gloo (``GLOO_SOCKET_IFNAME=eth0``), and, for ping-pongs and all_reduces up to 64 KiB, for
+the *floor*: ``neuron_floor`` (``bench/floor_pg.py``), a Python process group with one TCP
+connection per pair and no protocol at all, which is what torch's dispatch to any Python
+backend plus the socket calls cost in this run (``floor/gloo`` is the best ratio to gloo a
+Python backend could show; ``--no-floor`` leaves it out). The rank side is ``internode_worker.py`` (see its
 docstring for groups and timing); it prints ``INTERNODE {json}`` lines that this command
 collects from the launcher's ``Result.stdout``. Progress lines go to stderr while the run
 goes (through a temporary file the worker appends to; removed at the end).
@@ -108,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("measurement")
     m.add_argument("--rails", type=_rails, default="1,4", help="neuron groups to measure")
     m.add_argument("--no-gloo", action="store_true", help="do not measure gloo")
+    m.add_argument("--no-floor", action="store_true",
+                   help="do not measure the floor (a Python process group with no protocol: "
+                        "bench/floor_pg.py) on small ping-pongs and all_reduces")
     m.add_argument("--iters", type=int, default=20, help="most timed iterations per size")
     m.add_argument("--min-iters", type=int, default=5, help="fewest timed iterations per size")
     m.add_argument("--iter-bytes", type=_size, default="1G",
@@ -284,6 +291,8 @@ def run_bench(args, p2p_sizes: list[int], ar_sizes: list[int], log, ag_sizes=(),
                    "--pg-timeout", str(args.pg_timeout), "--progress", progress]
     if args.no_gloo:
         worker_argv.append("--no-gloo")
+    if not args.no_floor:
+        worker_argv.append("--floor")
     if args.tag:
         worker_argv += ["--tag", args.tag]
     env = {"GLOO_SOCKET_IFNAME": vnodes.NODE_IFNAME,
@@ -309,10 +318,12 @@ def run_bench(args, p2p_sizes: list[int], ar_sizes: list[int], log, ag_sizes=(),
 
 # ----------------------------------------------------------------------------- report
 
-def _backends(rails: list[int], gloo: bool) -> list[str]:
+def _backends(rails: list[int], gloo: bool, floor: bool = False) -> list[str]:
     names = [f"neuron-{r}rail" + ("s" if r != 1 else "") for r in rails]
     if gloo:
         names.append("gloo")
+    if floor:
+        names.append("floor")
     return names
 
 
@@ -483,13 +494,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [x for x in lines if x.get("kind") == "row"]
     metas = [x for x in lines if x.get("kind") == "meta"]
     done = [x for x in lines if x.get("kind") == "done"]
-    backends = _backends(args.rails, not args.no_gloo)
+    backends = _backends(args.rails, not args.no_gloo, not args.no_floor)
     ratio_pairs = []
     if "gloo" in backends:
         for r in args.rails:
             if r == max(args.rails):
                 name = backends[args.rails.index(r)]
                 ratio_pairs.append((f"{r}r/gloo", name, "gloo"))
+                if "floor" in backends:
+                    ratio_pairs.append(("floor/gloo", "floor", "gloo"))
     if len(args.rails) > 1:
         hi, lo = max(args.rails), min(args.rails)
         ratio_pairs.append((f"{hi}r/{lo}r", backends[args.rails.index(hi)],

@@ -62,9 +62,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import floor_pg
 from .sweep import ops_per_sample, time_iterations
 
 TAG = "INTERNODE "
+FLOOR_OPS = ("pingpong", "all_reduce")  # what the floor backend measures (small sizes)
 
 
 _PROGRESS = None  # file the parent tails for progress lines (--progress)
@@ -293,6 +295,9 @@ def main(argv=None) -> int:
     p.add_argument("--pp-sizes", type=_ints, default=[], help="bytes, comma list")
     p.add_argument("--rails", type=_ints, default=[1, 4])
     p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--floor", action="store_true",
+                   help="also measure neuron_floor (bench/floor_pg.py) on small ping-pongs and "
+                        "all_reduces")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
@@ -327,6 +332,14 @@ def main(argv=None) -> int:
     if not args.no_gloo:
         groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
         infos["gloo"] = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME")}
+    if args.floor:
+        floor_pg.register()
+        try:
+            groups["floor"] = dist.new_group(backend=floor_pg.BACKEND_NAME, timeout=timeout)
+            infos["floor"] = {"what": "one TCP connection per pair, no protocol"}
+        except Exception as exc:  # noqa: BLE001
+            infos["floor"] = {"error": _err(exc)}
+            traceback.print_exc(file=sys.stderr)
     setup_s = time.monotonic() - t0
     ident = {"rank": rank, "hostname": socket.gethostname(),
              "node_name": os.environ.get("NEURON_DIST_NODE_NAME"),
@@ -370,6 +383,8 @@ def main(argv=None) -> int:
             k = i % len(backends) if backends else 0
             order = backends[k:] + backends[:k]
             for b in order:
+                if b == "floor" and (op not in FLOOR_OPS or count * 4 > floor_pg.MAX_BYTES):
+                    continue  # (it runs small messages only)
                 if b in dead:
                     row = {"kind": "row", "op": op, "bytes": count * 4, "backend": b,
                            "world": world, "status": "skipped", "error": dead[b]}

@@ -253,6 +253,7 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
     import torch
 
     import neuron_dist
+    from neuron_dist.config import environment
 
     return {
         "command": "neuron-dist-bench " + " ".join(shlex.quote(a) for a in
@@ -268,7 +269,7 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
         "requested_sizes": sizes, "worlds": args.nprocs, "threads_per_rank": threads,
         "ops": {op: {"bytes": OPS[op].meaning} for op in args.ops},
         "backends": args.backends,
-        "neuron_env": {k: v for k, v in os.environ.items() if k.startswith("NEURON_DIST_")},
+        "neuron_env": environment(),
         "timing": f"per sample: barrier of the backend under test, then time `batch` ops back "
                   f"to back on every rank (min({args.batch}, {BATCH_BYTES >> 20} MiB / bytes), "
                   f"at least 1), sample = their mean; sample time = max over ranks; time_us = "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch.distributed as dist
 
@@ -15,8 +14,10 @@ BACKEND_NAME = "neuron"
 
 def _create(dist_opts, pg_options=None) -> ProcessGroupNeuron:
     """Creator torch calls with ``_DistributedBackendOptions`` for every new group."""
+    settings = Settings.from_env()
+    configure_logging(settings.debug)
     return ProcessGroupNeuron(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                              dist_opts.timeout, Settings.from_env())
+                              dist_opts.timeout, settings)
 
 
 def register() -> None:
@@ -26,11 +27,11 @@ def register() -> None:
     if BACKEND_NAME in dist.Backend.backend_list or hasattr(dist.Backend, BACKEND_NAME.upper()):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
-    _configure_logging()
 
 
-def _configure_logging() -> None:
-    level = os.environ.get("NEURON_DIST_DEBUG", "WARN").upper()
+def configure_logging(level: str) -> None:
+    """Apply ``NEURON_DIST_DEBUG`` (``Settings.debug``: WARN, INFO or TRACE) to the
+    ``neuron_dist`` logger; INFO and TRACE also give it a handler on stderr (once)."""
     logger = logging.getLogger("neuron_dist")
     logger.setLevel({"TRACE": logging.DEBUG, "INFO": logging.INFO}.get(level, logging.WARNING))
     if level in ("INFO", "TRACE") and not logger.handlers:

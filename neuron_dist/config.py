@@ -1,10 +1,27 @@
-"""Every NEURON_DIST_* setting, parsed in one place. The README's settings table mirrors this."""
+"""Every NEURON_DIST_* setting, read from the environment here and nowhere else.
+
+Two kinds:
+
+* per group: ``Settings.from_env()``, read each time torch creates a neuron group (so a
+  program may change a variable between ``new_group`` calls), checked, and handed down:
+  the transports never read the environment themselves;
+* per process: ``flight_recorder_size()`` and ``flight_recorder_dir()`` (the flight
+  recorder is one ring per process).
+
+``environment()`` returns the variables that are set, for benchmark records. The README's
+settings table lists every variable with its meaning and default; tests/test_config.py
+checks that it lists exactly the ones read here, with the same defaults, that no other
+module reads one, and that every ``Settings`` field is used.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+PREFIX = "NEURON_DIST_"
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
 
 
@@ -16,13 +33,24 @@ def parse_bytes(text: str) -> int:
     return int(t)
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
+def _env(name: str, default: str | None = None, env: Mapping | None = None) -> str | None:
+    """The raw value of ``name`` in ``env`` (the process environment if None), ``default``
+    when unset: the only place settings are read from."""
+    return (os.environ if env is None else env).get(name, default)
+
+
+def _flag(name: str, default: str, env: Mapping | None = None) -> bool:
+    return _env(name, default, env).strip().lower() not in ("0", "", "false", "no", "off")
+
+
+def environment() -> dict[str, str]:
+    """The NEURON_DIST_* variables set in this process, as text (for benchmark records)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Backend settings; see ``from_env`` for the variables and their defaults."""
+    """A group's settings (see the README's settings table for what each one does)."""
 
     slot_bytes: int
     mailbox_bytes: int
@@ -31,6 +59,7 @@ class Settings:
     shm_dir: str
     node_name: str | None
     debug: str
+    cma: bool = True
     rails: int = 4
     net_segment_bytes: int = 8 << 20
     socket_ifname: str | None = None
@@ -42,77 +71,67 @@ class Settings:
     transport: str = "rdm"
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        """Read the environment.
+    def from_env(cls, env: Mapping | None = None) -> "Settings":
+        """Read and check the group settings from ``env`` (default: the process environment;
+        ``from_env({})`` gives the defaults).
 
-        NEURON_DIST_SHM_SLOT_BYTES     1M    bytes per rank per collective step (x2 buffers)
-        NEURON_DIST_SHM_MAILBOX_BYTES  1M    send/recv ring per ordered rank pair (on first use)
-        NEURON_DIST_SMALL_BYTES        64K   all_reduce up to this size uses one step
-        NEURON_DIST_SPIN               auto  polls before a wait yields (0 when oversubscribed)
-        NEURON_DIST_SHM_DIR            /dev/shm
-        NEURON_DIST_NODE_NAME          hostname+boot id: ranks with equal names share memory
-        NEURON_DIST_DEBUG              WARN  WARN, INFO or TRACE
-        NEURON_DIST_RAILS              4     TCP connections ("rails") per pair of ranks on
-                                             different nodes; each takes traffic once the
-                                             ones before it hold 4 MiB unacknowledged
-        NEURON_DIST_NET_SEGMENT_BYTES  8M    largest piece of a message on one rail
-        NEURON_DIST_SOCKET_IFNAME      auto  interface(s) for inter-node traffic, comma-
-                                             separated (eth0,eth1: rails alternate between
-                                             them); default: the one that routes to the
-                                             rendezvous host
-        NEURON_DIST_NET_LINK_TIMEOUT   10    seconds a rail may hold unacknowledged bytes at
-                                             the TCP level before it is declared broken (a
-                                             lost link or NIC); its traffic moves to the
-                                             other rails
-        NEURON_DIST_NET_MAX_UNEXPECTED_BYTES  512M  memory per peer for messages that arrive
-                                             before their receive is posted; past it the
-                                             peer is held back (not acknowledged)
-        NEURON_DIST_AUTH_KEY           -     job secret for rail authentication (default: a
-                                             random key shared through the c10d store)
-        NEURON_DIST_NET_CRC            0     1: CRC-32 on every inter-node frame
-        NEURON_DIST_ALGO               auto  multi-node groups: auto, hierarchical or leader
-        NEURON_DIST_TRANSPORT          rdm   between nodes: rdm (TCP rails) or mpi (mpi4py;
-                                             ranks started by one mpiexec)
-
-        The flight recorder reads NEURON_DIST_FR_SIZE (2000) and NEURON_DIST_FR_DIR (default:
-        the temp directory) itself (neuron_dist/flight_recorder.py): it is process-wide, not
-        per group.
+        Raises
+        ------
+        ValueError
+            A variable holds a value it cannot take (the message names it).
         """
-        spin = _env("NEURON_DIST_SPIN", "auto")
+        spin = _env("NEURON_DIST_SPIN", "auto", env)
         settings = cls(
-            slot_bytes=parse_bytes(_env("NEURON_DIST_SHM_SLOT_BYTES", "1M")),
-            mailbox_bytes=parse_bytes(_env("NEURON_DIST_SHM_MAILBOX_BYTES", "1M")),
-            small_bytes=parse_bytes(_env("NEURON_DIST_SMALL_BYTES", "64K")),
+            slot_bytes=parse_bytes(_env("NEURON_DIST_SHM_SLOT_BYTES", "1M", env)),
+            mailbox_bytes=parse_bytes(_env("NEURON_DIST_SHM_MAILBOX_BYTES", "1M", env)),
+            small_bytes=parse_bytes(_env("NEURON_DIST_SMALL_BYTES", "64K", env)),
             spin=None if spin == "auto" else int(spin),
-            shm_dir=_env("NEURON_DIST_SHM_DIR", "/dev/shm"),
-            node_name=os.environ.get("NEURON_DIST_NODE_NAME") or None,
-            debug=_env("NEURON_DIST_DEBUG", "WARN").upper(),
-            rails=int(_env("NEURON_DIST_RAILS", "4")),
-            net_segment_bytes=parse_bytes(_env("NEURON_DIST_NET_SEGMENT_BYTES", "8M")),
-            socket_ifname=os.environ.get("NEURON_DIST_SOCKET_IFNAME") or None,
-            auth_key=os.environ.get("NEURON_DIST_AUTH_KEY") or None,
-            net_crc=_env("NEURON_DIST_NET_CRC", "0") not in ("0", "", "false", "no"),
-            net_link_timeout=float(_env("NEURON_DIST_NET_LINK_TIMEOUT", "10")),
+            shm_dir=_env("NEURON_DIST_SHM_DIR", "/dev/shm", env),
+            node_name=_env("NEURON_DIST_NODE_NAME", None, env) or None,
+            debug=_env("NEURON_DIST_DEBUG", "WARN", env).upper(),
+            cma=_flag("NEURON_DIST_CMA", "1", env),
+            rails=int(_env("NEURON_DIST_RAILS", "4", env)),
+            net_segment_bytes=parse_bytes(_env("NEURON_DIST_NET_SEGMENT_BYTES", "8M", env)),
+            socket_ifname=_env("NEURON_DIST_SOCKET_IFNAME", None, env) or None,
+            auth_key=_env("NEURON_DIST_AUTH_KEY", None, env) or None,
+            net_crc=_flag("NEURON_DIST_NET_CRC", "0", env),
+            net_link_timeout=float(_env("NEURON_DIST_NET_LINK_TIMEOUT", "10", env)),
             net_max_unexpected_bytes=parse_bytes(
-                _env("NEURON_DIST_NET_MAX_UNEXPECTED_BYTES", "512M")),
-            algo=_env("NEURON_DIST_ALGO", "auto").lower(),
-            transport=_env("NEURON_DIST_TRANSPORT", "rdm").lower(),
+                _env("NEURON_DIST_NET_MAX_UNEXPECTED_BYTES", "512M", env)),
+            algo=_env("NEURON_DIST_ALGO", "auto", env).lower(),
+            transport=_env("NEURON_DIST_TRANSPORT", "rdm", env).lower(),
         )
-        if settings.transport not in ("rdm", "mpi"):
-            raise ValueError(f"NEURON_DIST_TRANSPORT must be rdm or mpi, got {settings.transport!r}")
-        if not 1 <= settings.rails <= 64:
-            raise ValueError(f"NEURON_DIST_RAILS must be 1..64, got {settings.rails}")
-        if settings.algo not in ("auto", "hierarchical", "leader"):
+        settings._check()
+        return settings
+
+    def _check(self) -> None:
+        if self.transport not in ("rdm", "mpi"):
+            raise ValueError(f"NEURON_DIST_TRANSPORT must be rdm or mpi, got {self.transport!r}")
+        if not 1 <= self.rails <= 64:
+            raise ValueError(f"NEURON_DIST_RAILS must be 1..64, got {self.rails}")
+        if self.algo not in ("auto", "hierarchical", "leader"):
             raise ValueError(f"NEURON_DIST_ALGO must be auto, hierarchical or leader, got "
-                             f"{settings.algo!r}")
+                             f"{self.algo!r}")
         for name in ("slot_bytes", "mailbox_bytes"):
-            value = getattr(settings, name)
+            value = getattr(self, name)
             if value < 4096 or value % 4096:
                 raise ValueError(f"NEURON_DIST_SHM_{name.split('_')[0].upper()}_BYTES must be a "
                                  f"multiple of 4096 and at least 4096, got {value}")
-        if settings.net_link_timeout <= 0:
+        if self.net_link_timeout <= 0:
             raise ValueError(f"NEURON_DIST_NET_LINK_TIMEOUT must be > 0 seconds, got "
-                             f"{settings.net_link_timeout}")
-        if settings.debug not in ("WARN", "INFO", "TRACE"):
-            raise ValueError(f"NEURON_DIST_DEBUG must be WARN, INFO or TRACE, got {settings.debug!r}")
-        return settings
+                             f"{self.net_link_timeout}")
+        if self.debug not in ("WARN", "INFO", "TRACE"):
+            raise ValueError(f"NEURON_DIST_DEBUG must be WARN, INFO or TRACE, got {self.debug!r}")
+
+
+def flight_recorder_size() -> int:
+    """``NEURON_DIST_FR_SIZE``: collectives the flight recorder keeps (0: it is off)."""
+    size = int(_env("NEURON_DIST_FR_SIZE", "2000"))
+    if size < 0:
+        raise ValueError(f"NEURON_DIST_FR_SIZE must be >= 0, got {size}")
+    return size
+
+
+def flight_recorder_dir() -> str:
+    """``NEURON_DIST_FR_DIR``: where flight-recorder dumps go (default: the temp directory)."""
+    return _env("NEURON_DIST_FR_DIR") or tempfile.gettempdir()

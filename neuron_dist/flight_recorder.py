@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections import deque
+
+from .config import flight_recorder_dir, flight_recorder_size
 
 QUEUED, RUNNING, COMPLETED, FAILED = "queued", "running", "completed", "failed"
 
@@ -81,7 +82,7 @@ class FlightRecorder:
 
     def path(self) -> str:
         """Where ``dump`` writes: ``$NEURON_DIST_FR_DIR`` (default: the temp directory)."""
-        directory = os.environ.get("NEURON_DIST_FR_DIR") or tempfile.gettempdir()
+        directory = flight_recorder_dir()
         rank = global_rank()
         return os.path.join(directory, f"neuron-fr-rank{'?' if rank is None else rank}"
                                        f"-pid{os.getpid()}.json")
@@ -117,7 +118,7 @@ def global_rank() -> int | None:
         return None
 
 
-recorder = FlightRecorder(int(os.environ.get("NEURON_DIST_FR_SIZE", "2000")))
+recorder = FlightRecorder(flight_recorder_size())
 
 
 def install_signal_handler() -> None:

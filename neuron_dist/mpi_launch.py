@@ -37,6 +37,8 @@ import logging
 import os
 import socket
 
+from .config import Settings
+
 log = logging.getLogger("neuron_dist")
 
 # (rank, size) variables of MPI launchers; PMIx publishes no size variable.
@@ -69,6 +71,9 @@ def env_from_mpi() -> dict | None:
     """
     if not launched_by_mpi() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return None
+    from .backend import configure_logging
+    settings = Settings.from_env()
+    configure_logging(settings.debug)  # before any group exists: for the line logged below
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -84,7 +89,7 @@ def env_from_mpi() -> dict | None:
         node.Free()
     if rank == 0:
         try:
-            addr, port = _master_endpoint(single_node=local_size == size)
+            addr, port = _master_endpoint(local_size == size, settings.socket_ifname)
             choice = (addr, port, None)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
             choice = (None, None, f"{type(e).__name__}: {e}")
@@ -113,11 +118,11 @@ def env_from_mpi() -> dict | None:
     return done
 
 
-def _master_endpoint(single_node: bool) -> tuple[str, int]:
-    """On rank 0: (MASTER_ADDR, MASTER_PORT) to broadcast."""
+def _master_endpoint(single_node: bool, ifname: str | None) -> tuple[str, int]:
+    """On rank 0: (MASTER_ADDR, MASTER_PORT) to broadcast; without MASTER_ADDR, the address
+    of ``ifname`` (``NEURON_DIST_SOCKET_IFNAME``) if given."""
     addr = os.environ.get("MASTER_ADDR")
     if not addr:
-        ifname = os.environ.get("NEURON_DIST_SOCKET_IFNAME")
         if ifname:
             from .topology import interface_address
             addr = interface_address(ifname)

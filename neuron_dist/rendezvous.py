@@ -58,7 +58,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     """Rendezvous through ``store``; return the group's channel, topology and transport."""
     gen = (store.add("neuron/generation", 1) - 1) // size
     key = f"neuron/{gen}"
-    store.set(f"{key}/node/{rank}", json.dumps([node_identity(settings.node_name), machine()]))
+    store.set(f"{key}/node/{rank}", json.dumps([node_identity(settings), machine()]))
     nodes = [json.loads(store.get(f"{key}/node/{k}")) for k in range(size)]
     topo = Topology.from_names(rank, [name for name, _ in nodes])
     check_memory_model(topo, [arch for _, arch in nodes])
@@ -121,12 +121,14 @@ def _open_node_channel(store, key: str, rank: int, size: int, settings,
                        timeout: timedelta) -> ShmChannel:
     layout = Layout(size, settings.slot_bytes, settings.mailbox_bytes)
     if rank == 0:
-        sweep_leftovers()
-        segment = Segment.create(new_segment_name(), layout.total_bytes, layout.eager_ranges())
+        sweep_leftovers(settings.shm_dir)
+        segment = Segment.create(new_segment_name(), layout.total_bytes, layout.eager_ranges(),
+                                 directory=settings.shm_dir)
         store.set(f"{key}/segment", segment.name)
     else:
         try:
-            segment = Segment.attach(store.get(f"{key}/segment").decode(), layout.total_bytes)
+            segment = Segment.attach(store.get(f"{key}/segment").decode(), layout.total_bytes,
+                                     directory=settings.shm_dir)
         except ShmSetupError as exc:  # tell the creator, who waits for the count
             store.set(f"{key}/refused", f"local rank {rank} of the node: {exc}")
             store.add(f"{key}/attached", _REFUSED)
@@ -152,7 +154,7 @@ def _open_node_channel(store, key: str, rank: int, size: int, settings,
     if rank == 0:
         segment.unlink()
     if size > 1:
-        channel.cma = cma.probe(store, key, rank, size, channel.pid_word_address())
+        channel.cma = cma.probe(store, key, rank, size, channel.pid_word_address(), settings.cma)
     return channel
 
 

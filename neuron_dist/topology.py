@@ -8,25 +8,26 @@ import socket
 from .transport.shm.procid import pid_namespace
 
 
-def node_identity(override: str | None = None) -> str:
+def node_identity(settings) -> str:
     """A string equal for processes that can map the same shared memory.
 
-    ``NEURON_DIST_NODE_NAME`` overrides it (virtual nodes on one machine). Otherwise it is
-    the hostname, the kernel boot id, the device/inode of the shared-memory directory and
+    ``settings.node_name`` (``NEURON_DIST_NODE_NAME``) overrides it (virtual nodes on one
+    machine). Otherwise it is the hostname, the kernel boot id, the device/inode of the
+    shared-memory directory (``settings.shm_dir``) and
     the PID namespace, so two containers or network namespaces with separate /dev/shm never
     look alike, and neither do containers that share /dev/shm but not their pids
     (``--ipc=host``): ranks of a node watch each other's pids, which mean nothing across
     PID namespaces.
     """
-    if override:
-        return override
+    if settings.node_name:
+        return settings.node_name
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "?"
     try:
-        st = os.stat(os.environ.get("NEURON_DIST_SHM_DIR", "/dev/shm"))
+        st = os.stat(settings.shm_dir)
         shm = f"{st.st_dev}:{st.st_ino}"
     except OSError:
         shm = "?"

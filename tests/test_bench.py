@@ -1,8 +1,9 @@
 """The collectives benchmark (``python -m neuron_dist.bench``) runs end to end on a tiny sweep.
 
 One run of the real command line (-b 8 -e 64K -f 8, 2 ranks, 3 iterations, --check) over
-neuron and gloo, plus MPI when mpi4py and mpiexec are there; its JSON, CSV and PNG must
-exist and hold a checked row for every op and backend. The plot is only asserted when
+neuron, gloo and null (the do-nothing group: the dispatch floor), plus MPI when mpi4py and
+mpiexec are there; its JSON, CSV and PNG must exist and hold a row for every op and backend,
+checked for every backend but null, with neuron's time as a multiple of null's. The plot is only asserted when
 matplotlib is installed (it belongs to the ``bench`` extra, not to ``test``). A few unit
 tests pin the nccl-tests conventions (sizes, rounding, bus bandwidth factors).
 """
@@ -56,7 +57,7 @@ def test_samples_time_batches_of_operations():
 def bench_run(tmp_path_factory):
     """One run of the command line shared by the tests below."""
     tmp_path = tmp_path_factory.mktemp("bench")
-    backends = ["neuron", "gloo"]
+    backends = ["neuron", "gloo", "null"]
     if mpi_runner.unavailable_reason() is None:
         backends.append("mpi")
     files = {k: tmp_path / f"bench.{k}" for k in ("json", "csv", "png")}
@@ -86,17 +87,29 @@ def test_bench_tiny_sweep(bench_run):
             mine = [r for r in rows if r["op"] == op and r["backend"] == b]
             assert len(mine) == 5, (op, b, mine)   # 8, 64, 512, 4K, 32K bytes
             for r in mine:  # (in-place ops repeat on their results: checked apart)
-                assert r["status"] == "ok" and r["check"] == "OK", r
+                assert r["status"] == "ok" and r["check"] == ("-" if b == "null" else "OK"), r
                 assert r["time_us"] > 0 and r["busbw_gbs"] >= 0 and r["world"] == 2
                 assert r["batch"] == 16, r
             if b == "gloo":
                 assert all(r["vs_gloo"] == pytest.approx(1.0) for r in mine)
+            if b == "null":
+                assert all(r["x_null"] is None and r["vs_gloo"] is None for r in mine)
+            else:  # every table shows the floor: the other backends as multiples of it
+                assert all(r["x_null"] > 0 for r in mine), mine
+    assert " x null " in proc.stdout and " null " in proc.stdout
 
     with open(files["csv"], newline="") as f:
         csv_rows = list(csv.DictReader(f))
     assert len(csv_rows) == len(rows) == len(OP_NAMES) * len(backends) * 5
     assert {(r["op"], r["backend"]) for r in csv_rows} == {(o, b) for o in OP_NAMES for b in backends}
-    assert all(r["check"] == "OK" for r in csv_rows)
+    assert all(r["check"] == ("-" if r["backend"] == "null" else "OK") for r in csv_rows)
+    assert all(r["x_null"] for r in csv_rows if r["backend"] == "neuron")
+
+    from neuron_dist.bench.summary import summarise
+    text = summarise([("bench.json", doc)])
+    assert "smallest: neuron over the null floor" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| all_reduce | 2 |"))
+    assert "null" in line and "x (" in line.split("|")[-2], line
 
 
 def test_bench_plot(bench_run):
@@ -138,3 +151,23 @@ def test_hotloop_runs_and_summarises(tmp_path):
     text = summarise(str(raw))
     assert text.startswith("4 samples in the loop")
     assert " 75.0%  f (a.py:3)" in text and " 25.0%  g (b.py:4)" in text
+
+
+def test_null_floor_ratios_and_summary_without_null():
+    """x_null is a row's time over null's for the same (op, world, bytes); a run without
+    null (the committed results) summarises as before, with no floor column."""
+    from neuron_dist.bench import report
+    from neuron_dist.bench.summary import summarise
+
+    def row(backend, t):
+        return {"op": "all_reduce", "world": 2, "bytes": 8, "backend": backend, "status": "ok",
+                "time_us": t, "busbw_gbs": 0.001}
+    rows = [row("neuron", 12.0), row("gloo", 240.0), row("null", 3.0)]
+    report.add_ratios(rows)
+    ratios = {r["backend"]: (r["vs_gloo"], r["x_null"]) for r in rows}
+    assert ratios == {"neuron": (20.0, 4.0), "gloo": (1.0, 80.0), "null": (None, None)}
+    meta = {"command": "c", "cores": 2, "torch": "t", "mpi": None}
+    with_null = summarise([("r.json", {"meta": meta, "results": rows})])
+    assert "4.0x (12 us = null 3.0 us + 9 us)" in with_null
+    without = summarise([("r.json", {"meta": meta, "results": rows[:2]})])
+    assert "null" not in without and without.splitlines()[2].count("|") == 6

@@ -62,9 +62,9 @@ def rank_main(rank):
 
         class SlowAttach(rv.Segment):
             @classmethod
-            def attach(cls, name, size):
+            def attach(cls, name, size, **kwargs):
                 time.sleep(1.0)
-                return super().attach(name, size)
+                return super().attach(name, size, **kwargs)
 
         assert callable(getattr(rv.Segment, "attach", None))
         rv.Segment = SlowAttach
@@ -318,6 +318,7 @@ def test_process_identity_survives_pid_reuse_and_pid_namespaces():
     between PID namespaces (so ranks never watch pids of another namespace)."""
     import shutil
 
+    from neuron_dist.config import Settings
     from neuron_dist.topology import node_identity
     from neuron_dist.transport.shm import procid
 
@@ -325,29 +326,32 @@ def test_process_identity_survives_pid_reuse_and_pid_namespaces():
     assert procid.alive(me) and procid.alive(me, procid.start_time(me))
     assert not procid.alive(me, procid.start_time(me) + 1)
     assert not procid.alive(_dead_pid()) and procid.start_time(_dead_pid()) == 0
-    assert node_identity().endswith(f"/{procid.pid_namespace()}")
+    here = node_identity(Settings.from_env())
+    assert here.endswith(f"/{procid.pid_namespace()}")
     if os.geteuid() == 0 and shutil.which("unshare"):  # CI runs as root
-        code = ("from neuron_dist.topology import node_identity; "
+        code = ("from neuron_dist.config import Settings; "
+                "from neuron_dist.topology import node_identity; "
                 "from neuron_dist.transport.shm import procid; "
-                "print(node_identity(), procid.pid_namespace(), procid.start_time(1))")
+                "print(node_identity(Settings.from_env()), procid.pid_namespace(), "
+                "procid.start_time(1))")
         env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
         out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
                               "-c", code], capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 0, out.stderr
         other, other_ns, _ = out.stdout.split()
         assert int(other_ns) != procid.pid_namespace()
-        assert other != node_identity(), "two PID namespaces looked like one node"
+        assert other != here, "two PID namespaces looked like one node"
 
 
 # ------------------------------------------------------------- unit level (no job)
-def test_segment_create_is_private_exclusive_and_swept(tmp_path, monkeypatch):
+def test_segment_create_is_private_exclusive_and_swept(tmp_path):
     import torch  # noqa: F401  (first; see test_init_methods.test_import_neuron_dist_before_torch_is_silent)
     from neuron_dist.transport.shm import segment as seg
 
-    monkeypatch.setenv("NEURON_DIST_SHM_DIR", str(tmp_path))
+    d = str(tmp_path)
     old = os.umask(0)  # the mode must come from the code, not from a restrictive umask
     try:
-        s = seg.Segment.create(seg.new_segment_name(), 8192)
+        s = seg.Segment.create(seg.new_segment_name(), 8192, directory=d)
     finally:
         os.umask(old)
     try:
@@ -360,9 +364,9 @@ def test_segment_create_is_private_exclusive_and_swept(tmp_path, monkeypatch):
         assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
         assert st.st_size == 8192
         with pytest.raises(seg.ShmSetupError, match="cannot create"):
-            seg.Segment.create(s.name, 8192)  # O_EXCL: never reuse someone's name
+            seg.Segment.create(s.name, 8192, directory=d)  # O_EXCL: never reuse someone's name
         # the creator is alive: a sweep keeps it
-        assert seg.sweep_leftovers() == []
+        assert seg.sweep_leftovers(d) == []
         assert path.exists()
         s.unlink()
         assert not path.exists()
@@ -371,28 +375,28 @@ def test_segment_create_is_private_exclusive_and_swept(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_attach_refuses_what_the_job_did_not_create(tmp_path, monkeypatch):
+def test_attach_refuses_what_the_job_did_not_create(tmp_path):
     """A name from the store is only followed to a private segment of this user: an absolute
     path or other directory, a symbolic link, another user's file and a 0666 file of the
     right size are each refused with an error naming the problem, before anything is mapped."""
     import torch  # noqa: F401  (first; see test_init_methods.test_import_neuron_dist_before_torch_is_silent)
     from neuron_dist.transport.shm import segment as seg
 
-    monkeypatch.setenv("NEURON_DIST_SHM_DIR", str(tmp_path))
+    d = str(tmp_path)
     size = 8192
-    good = seg.Segment.create(seg.new_segment_name(), size)
+    good = seg.Segment.create(seg.new_segment_name(), size, directory=d)
     try:
-        seg.Segment.attach(good.name, size).close()  # the real thing attaches
+        seg.Segment.attach(good.name, size, directory=d).close()  # the real thing attaches
 
         for name in (str(tmp_path / good.name), f"../{tmp_path.name}/{good.name}",
                      "/etc/passwd", "neuron-0-1-../../x", ""):
             with pytest.raises(seg.ShmSetupError, match="not a name this backend makes"):
-                seg.Segment.attach(name, size)
+                seg.Segment.attach(name, size, directory=d)
 
         link = seg.new_segment_name()
         os.symlink(tmp_path / good.name, tmp_path / link)
         with pytest.raises(seg.ShmSetupError, match="symbolic link"):
-            seg.Segment.attach(link, size)
+            seg.Segment.attach(link, size, directory=d)
 
         def planted(mode, uid=None):
             name = seg.new_segment_name()
@@ -407,15 +411,15 @@ def test_attach_refuses_what_the_job_did_not_create(tmp_path, monkeypatch):
             return name
 
         with pytest.raises(seg.ShmSetupError, match="mode 0666, expected 0600"):
-            seg.Segment.attach(planted(0o666), size)
+            seg.Segment.attach(planted(0o666), size, directory=d)
         with pytest.raises(seg.ShmSetupError, match="mode 0640, expected 0600"):
-            seg.Segment.attach(planted(0o640), size)
+            seg.Segment.attach(planted(0o640), size, directory=d)
         if os.geteuid() == 0:  # only root can plant a file owned by someone else (CI is root)
             with pytest.raises(seg.ShmSetupError, match="owned by uid 65534"):
-                seg.Segment.attach(planted(0o600, uid=65534), size)
+                seg.Segment.attach(planted(0o600, uid=65534), size, directory=d)
         os.mkfifo(tmp_path / (fifo := seg.new_segment_name()), 0o600)
         with pytest.raises(seg.ShmSetupError, match="not a regular file"):
-            seg.Segment.attach(fifo, size)
+            seg.Segment.attach(fifo, size, directory=d)
     finally:
         good.close()
 
@@ -436,7 +440,7 @@ def test_a_refused_segment_fails_every_rank_at_once(monkeypatch):
 
     def loosened(name, size, *args, **kwargs):
         s = create(name, size, *args, **kwargs)
-        os.chmod(os.path.join(seg.shm_dir(), name), 0o666)
+        os.chmod(s.path, 0o666)
         return s
 
     monkeypatch.setattr(seg.Segment, "create", loosened)  # inherited by the forked ranks

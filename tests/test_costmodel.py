@@ -2,8 +2,10 @@
 
 Fast and pure: the fits must recover known parameters from synthetic data, the models must
 follow their documented formulas and behave sanely (monotone in size and in nodes, node
-link shared by its ranks, half duplex doubling the byte term), and the command must run on
-the committed results and print every section. Nothing here runs a collective.
+link shared by its ranks, half duplex doubling the byte term), the model's algorithm choice
+must be the one ``collectives/twolevel.py`` makes (its selection code is run on a range of
+sizes with the data movement stubbed out), and the command must run on the committed
+results and print every section. Nothing here moves data between processes.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ import shutil
 import subprocess
 import sys
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
 from neuron_dist.bench import costmodel as cm
+from neuron_dist.collectives import twolevel
+from neuron_dist.collectives.context import ALIGN_BYTES
+from neuron_dist.collectives.twolevel import HALVES_BYTES, PIGGYBACK_BYTES, RING_BYTES
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
 def needs_results(fn):
@@ -95,9 +103,9 @@ def test_intra_fit_recovers_known_parameters():
 @pytest.mark.timeout(60)
 def test_latency_calibration_recovers_lat():
     truth = cm.replace(NET, lat=2e-3)
-    pts = [{"bytes": n, "t": cm.internode_model("neuron-4rails", n, truth, INTRA, False)}
+    pts = [{"bytes": n, "t": cm.internode_model("neuron-4rails", n, truth, INTRA)}
            for n in (8, 128, 2048, 32768)]
-    lat, rel = cm.calibrate_latency(pts, "neuron-4rails", NET, INTRA, False)
+    lat, rel = cm.calibrate_latency(pts, "neuron-4rails", NET, INTRA)
     assert lat == pytest.approx(2e-3, rel=1e-9)
     assert max(abs(r) for r in rel) < 1e-9
 
@@ -178,16 +186,17 @@ def test_models_are_monotone_in_size_and_nodes(algo):
 @pytest.mark.timeout(60)
 def test_sanity_between_algorithms():
     # one node: every two-level algorithm is the single-node one
-    for algo in ("hierarchical", "leader", "hier+ring"):
+    for algo in cm.IMPLEMENTED:
         assert cm.MODELS[algo](1 << 20, 1, 8, M) == cm.t_single(1 << 20, 8, M)
     # many nodes, large messages: the ring among nodes moves (N-1)/(2(N-1)/N) times fewer
     # bytes through each node link than the direct exchange
     n, L = 1 << 30, 8
     for N in (8, 32, 128):
-        assert cm.t_hier_ring(n, N, L, M) < cm.t_hierarchical(n, N, L, M) / (N / 4)
-    # leader sends the whole buffer through one rank: never faster than hierarchical here
+        assert cm.t_hier_ring(n, N, L, M) < cm.t_hier_direct(n, N, L, M) / (N / 4)
+    # leader sends the whole buffer through one rank: never faster than what the code runs
     for N in (2, 8, 64):
-        assert cm.t_leader(64 << 20, N, L, M) >= cm.t_hierarchical(64 << 20, N, L, M)
+        code = cm.MODELS[cm.neuron_choice(64 << 20, N, L)]
+        assert cm.t_leader(64 << 20, N, L, M) >= code(64 << 20, N, L, M)
     # the crossover exists and shrinks as nodes grow
     c = [cm.crossover(N, L, M) for N in (4, 16, 128)]
     assert all(c) and c[0] >= c[1] >= c[2]
@@ -196,9 +205,79 @@ def test_sanity_between_algorithms():
 @pytest.mark.timeout(60)
 def test_neuron_choice_follows_twolevel():
     assert cm.neuron_choice(1 << 20, 1, 8) == "single-node"
-    assert cm.neuron_choice(8, 4, 1) == "hierarchical"           # alone on its node
+    assert cm.neuron_choice(8, 4, 1) == "hier+direct"            # alone on its node
     assert cm.neuron_choice(64 * 8 * 4 - 4, 4, 8) == "leader"    # < 64 L elements
-    assert cm.neuron_choice(64 * 8 * 4, 4, 8) == "hierarchical"
+    assert cm.neuron_choice(64 * 8 * 4, 4, 8) == "hier+direct"
+    assert cm.neuron_choice(8 * RING_BYTES, 3, 8) == "hier+ring"       # slices of RING_BYTES
+    assert cm.neuron_choice(8 * RING_BYTES - 4096, 3, 8) == "hier+direct"
+    assert cm.neuron_choice(8 * RING_BYTES, 2, 8) == ("hier+ring" if RING_BYTES >= HALVES_BYTES
+                                                      else "hier+direct")  # halves between two
+    assert cm.neuron_choice(RING_BYTES, 3, 1) == "hier+ring"           # alone: the whole buffer
+
+
+# (nodes, ranks per node) and sizes around every threshold of twolevel.all_reduce
+LAYOUTS = [(2, 1), (3, 1), (2, 2), (3, 2), (4, 8), (2, 8), (8, 4)]
+
+
+def _sizes_to_check(L: int) -> list[int]:
+    around = {4, 1 << 10, 64 * 4 * L, RING_BYTES, L * RING_BYTES, HALVES_BYTES,
+              L * HALVES_BYTES, 1 << 30}
+    sizes = {2 ** k for k in range(2, 31)}
+    for x in around:
+        sizes |= {max(4, x - 4), x, x + 4, max(4, x - ALIGN_BYTES * L), x + ALIGN_BYTES * L}
+    return sorted(s - s % 4 for s in sizes)
+
+
+class _Chosen(Exception):
+    """Raised by the stubs at the first network action: which algorithm the code took."""
+
+
+def _code_choice(n_bytes: int, N: int, L: int, monkeypatch) -> str:
+    """Run twolevel.all_reduce's own selection for group rank 0 (a node leader, local index
+    0) on a meta tensor, with every data-moving function stubbed; return its choice, named
+    as the cost model names it."""
+    from neuron_dist.collectives.reduce_ops import SUM, ReduceSpec
+
+    local = []
+
+    def record(name):
+        def stub(*args, **kwargs):
+            local.append(name)
+        return stub
+
+    def network(name):
+        def stub(*args, **kwargs):
+            raise _Chosen(name)
+        return stub
+
+    monkeypatch.setattr(twolevel.rs, "reduce_scatter", record("hierarchical"))
+    monkeypatch.setattr(twolevel.allreduce, "all_reduce", record("leader"))
+    monkeypatch.setattr(twolevel, "_ring_all_reduce", network("ring"))
+    monkeypatch.setattr(twolevel, "_halves", network("halves"))
+    topo = twolevel.Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
+    net = SimpleNamespace(topo=topo, algo="auto", buffer=network("direct"))
+    ctx = SimpleNamespace(net=net, rank=0, size=L, finish=lambda: None)
+    buf = torch.empty(n_bytes // 4, dtype=torch.float32, device="meta")
+    with pytest.raises(_Chosen) as chosen:
+        twolevel.all_reduce(ctx, buf, buf, ReduceSpec(SUM))
+    path = local[0] if local else "hierarchical"     # alone on its node: no local phase
+    if path == "leader":
+        return "leader"
+    return "hier+direct" if chosen.value.args[0] == "direct" else "hier+ring"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("N,L", LAYOUTS)
+def test_neuron_choice_is_what_twolevel_runs(N, L, monkeypatch):
+    """The cost model's "neuron" column is the algorithm the shipped code picks, for sizes
+    from 4 B to 1 GiB and around each of its thresholds (RING_BYTES, HALVES_BYTES, 64 L
+    elements): the model imports the thresholds and this runs the code's selection."""
+    wrong = []
+    for n in _sizes_to_check(L):
+        code, model = _code_choice(n, N, L, monkeypatch), cm.neuron_choice(n, N, L)
+        if code != model:
+            wrong.append(f"{n} B: code {code}, model {model}")
+    assert not wrong, f"N={N} L={L}: " + "; ".join(wrong[:10])
 
 
 # ----------------------------------------------------------------------------- the command
@@ -223,7 +302,7 @@ def test_cli_on_committed_results(tmp_path, capsys):
     for header in ("L=8 ranks per node, 1 MiB:", "L=8 ranks per node, 64 MiB:",
                    "L=8 ranks per node, 1 GiB:", "L=2 ranks per node, 1 GiB:"):
         assert header in text
-    assert "P       N  hierarchical" in text
+    assert "P       N  hier+direct" in text
     doc = json.loads(out_json.read_text())
     assert set(doc) >= {"meta", "intra", "internode_p2p", "check", "predictions",
                         "assumptions", "parameters_used", "ring_crossover_bytes"}
@@ -291,4 +370,4 @@ def test_piggybacked_descriptors_save_one_message_per_peer():
     assert saved == pytest.approx((N - 1) * NET.alpha)
     big = 1 << 20                                   # above the threshold: no change
     assert cm.direct_exchange(big, N, 1, separate) == cm.direct_exchange(big, N, 1, together)
-    assert cm.piggyback_bytes() >= 0
+    assert cm.Machine(INTRA, NET).piggyback == PIGGYBACK_BYTES      # the code's threshold

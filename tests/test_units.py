@@ -92,8 +92,8 @@ def test_settings_parse_and_reject(monkeypatch):
 def two_endpoints():
     """Two P2P engines (ranks 0 and 1) over one real segment, in this process."""
     layout = Layout(2, 4096, 4096)
-    seg = Segment.create(new_segment_name(), layout.total_bytes)
-    peer = Segment.attach(seg.name, layout.total_bytes)
+    seg = Segment.create(new_segment_name(), layout.total_bytes, directory="/dev/shm")
+    peer = Segment.attach(seg.name, layout.total_bytes, directory="/dev/shm")
     seg.unlink()
     chans = [ShmChannel(seg, layout, 0, spin=0), ShmChannel(peer, layout, 1, spin=0)]
     eps = [P2P(r, 2, (lambda r: lambda k: chans[r].mailbox(r, k))(r),

@@ -1,7 +1,8 @@
 """Command line of the collectives benchmark: ``python -m neuron_dist.bench`` / ``neuron-dist-bench``.
 
 Parses nccl-tests-style flags, then for each world size (``-n 2,4``) runs the torch ranks
-(neuron and gloo interleaved, see ``torch_runner``) and then the MPI baseline (see
+(neuron, gloo and null interleaved, see ``torch_runner``; null is a group that does
+nothing, the dispatch floor every Python backend pays) and then the MPI baseline (see
 ``mpi_runner``), printing a progress line per (op, size) on stderr. At the end it prints
 the table (and the overlap / shared-memory reports when asked) on stdout and writes the
 JSON, CSV and PNG files asked for. Exit status: 0 if everything ran and every ``--check``
@@ -21,7 +22,7 @@ from . import report
 from .sweep import (BATCH_BYTES, DTYPE_BYTES, MAX_BATCH, OPS, human_size, parse_size,
                     progress_line, size_range)
 
-BACKENDS = ("neuron", "gloo", "mpi")
+BACKENDS = ("neuron", "gloo", "null", "mpi")
 
 EPILOG = """\
 bytes per op (nccl-tests): all_reduce, broadcast: the buffer; all_gather: the full gathered
@@ -30,8 +31,9 @@ whole send buffer; send_recv: one message (ping-pong rank 0 <-> 1, time = round 
 timing: per iteration a barrier of the backend under test, then the op is timed on every
 rank; iteration time = max over ranks; time_us = median (min_us = fastest iteration).
 busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all),
-1 (broadcast, send_recv). neuron and gloo share the rank processes and alternate per size;
-MPI (mpiexec + mpi4py) runs after them for each world size.
+1 (broadcast, send_recv). neuron, gloo and null (a process group that does nothing: the
+dispatch floor) share the rank processes and alternate per size; MPI (mpiexec + mpi4py)
+runs after them for each world size. x null = time / null's time (how many dispatch floors).
 
 examples:
   python -m neuron_dist.bench -b 8 -e 256M -f 2 -n 2,4 --check --json r.json --plot r.png
@@ -165,8 +167,8 @@ def _run(argv: list[str] | None) -> int:
             notes.append(f"MPI skipped: {reason}")
             log(f"note: MPI skipped: {reason}")
             run_mpi = False
-    if args.overlap and not torch_backends:
-        notes.append("--overlap needs a torch backend (neuron or gloo); skipped")
+    if args.overlap and not set(torch_backends) & {"neuron", "gloo"}:
+        notes.append("--overlap needs neuron or gloo; skipped")
 
     cores = _cores()
     started = _dt.datetime.now().astimezone()
@@ -253,6 +255,7 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
     import torch
 
     import neuron_dist
+    from neuron_dist.config import environment
 
     return {
         "command": "neuron-dist-bench " + " ".join(shlex.quote(a) for a in
@@ -268,13 +271,13 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
         "requested_sizes": sizes, "worlds": args.nprocs, "threads_per_rank": threads,
         "ops": {op: {"bytes": OPS[op].meaning} for op in args.ops},
         "backends": args.backends,
-        "neuron_env": {k: v for k, v in os.environ.items() if k.startswith("NEURON_DIST_")},
+        "neuron_env": environment(),
         "timing": f"per sample: barrier of the backend under test, then time `batch` ops back "
                   f"to back on every rank (min({args.batch}, {BATCH_BYTES >> 20} MiB / bytes), "
                   f"at least 1), sample = their mean; sample time = max over ranks; time_us = "
                   f"median over samples (min_us = fastest). send_recv: ping-pong rank 0<->1, "
-                  f"time = round trip / 2. neuron and gloo run interleaved in the same ranks; "
-                  f"MPI runs afterwards.",
+                  f"time = round trip / 2. neuron, gloo and null (does nothing: the dispatch "
+                  f"floor) run interleaved in the same ranks; MPI runs afterwards.",
         "bandwidth": "algbw = bytes / time (1e9 B/s); busbw = algbw * factor: all_reduce 2(n-1)/n,"
                      " all_gather/reduce_scatter/all_to_all (n-1)/n, broadcast/send_recv 1",
     }
@@ -292,7 +295,8 @@ def _header(meta: dict) -> str:
         f"warmup {meta['warmup']}, threads per rank "
         + ", ".join(f"{t} (n={w})" for w, t in meta["threads_per_rank"].items()),
         f"# timing: {meta['timing']}",
-        f"# {meta['bandwidth']}; vs gloo = gloo time / this time",
+        f"# {meta['bandwidth']}; vs gloo = gloo time / this time; x null = this time / the "
+        f"null group's (the dispatch floor)",
         "#",
     ])
 

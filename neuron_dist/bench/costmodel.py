@@ -39,31 +39,32 @@ constrained >= 0; a parameter that would go negative is pinned at 0 and reported
 
 Models (n = bytes per rank, N nodes, L ranks per node, P = N L; x_L = n / L)
     single-node   neuron on one node: one step (n <= 64 KiB) or two steps per 1 MiB chunk.
-    hierarchical  neuron, nodes of equal size (collectives/twolevel.py): local
+    hier+direct   neuron, nodes of equal size (collectives/twolevel.py): local
                   reduce-scatter -> each local rank exchanges its slice x_L *directly* with
                   the same local rank of the N-1 other nodes (N-1 sends and N-1 receives of
                   x_L, plus a call descriptor per peer; reduce N slices) -> local all-gather.
                   Node link per direction: L ranks x (N-1) x x_L = (N-1) n.
                   A rank alone on its node (L = 1) exchanges the whole buffer the same way.
-                  Between two nodes, from twolevel.HALVES_BYTES, the exchange runs in halves
-                  (a two-rank ring: two dependent phases of x_L / 2, half the additions).
-                  neuron picks it when n >= 64 L elements, else leader.
-    leader        neuron, any nodes: local all-reduce -> the node leader exchanges the full
-                  buffer directly with the N-1 other leaders (reduces N buffers) -> local
-                  broadcast. Node link per direction: (N-1) n, driven by one rank.
+    hier+ring     neuron, the same with a *ring* among the N nodes (each local rank runs a
+                  ring over its slice): 2(N-1) dependent steps of x_L / N, node link per
+                  direction 2(N-1)/N n instead of (N-1) n. Between two nodes this is the
+                  exchange in halves (two dependent phases of x_L / 2, half the additions).
+    leader        neuron, any nodes: local all-reduce -> the node leader all-reduces the
+                  full buffer with the N-1 other leaders (directly, or in a ring / halves as
+                  below) -> local broadcast. Node link per direction: (N-1) n, one rank.
     flat ring     reference, not implemented: the textbook ring over all P ranks on the
                   network, 2(P-1) alpha_net + 2(P-1)/P n beta_net + (P-1)/P n gamma. Ranks
                   in node order, so one ring edge leaves each node: the node link carries
                   n/P per step, like every rank.
-    hier+ring     proposed: hierarchical with a *ring* among the N nodes instead of the
-                  direct exchange (each local rank runs a ring over its slice): 2(N-1) steps
-                  of x_L / N, node link per direction 2(N-1)/N n instead of (N-1) n.
+    neuron        what twolevel.all_reduce runs (``neuron_choice``), from the code's own
+                  thresholds (imported, not copied): leader below 64 L elements, else
+                  hierarchical; among the nodes, a ring from twolevel.RING_BYTES per slice
+                  (3+ nodes), halves from twolevel.HALVES_BYTES (2 nodes), else direct.
     A network phase costs  lat + (messages the rank sends) x alpha_net
                          + max(bytes of the rank x beta_rank, bytes of its node x beta_link)
     (one direction; a direct exchange is one phase with 2(N-1) messages: a call descriptor
-    and the payload per peer, or N-1 when the payload carries the descriptor, as
-    twolevel.PIGGYBACK_BYTES allows if the code has it; a ring step is one phase with one
-    message). beta_rank = beta_link = the fitted beta_net by default (one rank drives the
+    and the payload per peer, or N-1 when the payload carries the descriptor, up to
+    twolevel.PIGGYBACK_BYTES; a ring step is one phase with one message). beta_rank = beta_link = the fitted beta_net by default (one rank drives the
     veth link as fast as it goes); ``--link-gbs`` makes the node link faster than one rank.
     Reductions after the network cost gamma per byte, like the local ones.
 
@@ -78,11 +79,10 @@ Assumptions
     * Per-message software overheads (Python, torch dispatch, frames, acknowledgements) are
       inside alpha_net and alpha_call / alpha_step; messages a rank sends are paid one after
       the other (its sender runs in its own thread); a ring step waits for the previous one.
-    * Latency is one term per dependent network phase (lat), calibrated on 2 nodes x 1 rank
-      running the code before commit 5e7b1f5 (which writes frames from the caller's thread
-      and skips the local phases of a rank alone on its node): it is probably too high for
-      the code now, and it decides the ring-vs-direct question for small messages (a ring
-      pays it 2(N-1) times, a direct exchange once), so the output also shows lat = 0.
+    * Latency is one term per dependent network phase (lat), calibrated on the 2 nodes x 1
+      rank all_reduce points up to 32 KiB; it decides the ring-vs-direct question for small
+      messages (a ring pays it 2(N-1) times, a direct exchange once), so the output also
+      shows lat = 0.
     * Reduce and copy speeds (gamma, beta) are this 2-core box's (torch's vectorised kernels,
       float32); ranks of a node do not slow each other down in memory, and every rank has a
       core of its own (L = 4 on 2 cores is oversubscribed: its own fit is shown, and the
@@ -90,6 +90,10 @@ Assumptions
     * alpha_step does not grow with L (each rank waits for the slowest peer: true only with
       little jitter); the shared-memory slot is 1 MiB and the one-step limit 64 KiB (the
       defaults); float32 elements.
+    * The local phases are counted as the slot algorithms run them at every size: the
+      single-copy (cross-memory attach) algorithms the code uses from 256 KiB per rank
+      (collectives/single_copy.py) are not modelled, so large local phases are fitted, not
+      counted from the code.
     * Steps are not overlapped with copies except where the code double-buffers (the model
       adds every step's cost); network phases do not overlap local phases.
     * Thread and connection counts are not modelled: direct exchange opens rails to N-1
@@ -101,7 +105,8 @@ point fitted and for held-out points: broadcast, 4 ranks on 2 cores from the 2-r
 gloo's ring over loopback and over veth, the inter-node all_reduce), with a summary per
 group and plain statements of where the model is poor; the prediction tables (P = 8..1024,
 L = 8 and 2), who wins where, what-ifs (a faster node link, lat = 0) and the size from which
-a ring among nodes beats the direct exchange; these assumptions. ``--json OUT`` writes all
+a ring among nodes beats the direct exchange, next to the size from which the code runs
+it; these assumptions. ``--json OUT`` writes all
 of it.
 """
 
@@ -118,26 +123,29 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from ..collectives.context import ALIGN_BYTES
+from ..collectives.twolevel import HALVES_BYTES, PIGGYBACK_BYTES, RING_BYTES
+from ..config import Settings
 from .internode import link_reference
 from .sweep import human_size, parse_size
 
-# The defaults the measurements ran with (neuron_dist/config.py).
-SLOT_BYTES = 1 << 20          # NEURON_DIST_SHM_SLOT_BYTES
-SMALL_BYTES = 64 << 10        # NEURON_DIST_SMALL_BYTES
-ALIGN_BYTES = 64              # collectives/*.py
+# The settings the measurements ran with: the defaults (neuron_dist/config.py).
+_DEFAULTS = Settings.from_env({})
+SLOT_BYTES = _DEFAULTS.slot_bytes        # NEURON_DIST_SHM_SLOT_BYTES
+SMALL_BYTES = _DEFAULTS.small_bytes      # NEURON_DIST_SMALL_BYTES
+# twolevel.all_reduce runs the hierarchical algorithm when numel >= 64 x (ranks on the
+# node), else leader. That 64 is a literal inside twolevel.all_reduce, not a name this
+# module can import; tests/test_costmodel.py runs twolevel.all_reduce's own selection on
+# a range of sizes and checks that ``neuron_choice`` picks the same, so the two cannot drift.
+HIER_MIN_ELEMS_PER_RANK = 64
 ELEM = 4                      # float32, as benchmarked
-HIER_MIN_ELEMS_PER_RANK = 64  # twolevel.all_reduce: hierarchical when numel >= 64 L
 MEM_FLAG_BYTES = 64 << 30     # '!' when direct-exchange receive buffers pass this per node
 
 INTRA_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 NET_BACKENDS = ("neuron-1rail", "neuron-4rails", "gloo")
-# collectives/twolevel.py and transport/rdm/driver.py changed in this commit (buffers reused
-# instead of fresh zero-filled pages, a rank alone on its node skips the local phases,
-# in-place two-way reduction, writes from the caller's thread).
-CODE_CHANGE = ("5e7b1f5", "2026-11-29T21:21:39+00:00")
 
-ALGOS = ("hierarchical", "leader", "flat ring", "hier+ring")
-IMPLEMENTED = ("hierarchical", "leader")
+ALGOS = ("hier+direct", "hier+ring", "leader", "flat ring")
+IMPLEMENTED = ("hier+direct", "hier+ring", "leader")
 
 
 # ============================================================================ data
@@ -288,28 +296,8 @@ class Machine:
     net: Net
     slot: int = SLOT_BYTES
     small: int = SMALL_BYTES
-    piggyback: int = 0            # data up to this size carries the call descriptor itself
-    halves: float = math.inf      # two ranks exchange in halves (a 2-rank ring) from here
-
-
-def _twolevel_constant(name: str, default):
-    try:
-        from ..collectives import twolevel
-    except Exception:  # noqa: BLE001 - the model works without the code
-        return default
-    return getattr(twolevel, name, default)
-
-
-def piggyback_bytes() -> int:
-    """``collectives/twolevel.py``'s PIGGYBACK_BYTES: up to this size the call descriptor
-    travels in the data's message, above it as a message of its own (0: always separate)."""
-    return int(_twolevel_constant("PIGGYBACK_BYTES", 0))
-
-
-def halves_bytes() -> float:
-    """``collectives/twolevel.py``'s HALVES_BYTES: from this size two ranks all-reduce in
-    halves (each reduces one and sends it back) instead of exchanging everything."""
-    return float(_twolevel_constant("HALVES_BYTES", math.inf))
+    # data up to this size carries the call descriptor itself (twolevel.PIGGYBACK_BYTES)
+    piggyback: int = PIGGYBACK_BYTES
 
 
 @dataclass(frozen=True)
@@ -388,15 +376,31 @@ def net_phase(x: float, peers: int, sharers: int, m: Machine, msgs: int | None =
     return net.lat + msgs * net.alpha + t_bytes
 
 
+def exchange_choice(x: float, N: int) -> str:
+    """What ``twolevel._exchange_reduce`` runs for x bytes (float32) among N ranks: a ring
+    among 3+ ranks from RING_BYTES, halves (a two-rank ring) between two from HALVES_BYTES,
+    else the direct exchange."""
+    if N >= 3 and x >= RING_BYTES and x // ELEM >= N:
+        return "ring"
+    if N == 2 and x >= HALVES_BYTES:
+        return "halves"
+    return "direct"
+
+
+def exchange_reduce(x: float, N: int, sharers: int, m: Machine) -> float:
+    """``twolevel._exchange_reduce`` as the code runs it (``exchange_choice``)."""
+    if exchange_choice(x, N) == "direct":
+        return direct_exchange(x, N, sharers, m)
+    return ring_among(x, N, sharers, m)
+
+
 def direct_exchange(x: float, N: int, sharers: int, m: Machine) -> float:
-    """twolevel._exchange_reduce among N ranks: descriptor + payload to each of N-1 peers
-    (one message if the payload is small enough to carry the descriptor), then reduce N
-    buffers of x (in place for N = 2, else into a scratch and copied back). Two ranks with
-    x >= HALVES_BYTES run the two-rank ring instead."""
+    """The direct exchange of ``twolevel._exchange_reduce`` among N ranks: descriptor +
+    payload to each of N-1 peers (one message if the payload is small enough to carry the
+    descriptor), then reduce N buffers of x (in place for N = 2, else into a scratch and
+    copied back)."""
     if N <= 1:
         return 0.0
-    if N == 2 and x >= m.halves:
-        return ring_among(x, 2, sharers, m)
     per_peer = 1 if x <= m.piggyback else 2
     t = net_phase(x, N - 1, sharers, m, msgs=per_peer * (N - 1))
     t += reduce_work(N, x).time(m.intra)
@@ -407,7 +411,8 @@ def direct_exchange(x: float, N: int, sharers: int, m: Machine) -> float:
 
 def ring_among(x: float, N: int, sharers: int, m: Machine, descriptors: bool = True) -> float:
     """Ring all-reduce of x bytes among N ranks (one per node), ``sharers`` such rings
-    running at once through each node link: 2(N-1) dependent steps of x / N."""
+    running at once through each node link: 2(N-1) dependent steps of x / N
+    (``twolevel._ring_all_reduce``; for N = 2 the same cost as ``twolevel._halves``)."""
     if N <= 1:
         return 0.0
     chunk = x / N
@@ -425,11 +430,6 @@ def t_single(n: int, L: int, m: Machine) -> float:
     return m.intra.a_call + allreduce_work(n, L, m.slot, m.small).time(m.intra)
 
 
-def t_alone(n: int, N: int, m: Machine) -> float:
-    """A rank alone on its node (L = 1): straight to the network, in place."""
-    return m.intra.a_call + Work(1).time(m.intra) + direct_exchange(n, N, 1, m)
-
-
 def _local_rs_ag(n: int, L: int, m: Machine) -> tuple[float, int]:
     s = slice_bytes(n, L)
     rs = reduce_scatter_work(n, L, m.slot)
@@ -437,15 +437,33 @@ def _local_rs_ag(n: int, L: int, m: Machine) -> tuple[float, int]:
     return (rs + ag).time(m.intra), s
 
 
-def t_hierarchical(n: int, N: int, L: int, m: Machine) -> float:
-    """neuron's hierarchical all_reduce, whatever n (the code itself switches to leader
-    below 64 L elements: see ``neuron_choice``)."""
+def _hierarchical(n: int, N: int, L: int, m: Machine, exchange) -> float:
+    """twolevel._hierarchical with ``exchange`` among the nodes; a rank alone on its node
+    (L = 1) goes straight to the network with the whole buffer, in place."""
     if N <= 1:
         return t_single(n, L, m)
     if L == 1:
-        return t_alone(n, N, m)
+        return m.intra.a_call + Work(1).time(m.intra) + exchange(n, N, 1, m)
     local, s = _local_rs_ag(n, L, m)
-    return m.intra.a_call + local + direct_exchange(s, N, L, m)
+    return m.intra.a_call + local + exchange(s, N, L, m)
+
+
+def t_alone(n: int, N: int, m: Machine) -> float:
+    """A rank alone on its node, as the code runs it (direct, halves or ring)."""
+    return _hierarchical(n, N, 1, m, exchange_reduce)
+
+
+def t_hier_direct(n: int, N: int, L: int, m: Machine) -> float:
+    """Hierarchical, always exchanging directly among the nodes (the code does below
+    RING_BYTES per slice, or HALVES_BYTES between two nodes; whatever n: the code itself
+    switches to leader below 64 L elements, see ``neuron_choice``)."""
+    return _hierarchical(n, N, L, m, direct_exchange)
+
+
+def t_hier_ring(n: int, N: int, L: int, m: Machine) -> float:
+    """Hierarchical, always running a ring among the nodes (the code does from RING_BYTES
+    per slice among 3+ nodes, from HALVES_BYTES between two)."""
+    return _hierarchical(n, N, L, m, ring_among)
 
 
 def t_leader(n: int, N: int, L: int, m: Machine) -> float:
@@ -454,7 +472,7 @@ def t_leader(n: int, N: int, L: int, m: Machine) -> float:
     if L == 1:
         return t_alone(n, N, m)
     local = allreduce_work(n, L, m.slot, m.small) + broadcast_work(n, L, m.slot)
-    return m.intra.a_call + local.time(m.intra) + direct_exchange(n, N, 1, m)
+    return m.intra.a_call + local.time(m.intra) + exchange_reduce(n, N, 1, m)
 
 
 def t_flat_ring(n: int, N: int, L: int, m: Machine) -> float:
@@ -467,76 +485,53 @@ def t_flat_ring(n: int, N: int, L: int, m: Machine) -> float:
     return ring_among(n, P, 1, m, descriptors=False)
 
 
-def t_hier_ring(n: int, N: int, L: int, m: Machine) -> float:
-    """Proposed: hierarchical with a ring among nodes instead of the direct exchange."""
-    if N <= 1:
-        return t_single(n, L, m)
-    if L == 1:
-        return m.intra.a_call + Work(1).time(m.intra) + ring_among(n, N, 1, m)
-    local, s = _local_rs_ag(n, L, m)
-    return m.intra.a_call + local + ring_among(s, N, L, m)
-
-
-MODELS = {"hierarchical": t_hierarchical, "leader": t_leader,
-          "flat ring": t_flat_ring, "hier+ring": t_hier_ring}
+MODELS = {"hier+direct": t_hier_direct, "hier+ring": t_hier_ring, "leader": t_leader,
+          "flat ring": t_flat_ring}
 
 
 def neuron_choice(n: int, N: int, L: int) -> str:
-    """What twolevel.all_reduce runs (equal nodes, NEURON_DIST_ALGO=auto)."""
+    """What twolevel.all_reduce runs for n bytes (float32) on N equal nodes of L ranks with
+    NEURON_DIST_ALGO=auto, named as in ``MODELS`` (or "single-node"): leader below 64 L
+    elements, else hierarchical, whose exchange among the nodes (of rank 0's slice) is
+    ``exchange_choice``'s (halves between two nodes cost as a two-rank ring)."""
     if N <= 1:
         return "single-node"
-    if L == 1:
-        return "hierarchical"        # the 'alone on its node' path: same cost formula
-    return "hierarchical" if n // ELEM >= HIER_MIN_ELEMS_PER_RANK * L else "leader"
+    if L > 1 and n // ELEM < HIER_MIN_ELEMS_PER_RANK * L:
+        return "leader"
+    x = n if L == 1 else slice_bytes(n, L)
+    return "hier+direct" if exchange_choice(x, N) == "direct" else "hier+ring"
 
 
 def predict(n: int, N: int, L: int, m: Machine) -> dict:
     """Every algorithm's time (s) for n bytes on N nodes x L ranks, and who wins."""
     times = {a: f(n, N, L, m) for a, f in MODELS.items()}
     choice = neuron_choice(n, N, L)
-    neuron = times["hierarchical" if choice == "single-node" else choice]
+    neuron = t_single(n, L, m) if choice == "single-node" else times[choice]
     best = min(times, key=times.get)
     return {"n": n, "N": N, "L": L, "P": N * L, "times": times, "neuron_auto": choice,
             "neuron_auto_s": neuron, "best": best,
-            "direct_over_ring": times["hierarchical"] / times["hier+ring"] if N > 1 else 1.0,
+            "direct_over_ring": times["hier+direct"] / times["hier+ring"] if N > 1 else 1.0,
             "recv_buffers_per_node": (N - 1) * n}
-
-
-# The code that internode-veth.json measured (before CODE_CHANGE), for 2 nodes x 1 rank:
-# hierarchical with a one-rank local phase, fresh scratch buffers, reduce into a scratch.
-def t_alone_before_change(n: int, N: int, m: Machine) -> float:
-    c = m.intra
-    if n // ELEM >= HIER_MIN_ELEMS_PER_RANK:          # _hierarchical with ctx.size == 1
-        rs = reduce_scatter_work(n, 1, m.slot)         # stage + one-input 'reduce' = copy
-        ag = all_gather_work(n, 1, m.slot) + Work(copied=n)   # clone + stage + copy out
-        local = (rs + ag).time(c)
-    else:                                              # leader: one-slot all_reduce, bcast
-        local = (allreduce_work(n, 1, m.slot, m.small) + broadcast_work(n, 1, m.slot)).time(c)
-    exch = net_phase(n, N - 1, 1, m, msgs=2 * (N - 1)) + reduce_work(N, n).time(c) + n * c.b
-    return c.a_call + local + exch
 
 
 LAT_MAX_BYTES = 32 << 10      # inter-node all_reduce points up to this size calibrate lat
 CLIFF_BYTES = 32 << 20        # from here on the veth box's p2p and all_reduce fall off
 
 
-def internode_model(backend: str, n: int, net: Net, intra: Intra, before: bool,
-                    piggyback: int = 0) -> float:
-    """The 2 nodes x 1 rank all_reduce that internode-veth.json measured (``before``: the
-    code path before CODE_CHANGE, which always sent descriptors separately)."""
-    m = Machine(intra, net, piggyback=0 if before else piggyback,
-                halves=math.inf if before else halves_bytes())
+def internode_model(backend: str, n: int, net: Net, intra: Intra) -> float:
+    """The 2 nodes x 1 rank all_reduce that internode-veth.json measures."""
+    m = Machine(intra, net)
     if backend == "gloo":
         return t_flat_ring(n, 2, 1, m)
-    return t_alone_before_change(n, 2, m) if before else t_alone(n, 2, m)
+    return t_alone(n, 2, m)
 
 
-def calibrate_latency(points: list[dict], backend: str, net: Net, intra: Intra,
-                      before: bool) -> tuple[float, list]:
+def calibrate_latency(points: list[dict], backend: str, net: Net,
+                      intra: Intra) -> tuple[float, list]:
     """The ``lat`` minimising sum((model / measured - 1)^2) (the model is linear in it), >= 0."""
-    m0 = np.array([internode_model(backend, p["bytes"], replace(net, lat=0.0), intra, before)
+    m0 = np.array([internode_model(backend, p["bytes"], replace(net, lat=0.0), intra)
                    for p in points])
-    k = np.array([internode_model(backend, p["bytes"], replace(net, lat=1.0), intra, before)
+    k = np.array([internode_model(backend, p["bytes"], replace(net, lat=1.0), intra)
                   for p in points]) - m0
     y = np.array([p["t"] for p in points])
     lat = max(0.0, float(np.sum(k * (y - m0) / y ** 2) / np.sum(k ** 2 / y ** 2)))
@@ -665,8 +660,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass
+class _Run:
+    """What the sections of one run share: inputs, fits, the report and the JSON."""
+
+    args: argparse.Namespace
+    stat: str                                   # "time_us" (median) or "min_us"
+    paths: dict
+    docs: dict
+    link: dict | None
+    cores: int
+    out: Report = field(default_factory=Report)
+    js: dict = field(default_factory=dict)
+    intra_pts: dict = field(default_factory=dict)      # L -> points
+    intra_fits: dict = field(default_factory=dict)     # L -> Fit
+    net_fits: dict = field(default_factory=dict)       # transport -> (Fit, p2p points)
+    lats: dict = field(default_factory=dict)           # transport -> calibrated lat
+    gloo_lo: Fit | None = None
+    groups: dict = field(default_factory=dict)         # check group -> rows
+    eff: dict = field(default_factory=dict)
+
+    @property
+    def intra2(self) -> Intra:
+        return intra_from_fit(self.intra_fits[2])
+
+    def net(self, transport: str) -> Net:
+        f = self.net_fits[transport][0]
+        return Net(f["alpha"], f["beta"], f["beta"], lat=self.lats[transport]["lat"])
+
+    def machine(self) -> Machine:
+        return Machine(self.intra2, self.net(self.args.transport))
+
+    def add(self, group: str, rows: list) -> None:
+        self.groups.setdefault(group, []).extend(rows)
+
+
 def run(args) -> tuple[str, dict]:
-    stat = "time_us" if args.stat == "median" else "min_us"
+    """The whole report for parsed ``args``: (text, JSON document)."""
+    r = _load_inputs(args)
+    _header(r)
+    _fit_intra_section(r)
+    _fit_net_section(r)
+    _check_section(r)
+    _predictions_section(r)
+    r.out("== 4. assumptions (module docstring)")
+    for ln in _assumptions_text():
+        r.out(ln)
+    r.js["assumptions"] = _assumptions_text()
+    r.js["parameters_used"] = _machine_dict(r.machine())
+    return "\n".join(r.out.lines) + "\n", r.js
+
+
+def _load_inputs(args) -> _Run:
     d = args.results_dir
     paths = {k: os.path.join(d, f) for k, f in (
         ("n2", "bench-n2.json"), ("n4", "bench-n4.json"),
@@ -675,95 +720,105 @@ def run(args) -> tuple[str, dict]:
     for k in ("n2", "internode"):
         if k not in docs:
             raise SystemExit(f"costmodel: {paths[k]} is missing")
-    link = link_reference(paths["link"])
     cores = int(docs["n2"]["meta"].get("cores") or os.cpu_count() or 1)
+    return _Run(args, "time_us" if args.stat == "median" else "min_us", paths, docs,
+                link_reference(paths["link"]), cores)
 
-    out = Report()
-    js: dict = {"meta": {"command": args.command, "stat": args.stat, "inputs": {},
-                         "slot_bytes": SLOT_BYTES, "small_bytes": SMALL_BYTES,
-                         "dtype": "float32", "cores_of_measuring_machine": cores}}
+
+def _header(r: _Run) -> None:
+    out, args = r.out, r.args
+    r.js["meta"] = {"command": args.command, "stat": args.stat, "inputs": {},
+                    "slot_bytes": SLOT_BYTES, "small_bytes": SMALL_BYTES,
+                    "dtype": "float32", "cores_of_measuring_machine": r.cores,
+                    "descriptor_piggyback_bytes": PIGGYBACK_BYTES,
+                    "twolevel_thresholds": {"RING_BYTES": RING_BYTES, "HALVES_BYTES": HALVES_BYTES,
+                                            "PIGGYBACK_BYTES": PIGGYBACK_BYTES,
+                                            "hierarchical_min_elements_per_rank":
+                                                HIER_MIN_ELEMS_PER_RANK}}
     out(f"# {args.command}")
     out(f"# all_reduce cost model, fitted to the {args.stat} times of:")
-    for k, path in paths.items():
+    for k, path in r.paths.items():
         if k == "link":
-            status = "not present" if link is None else (link.get("command") or "present")
+            status = "not present" if r.link is None else (r.link.get("command") or "present")
             out(f"#   {path}: {status}")
-            js["meta"]["inputs"][path] = status
-            continue
-        if k in docs:
-            meta = docs[k]["meta"]
+            r.js["meta"]["inputs"][path] = status
+        elif k in r.docs:
+            meta = r.docs[k]["meta"]
             out(f"#   {path}: `{meta.get('command')}` ({meta.get('started', '?')}, "
                 f"{meta.get('cores', '?')} cores)")
-            js["meta"]["inputs"][path] = {"command": meta.get("command"),
-                                          "started": meta.get("started")}
+            r.js["meta"]["inputs"][path] = {"command": meta.get("command"),
+                                            "started": meta.get("started")}
         else:
             out(f"#   {path}: not present")
+    out(f"# neuron's algorithm choice from collectives/twolevel.py: ring among 3+ nodes from "
+        f"RING_BYTES = {human_size(RING_BYTES)} per slice, halves between two from HALVES_BYTES "
+        f"= {human_size(HALVES_BYTES)}, descriptor inside the data up to PIGGYBACK_BYTES = "
+        f"{human_size(PIGGYBACK_BYTES)}, hierarchical from {HIER_MIN_ELEMS_PER_RANK} L elements")
     out("# units: us / ms / s; GB/s = 1e9 B/s; err = predicted / measured - 1")
     out()
 
-    # ------------------------------------------------------------------ 1. parameters
+
+# ------------------------------------------------------------------ 1. parameters
+
+def _fit_intra_section(r: _Run) -> None:
+    out = r.out
     out("== 1. fitted parameters")
     out()
-    intra_pts = {}
-    intra_fits = {}
     for k in ("n2", "n4"):
-        if k not in docs:
-            continue
-        pts = bench_points(docs[k], "neuron", INTRA_OPS, stat)
-        L = pts[0]["world"]
-        intra_pts[L] = pts
-        intra_fits[L] = fit_intra(pts)
-    if 2 not in intra_fits:
+        if k in r.docs:
+            pts = bench_points(r.docs[k], "neuron", INTRA_OPS, r.stat)
+            L = pts[0]["world"]
+            r.intra_pts[L] = pts
+            r.intra_fits[L] = fit_intra(pts)
+    if 2 not in r.intra_fits:
         raise SystemExit("costmodel: bench-n2.json has no neuron points")
     out("intra-node (shared memory), neuron all_reduce + reduce_scatter + all_gather points:")
-    hdr = ["parameter"] + [f"L={L}" + (" (oversubscribed)" if L > cores else "")
-                           for L in intra_fits]
+    hdr = ["parameter"] + [f"L={L}" + (" (oversubscribed)" if L > r.cores else "")
+                           for L in r.intra_fits]
     rows = []
     for i, name in enumerate(INTRA_NAMES):
         row = [name]
-        for f in intra_fits.values():
+        for f in r.intra_fits.values():
             v, e = f.values[i], f.stderr[i]
-            if name in ("beta", "gamma"):
-                cell = (f"{v * 1e9:.3f} +- {e * 1e9:.3f} ns/B ({_gbs(v):.2f} GB/s)"
-                        if not f.pinned[i] else "0 (pinned)")
+            if f.pinned[i]:
+                row.append("0 (pinned)")
+            elif name in ("beta", "gamma"):
+                row.append(f"{v * 1e9:.3f} +- {e * 1e9:.3f} ns/B ({_gbs(v):.2f} GB/s)")
             else:
-                cell = (f"{v * 1e6:.1f} +- {e * 1e6:.1f} us" if not f.pinned[i] else "0 (pinned)")
-            row.append(cell)
+                row.append(f"{v * 1e6:.1f} +- {e * 1e6:.1f} us")
         rows.append(row)
     rows.append(["points; rms / max |err|"] + [f"{f.n_points}; {100 * f.rms:.0f}% / "
                                                  f"{100 * f.max_abs:.0f}%"
-                                                 for f in intra_fits.values()])
-    out.table(hdr, rows, ["<"] + ["<"] * len(intra_fits))
-    f2_ = intra_fits[2]
+                                                 for f in r.intra_fits.values()])
+    out.table(hdr, rows, ["<"] * (1 + len(r.intra_fits)))
+    f2 = r.intra_fits[2]
     pair = ("alpha_call[all_reduce]", "alpha_step")
-    out(f"(L = ranks on the node; this box has {cores} cores. Predictions use the L=2 fit. Only "
-        f"the sum alpha_call[all_reduce] + alpha_step = {(f2_[pair[0]] + f2_[pair[1]]) * 1e6:.0f} "
-        f"+- {f2_.stderr_of_sum(*pair) * 1e6:.0f} us, the one-step all_reduce, is well "
+    out(f"(L = ranks on the node; this box has {r.cores} cores. Predictions use the L=2 fit. "
+        f"Only the sum alpha_call[all_reduce] + alpha_step = {(f2[pair[0]] + f2[pair[1]]) * 1e6:.0f} "
+        f"+- {f2.stderr_of_sum(*pair) * 1e6:.0f} us, the one-step all_reduce, is well "
         f"determined; how it splits is not.)")
     out()
-    js["intra"] = {str(L): f.as_dict() for L, f in intra_fits.items()}
+    r.js["intra"] = {str(L): f.as_dict() for L, f in r.intra_fits.items()}
 
-    intra2 = intra_from_fit(intra_fits[2])
-    inter_meta = docs["internode"]["meta"]
-    before = (inter_meta.get("started") or "") < CODE_CHANGE[1]
-    net_fits = {}
-    lats = {}
+
+def _fit_net_section(r: _Run) -> None:
+    out, args, inter = r.out, r.args, r.docs["internode"]
     out("inter-node (2 nodes x 1 rank over veth): alpha_net, beta_net from p2p (one direction, "
         "time per message = alpha_net + n beta_net);")
     out(f"lat (latency of one dependent network phase) calibrated on the all_reduce points "
         f"<= {human_size(LAT_MAX_BYTES)} (the p2p window hides it):")
     rows = []
     for be in NET_BACKENDS:
-        pts = internode_points(docs["internode"], "p2p", be, stat)
+        pts = internode_points(inter, "p2p", be, r.stat)
         if len(pts) < 2:
             continue
         f = fit_alpha_beta([p["bytes"] for p in pts], [p["t"] for p in pts])
-        net_fits[be] = (f, pts)
-        small = [p for p in internode_points(docs["internode"], "all_reduce", be, stat)
+        r.net_fits[be] = (f, pts)
+        small = [p for p in internode_points(inter, "all_reduce", be, r.stat)
                  if p["bytes"] <= LAT_MAX_BYTES]
-        lat, lrel = (calibrate_latency(small, be, Net(f["alpha"], f["beta"], f["beta"]), intra2,
-                                       before) if small else (0.0, []))
-        lats[be] = {"lat": lat, "rel": lrel, "points": len(small)}
+        lat, lrel = (calibrate_latency(small, be, Net(f["alpha"], f["beta"], f["beta"]), r.intra2)
+                     if small else (0.0, []))
+        r.lats[be] = {"lat": lat, "rel": lrel, "points": len(small)}
         ls = _err_summary(lrel)
         rows.append([be, f"{f['alpha'] * 1e6:.0f} +- {f.stderr[0] * 1e6:.0f} us",
                      f"{f['beta'] * 1e9:.3f} +- {f.stderr[1] * 1e9:.3f} ns/B",
@@ -774,46 +829,48 @@ def run(args) -> tuple[str, dict]:
                      f"{100 * ls['max_abs_rel_err']:.0f}%" if small else "-"])
     out.table(["transport", "alpha_net", "beta_net", "GB/s", "p2p points", "rms / max |err|",
                "lat", "lat points; rms / max"], rows)
-    if before:
-        out(f"(lat is calibrated on the code path internode-veth.json measured, before commit "
-            f"{CODE_CHANGE[0]} moved frame writes to the caller's thread to cut small-message "
-            f"time: probably an upper bound for the code now; not re-measured.)")
-    if args.transport not in net_fits:
+    if args.transport not in r.net_fits:
         raise SystemExit(f"costmodel: no p2p points for {args.transport}")
-    if link and link.get("streams"):
-        best = max(link["streams"].items(), key=lambda kv: kv[1]["gbps"])
-        line = "raw TCP over a veth pair (link-veth.json), one direction: " + ", ".join(
-            f"{s} stream{'s' if s != 1 else ''} {c['gbps']:.2f} GB/s"
-            for s, c in link["streams"].items())
-        if "neuron-4rails" in net_fits:
-            frac = _gbs(net_fits["neuron-4rails"][0]["beta"]) / best[1]["gbps"]
-            line += f"; neuron-4rails' fitted rate is {frac:.0%} of the best"
-        out(line)
-    else:
-        out(f"raw TCP reference: {paths['link']} not present (python -m neuron_dist.bench.link "
-            f"--where veth --json {paths['link']})")
+    out(_link_line(r))
     out()
-    js["internode_p2p"] = {be: {**f.as_dict(), "lat_s": lats[be]["lat"],
-                                "lat_points": lats[be]["points"],
-                                "lat_rms_rel_err": _err_summary(lats[be]["rel"]).get("rms_rel_err")}
-                           for be, (f, _) in net_fits.items()}
-    js["link_reference"] = link
+    r.js["internode_p2p"] = {
+        be: {**f.as_dict(), "lat_s": r.lats[be]["lat"], "lat_points": r.lats[be]["points"],
+             "lat_rms_rel_err": _err_summary(r.lats[be]["rel"]).get("rms_rel_err")}
+        for be, (f, _) in r.net_fits.items()}
+    r.js["link_reference"] = r.link
+    _gloo_and_sensitivity(r)
 
-    # gloo over loopback, single node (ping-pong send_recv), to check the ring formula
-    gloo_sr = bench_points(docs["n2"], "gloo", ("send_recv",), stat)
-    gloo_lo = fit_alpha_beta([p["bytes"] for p in gloo_sr], [p["t"] for p in gloo_sr]) \
-        if len(gloo_sr) >= 2 else None
-    if gloo_lo:
+
+def _link_line(r: _Run) -> str:
+    link = r.link
+    if not (link and link.get("streams")):
+        return (f"raw TCP reference: {r.paths['link']} not present (python -m "
+                f"neuron_dist.bench.link --where veth --json {r.paths['link']})")
+    best = max(link["streams"].items(), key=lambda kv: kv[1]["gbps"])
+    line = "raw TCP over a veth pair (link-veth.json), one direction: " + ", ".join(
+        f"{s} stream{'s' if s != 1 else ''} {c['gbps']:.2f} GB/s"
+        for s, c in link["streams"].items())
+    if "neuron-4rails" in r.net_fits:
+        frac = _gbs(r.net_fits["neuron-4rails"][0]["beta"]) / best[1]["gbps"]
+        line += f"; neuron-4rails' fitted rate is {frac:.0%} of the best"
+    return line
+
+
+def _gloo_and_sensitivity(r: _Run) -> None:
+    """gloo over loopback (to check the ring formula), and the fits to the other statistic."""
+    out, args = r.out, r.args
+    gloo_sr = bench_points(r.docs["n2"], "gloo", ("send_recv",), r.stat)
+    if len(gloo_sr) >= 2:
+        r.gloo_lo = g = fit_alpha_beta([p["bytes"] for p in gloo_sr], [p["t"] for p in gloo_sr])
         out(f"gloo over loopback (bench-n2 send_recv, ping-pong / 2; only used to check the "
-            f"ring formula): alpha {gloo_lo['alpha'] * 1e6:.0f} us, "
-            f"{_gbs(gloo_lo['beta']):.2f} GB/s, rms {100 * gloo_lo.rms:.0f}% / max "
-            f"{100 * gloo_lo.max_abs:.0f}%")
-        js["gloo_loopback"] = gloo_lo.as_dict()
+            f"ring formula): alpha {g['alpha'] * 1e6:.0f} us, {_gbs(g['beta']):.2f} GB/s, "
+            f"rms {100 * g.rms:.0f}% / max {100 * g.max_abs:.0f}%")
+        r.js["gloo_loopback"] = g.as_dict()
     other = "min" if args.stat == "median" else "median"
-    ostat = "min_us" if stat == "time_us" else "time_us"
-    f2 = fit_intra(bench_points(docs["n2"], "neuron", INTRA_OPS, ostat))
+    ostat = "min_us" if r.stat == "time_us" else "time_us"
+    f2 = fit_intra(bench_points(r.docs["n2"], "neuron", INTRA_OPS, ostat))
     fn = fit_alpha_beta(*zip(*[(p["bytes"], p["t"]) for p in
-                               internode_points(docs["internode"], "p2p", args.transport, ostat)]))
+                               internode_points(r.docs["internode"], "p2p", args.transport, ostat)]))
     out(f"sensitivity, fitted to the {other} times instead: L=2 alpha_call[all_reduce] "
         f"{f2['alpha_call[all_reduce]'] * 1e6:.0f} us, alpha_step {f2['alpha_step'] * 1e6:.0f} us, "
         f"beta {_gbs(f2['beta']):.2f} GB/s, gamma {_gbs(f2['gamma']):.2f} GB/s (rms "
@@ -821,220 +878,223 @@ def run(args) -> tuple[str, dict]:
         f"{_gbs(fn['beta']):.2f} GB/s (rms {100 * fn.rms:.0f}%)")
     out()
 
-    nf = net_fits[args.transport][0]
-    net = Net(nf["alpha"], nf["beta"], nf["beta"], lat=lats[args.transport]["lat"])
-    pig = piggyback_bytes()
-    machine = Machine(intra2, net, piggyback=pig, halves=halves_bytes())
-    js["meta"]["descriptor_piggyback_bytes"] = pig
 
-    # ------------------------------------------------------------------ 2. check
-    out("== 2. check: predicted vs measured")
-    out()
-    check: dict = {"groups": {}}
-    groups: dict = {}
+# ------------------------------------------------------------------ 2. check
 
-    def add(group, rows_):
-        groups.setdefault(group, []).extend(rows_)
+def _check_section(r: _Run) -> None:
+    r.out("== 2. check: predicted vs measured")
+    r.out()
+    _check_intra(r)
+    _check_p2p(r)
+    _check_gloo_ring(r)
+    _check_internode_all_reduce(r)
+    _check_summary(r)
 
-    def op_table(title, pts_by_op, pred_fn, group_of):
-        out(title)
-        ops = list(pts_by_op)
-        sizes = sorted({p["bytes"] for ps in pts_by_op.values() for p in ps})
-        hdr = ["bytes"]
-        for o in ops:
-            hdr += [f"{o} meas", "pred", "err"]
-        rows_ = []
-        for s in sizes:
-            row = [human_size(s)]
-            for o in ops:
-                p = next((p for p in pts_by_op[o] if p["bytes"] == s), None)
-                if p is None:
-                    row += ["", "", ""]
-                    continue
-                pr = pred_fn(o, p)
-                e = pr / p["t"] - 1
-                add(group_of(o), [{"op": o, "bytes": s, "measured_s": p["t"],
-                                   "predicted_s": pr, "rel_err": e, **{
-                                       k: v for k, v in p.items() if k not in ("t", "op", "bytes")}}])
-                row += [fmt_t(p["t"]), fmt_t(pr), fmt_err(e)]
-            rows_.append(row)
-        out.table(hdr, rows_)
-        out()
 
-    # 2a fitted intra points (each L with its own fit)
-    for L, f in intra_fits.items():
-        c = intra_from_fit(f)
-        by_op = {o: [p for p in intra_pts[L] if p["op"] == o] for o in INTRA_OPS}
-        op_table(f"2a. fitted: single node, L={L}, neuron, own fit",
-                 by_op, lambda o, p, c=c, L=L: intra_predict(o, p["bytes"], L, c),
-                 lambda o, L=L: f"fitted: intra L={L} ({o})")
-
-    # 2b fitted p2p points
-    out("2b. fitted: inter-node p2p (one direction, per message)")
-    sizes = sorted({p["bytes"] for _, pts in net_fits.values() for p in pts})
-    hdr = ["bytes"]
-    for be in net_fits:
-        hdr += [f"{be} meas", "pred", "err"]
+def _op_table(r: _Run, title: str, pts_by_op: dict, pred_fn, group_of) -> None:
+    """Measured vs predicted per size, one column group per op; rows go to the check."""
+    r.out(title)
+    ops = list(pts_by_op)
+    sizes = sorted({p["bytes"] for ps in pts_by_op.values() for p in ps})
+    hdr = ["bytes"] + [h for o in ops for h in (f"{o} meas", "pred", "err")]
     rows = []
     for s in sizes:
         row = [human_size(s)]
-        for be, (f, pts) in net_fits.items():
+        for o in ops:
+            p = next((p for p in pts_by_op[o] if p["bytes"] == s), None)
+            if p is None:
+                row += ["", "", ""]
+                continue
+            pr = pred_fn(o, p)
+            e = pr / p["t"] - 1
+            extra = {k: v for k, v in p.items() if k not in ("t", "op", "bytes")}
+            r.add(group_of(o), [{"op": o, "bytes": s, "measured_s": p["t"], "predicted_s": pr,
+                                 "rel_err": e, **extra}])
+            row += [fmt_t(p["t"]), fmt_t(pr), fmt_err(e)]
+        rows.append(row)
+    r.out.table(hdr, rows)
+    r.out()
+
+
+def _check_intra(r: _Run) -> None:
+    """2a fitted single-node points (each L with its own fit), 2c broadcast held out, 2d
+    4 ranks on 2 cores from the 2-rank fit."""
+    for L, f in r.intra_fits.items():
+        c = intra_from_fit(f)
+        by_op = {o: [p for p in r.intra_pts[L] if p["op"] == o] for o in INTRA_OPS}
+        _op_table(r, f"2a. fitted: single node, L={L}, neuron, own fit", by_op,
+                  lambda o, p, c=c, L=L: intra_predict(o, p["bytes"], L, c),
+                  lambda o, L=L: f"fitted: intra L={L} ({o})")
+    for L, f in r.intra_fits.items():
+        c = intra_from_fit(f)
+        pts = bench_points(r.docs["n2" if L == 2 else "n4"], "neuron", ("broadcast",), r.stat)
+        if pts:
+            _op_table(r, f"2c. held out: single node broadcast, L={L} (alpha_call taken from "
+                      f"all_gather)", {"broadcast": pts},
+                      lambda o, p, c=c, L=L: intra_predict(o, p["bytes"], L, c),
+                      lambda o, L=L: f"held out: broadcast L={L}")
+    if 4 in r.intra_pts:
+        k = max(1.0, 4 / r.cores)
+        c4 = r.intra2.scaled(k)
+        by_op = {o: [p for p in r.intra_pts[4] if p["op"] == o] for o in INTRA_OPS}
+        _op_table(r, f"2d. held out: single node L=4 predicted from the L=2 fit x {k:g} "
+                  f"(4 ranks on {r.cores} cores)", by_op,
+                  lambda o, p: intra_predict(o, p["bytes"], 4, c4),
+                  lambda o: "held out: L=4 from the L=2 fit")
+
+
+def _check_p2p(r: _Run) -> None:
+    """2b the fitted inter-node p2p points."""
+    r.out("2b. fitted: inter-node p2p (one direction, per message)")
+    sizes = sorted({p["bytes"] for _, pts in r.net_fits.values() for p in pts})
+    hdr = ["bytes"] + [h for be in r.net_fits for h in (f"{be} meas", "pred", "err")]
+    rows = []
+    for s in sizes:
+        row = [human_size(s)]
+        for be, (f, pts) in r.net_fits.items():
             p = next((p for p in pts if p["bytes"] == s), None)
             if p is None:
                 row += ["", "", ""]
                 continue
             pr = f["alpha"] + s * f["beta"]
             e = pr / p["t"] - 1
-            add(f"fitted: p2p {be}", [{"op": "p2p", "bytes": s, "measured_s": p["t"],
-                                       "predicted_s": pr, "rel_err": e, "window": p["window"]}])
+            r.add(f"fitted: p2p {be}", [{"op": "p2p", "bytes": s, "measured_s": p["t"],
+                                         "predicted_s": pr, "rel_err": e, "window": p["window"]}])
             row += [fmt_t(p["t"]), fmt_t(pr), fmt_err(e)]
         rows.append(row)
-    out.table(hdr, rows)
-    out()
+    r.out.table(hdr, rows)
+    r.out()
 
-    # 2c held out: broadcast with each fit
-    for L, f in intra_fits.items():
-        c = intra_from_fit(f)
-        pts = bench_points(docs["n2" if L == 2 else "n4"], "neuron", ("broadcast",), stat)
-        if pts:
-            op_table(f"2c. held out: single node broadcast, L={L} (alpha_call taken from "
-                     f"all_gather)", {"broadcast": pts},
-                     lambda o, p, c=c, L=L: intra_predict(o, p["bytes"], L, c),
-                     lambda o, L=L: f"held out: broadcast L={L}")
 
-    # 2d held out: L=4 from the L=2 fit, scaled by the oversubscription
-    if 4 in intra_pts:
-        k = max(1.0, 4 / cores)
-        c4 = intra2.scaled(k)
-        by_op = {o: [p for p in intra_pts[4] if p["op"] == o] for o in INTRA_OPS}
-        op_table(f"2d. held out: single node L=4 predicted from the L=2 fit x {k:g} "
-                 f"(4 ranks on {cores} cores)", by_op,
-                 lambda o, p: intra_predict(o, p["bytes"], 4, c4),
-                 lambda o: "held out: L=4 from the L=2 fit")
+def _check_gloo_ring(r: _Run) -> None:
+    """2e gloo's all_reduce on one node (P = 2, 4) vs the textbook ring with gloo's own
+    loopback alpha/beta."""
+    if not r.gloo_lo:
+        return
+    g, rows = r.gloo_lo, []
+    for key in ("n2", "n4"):
+        if key not in r.docs:
+            continue
+        for p in bench_points(r.docs[key], "gloo", ("all_reduce",), r.stat):
+            P = p["world"]
+            k = max(1.0, P / r.cores)
+            mg = Machine(r.intra2.scaled(k), Net(g["alpha"] * k, g["beta"] * k, g["beta"] * k))
+            pr = t_flat_ring(p["bytes"], 1, P, mg)
+            e = pr / p["t"] - 1
+            r.add("held out: gloo ring, one node (loopback)",
+                  [{"op": "all_reduce", "backend": "gloo", "P": P, "bytes": p["bytes"],
+                    "measured_s": p["t"], "predicted_s": pr, "rel_err": e}])
+            rows.append([f"P={P}", human_size(p["bytes"]), fmt_t(p["t"]), fmt_t(pr), fmt_err(e)])
+    r.out("2e. held out: gloo all_reduce on one node vs the textbook flat ring with gloo's "
+          "loopback alpha/beta (P=4: x2 for 4 ranks on 2 cores)")
+    r.out.table(["ranks", "bytes", "measured", "ring model", "err"], rows)
+    r.out()
 
-    # 2e held out: gloo's ring (P=2 and P=4 on one node, loopback TCP)
-    if gloo_lo:
-        rows = []
-        for key in ("n2", "n4"):
-            if key not in docs:
-                continue
-            for p in bench_points(docs[key], "gloo", ("all_reduce",), stat):
-                P = p["world"]
-                k = max(1.0, P / cores)
-                mg = Machine(intra2.scaled(k), Net(gloo_lo["alpha"] * k, gloo_lo["beta"] * k,
-                                                   gloo_lo["beta"] * k))
-                pr = t_flat_ring(p["bytes"], 1, P, mg)
-                e = pr / p["t"] - 1
-                add("held out: gloo ring, one node (loopback)",
-                    [{"op": "all_reduce", "backend": "gloo", "P": P, "bytes": p["bytes"],
-                      "measured_s": p["t"], "predicted_s": pr, "rel_err": e}])
-                rows.append([f"P={P}", human_size(p["bytes"]), fmt_t(p["t"]), fmt_t(pr),
-                             fmt_err(e)])
-        out("2e. held out: gloo all_reduce on one node vs the textbook flat ring with gloo's "
-            "loopback alpha/beta (P=4: x2 for 4 ranks on 2 cores)")
-        out.table(["ranks", "bytes", "measured", "ring model", "err"], rows)
-        out()
 
-    # 2f the inter-node all_reduce (2 nodes x 1 rank): small points calibrated lat, rest held out
+def _check_internode_all_reduce(r: _Run) -> None:
+    """2f the inter-node all_reduce (2 nodes x 1 rank): points <= LAT_MAX_BYTES calibrated
+    lat, the others are held out; full and half duplex."""
+    out, inter = r.out, r.docs["internode"]
     out("2f. inter-node all_reduce, 2 nodes x 1 rank over veth (points <= "
         f"{human_size(LAT_MAX_BYTES)} calibrated lat; the others are held out)")
-    out("    as measured = the code path the file measured, full duplex (the model); half duplex"
-        " = both directions share one budget; current = the code now (rank alone on its node:"
-        " in-place exchange, reused buffers; same lat)")
-    if before:
-        out(f"    NOTE: {paths['internode']} was measured at {inter_meta.get('started')}, before "
-            f"commit {CODE_CHANGE[0]} ({CODE_CHANGE[1]}) changed this path: 'as measured' is "
-            f"the fair comparison, 'current' is what a re-run should approach.")
+    out("    model = full duplex (the model's assumption); half duplex = both directions share "
+        "one budget")
     rows = []
     for be in NET_BACKENDS:
-        pts = internode_points(docs["internode"], "all_reduce", be, stat)
-        if be not in net_fits or not pts:
+        pts = internode_points(inter, "all_reduce", be, r.stat)
+        if be not in r.net_fits or not pts:
             continue
-        f = net_fits[be][0]
-        full = Net(f["alpha"], f["beta"], f["beta"], lat=lats[be]["lat"])
+        full = r.net(be)
         half = replace(full, duplex=False)
         tag = "gloo ring" if be == "gloo" else be
         for p in pts:
             n = p["bytes"]
-            meas_code = internode_model(be, n, full, intra2, before)
-            hd = internode_model(be, n, half, intra2, before)
-            cur = internode_model(be, n, full, intra2, False, pig)
-            errs = [meas_code / p["t"] - 1, hd / p["t"] - 1, cur / p["t"] - 1]
+            fd = internode_model(be, n, full, r.intra2)
+            hd = internode_model(be, n, half, r.intra2)
+            errs = [fd / p["t"] - 1, hd / p["t"] - 1]
             row = {"op": "all_reduce", "backend": be, "bytes": n, "measured_s": p["t"],
-                   "predicted_s": meas_code, "rel_err": errs[0],
-                   "predicted_half_duplex_s": hd, "predicted_current_code_s": cur}
+                   "predicted_s": fd, "rel_err": errs[0], "predicted_half_duplex_s": hd}
             if n <= LAT_MAX_BYTES:
                 use = "calib"
-                add(f"calibrated lat: inter-node all_reduce {tag} <= {human_size(LAT_MAX_BYTES)}",
-                    [row])
+                r.add(f"calibrated lat: inter-node all_reduce {tag} <= {human_size(LAT_MAX_BYTES)}",
+                      [row])
             else:
                 use = "held out"
                 rng = (f"{human_size(LAT_MAX_BYTES * 2)}..{human_size(CLIFF_BYTES // 2)}"
                        if n < CLIFF_BYTES else f">= {human_size(CLIFF_BYTES)}")
-                add(f"held out: inter-node all_reduce {tag} {rng}", [row])
+                r.add(f"held out: inter-node all_reduce {tag} {rng}", [row])
                 if be != "gloo":
-                    add(f"held out: inter-node all_reduce {tag} {rng}, half duplex",
-                        [{**row, "predicted_s": hd, "rel_err": errs[1]}])
-            rows.append([be, human_size(n), use, fmt_t(p["t"]), fmt_t(meas_code), fmt_err(errs[0]),
-                         fmt_t(hd), fmt_err(errs[1]), fmt_t(cur), fmt_err(errs[2])])
-    out.table(["transport", "bytes", "use", "measured", "as measured", "err", "half duplex",
-               "err", "current", "err"], rows)
+                    r.add(f"held out: inter-node all_reduce {tag} {rng}, half duplex",
+                          [{**row, "predicted_s": hd, "rel_err": errs[1]}])
+            rows.append([be, human_size(n), use, fmt_t(p["t"]), fmt_t(fd), fmt_err(errs[0]),
+                         fmt_t(hd), fmt_err(errs[1])])
+    out.table(["transport", "bytes", "use", "measured", "model", "err", "half duplex", "err"],
+              rows)
     out("    (gloo: the textbook ring over 2 ranks with gloo's own p2p alpha/beta and lat)")
-    eff = {}
-    for be in ("neuron-1rail", "neuron-4rails", "gloo"):
-        pts = internode_points(docs["internode"], "all_reduce", be, stat)
-        if len(pts) >= 2 and be in net_fits:
+    for be in NET_BACKENDS:
+        pts = internode_points(inter, "all_reduce", be, r.stat)
+        if len(pts) >= 2 and be in r.net_fits:
             fe = fit_alpha_beta([p["bytes"] for p in pts], [p["t"] for p in pts])
-            eff[be] = {"alpha_s": fe["alpha"], "gbs": _gbs(fe["beta"]), "rms_rel_err": fe.rms,
-                       "p2p_gbs": _gbs(net_fits[be][0]["beta"])}
-    if eff:
+            r.eff[be] = {"alpha_s": fe["alpha"], "gbs": _gbs(fe["beta"]), "rms_rel_err": fe.rms,
+                         "p2p_gbs": _gbs(r.net_fits[be][0]["beta"])}
+    if r.eff:
         out("    diagnosis: alpha + n beta fitted to these all_reduce points themselves: " + "; ".join(
             f"{be} {v['alpha_s'] * 1e3:.2f} ms + n / {v['gbs']:.2f} GB/s ({v['gbs'] / v['p2p_gbs']:.0%}"
-            f" of its p2p rate)" for be, v in eff.items()))
+            f" of its p2p rate)" for be, v in r.eff.items()))
     out()
-    check["internode_all_reduce_effective"] = eff
 
-    # 2g summary
+
+def _check_summary(r: _Run) -> None:
+    """2g one line per check group, then where the model is poor."""
+    out = r.out
     out("2g. check summary (err = predicted / measured - 1)")
+    check: dict = {"groups": {}, "internode_all_reduce_effective": r.eff}
     rows = []
-    for g, rows_ in groups.items():
-        s = _err_summary([r["rel_err"] for r in rows_])
+    for g, rows_ in r.groups.items():
+        s = _err_summary([x["rel_err"] for x in rows_])
         check["groups"][g] = {**s, "verdict": _verdict(s), "rows": rows_}
         rows.append([g, s["points"], f"{100 * s['rms_rel_err']:.0f}%",
                      f"{100 * s['max_abs_rel_err']:.0f}%", f"{100 * s['median_rel_err']:+.0f}%",
                      _verdict(s)])
     out.table(["group", "n", "rms", "max |err|", "median", "verdict"], rows)
     out()
-    for line in _where_poor(groups, eff, before, cores, net_fits):
+    for line in _where_poor(r.groups, r.eff, r.cores, r.net_fits):
         out(line)
     out()
-    js["check"] = check
+    r.js["check"] = check
 
-    # ------------------------------------------------------------------ 3. predictions
+
+# ------------------------------------------------------------------ 3. predictions
+
+_SHORT = {"hier+direct": "D", "hier+ring": "R", "leader": "l", "single-node": "1 node"}
+
+
+def _predictions_section(r: _Run) -> None:
+    out, args = r.out, r.args
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
     ppns = [int(x) for x in args.ppn.split(",") if x.strip()]
+    machine = r.machine()
+    net = machine.net
     pm = machine
     if args.link_gbs > 0:
-        pm = replace(machine, net=replace(machine.net, beta_link=1e-9 / args.link_gbs))
+        pm = replace(machine, net=replace(net, beta_link=1e-9 / args.link_gbs))
     link_txt = (f"node link {args.link_gbs:g} GB/s" if args.link_gbs > 0 else
                 f"node link = one rank's rate ({_gbs(net.beta_link):.2f} GB/s)")
     out("== 3. predictions: all_reduce time, float32, in place")
     out(f"intra: L=2 fit; inter: {args.transport} (alpha_net {net.alpha * 1e6:.0f} us, lat "
-        f"{net.lat * 1e6:.0f} us, {_gbs(net.beta_rank):.2f} GB/s per rank), {link_txt}, full duplex. neuron = what "
-        f"twolevel.all_reduce picks (H = hierarchical, l = leader); best over all four; "
-        f"direct/ring = hierarchical / hier+ring. '!' = direct exchange needs > "
-        f"{MEM_FLAG_BYTES >> 30} GiB of receive buffers per node.")
-    out("bytes through each node link per direction: hierarchical (N-1) n (L ranks x N-1 peers"
-        " x n/L), leader (N-1) n (from one rank), flat ring 2(P-1)/P n (one ring edge leaves "
-        "the node), hier+ring 2(N-1)/N n (L rings x 2(N-1) steps x n/(L N)); network messages "
-        "per rank: 2(N-1) in one phase, 2(P-1) and 2(N-1) + 1 in dependent steps"
-        + (f" (call descriptors ride in the data's message up to {human_size(pig)}: "
-           f"collectives/twolevel.py PIGGYBACK_BYTES; then N-1 and 2(N-1))." if pig else
-           " (call descriptors are messages of their own: collectives/twolevel.py)."))
+        f"{net.lat * 1e6:.0f} us, {_gbs(net.beta_rank):.2f} GB/s per rank), {link_txt}, full "
+        f"duplex. neuron = what twolevel.all_reduce runs (D = hier+direct, R = hier+ring, "
+        f"l = leader); best over the four; direct/ring = hier+direct / hier+ring. '!' = direct "
+        f"exchange needs > {MEM_FLAG_BYTES >> 30} GiB of receive buffers per node.")
+    out("bytes through each node link per direction: hier+direct (N-1) n (L ranks x N-1 peers"
+        " x n/L), hier+ring 2(N-1)/N n (L rings x 2(N-1) steps x n/(L N)), leader (N-1) n "
+        "(from one rank), flat ring 2(P-1)/P n (one ring edge leaves the node); network "
+        "messages per rank: 2(N-1) in one phase, 2(N-1) + 1 and 2(P-1) in dependent steps"
+        f" (call descriptors ride in the data's message up to {human_size(PIGGYBACK_BYTES)}: "
+        f"collectives/twolevel.py PIGGYBACK_BYTES; then N-1 and 2(N-1)).")
     out()
-    preds = []
-    winners: dict = {}
+    preds, winners = [], {}
     for L in ppns:
         for n in sizes:
             out(f"L={L} ranks per node, {human_size(n)}:")
@@ -1043,41 +1103,49 @@ def run(args) -> tuple[str, dict]:
                 if P < L or P % L:
                     continue
                 N = P // L
-                r = predict(n, N, L, pm)
-                preds.append(r)
-                winners.setdefault((L, n), []).append((P, r["best"]))
-                flag = "!" if r["recv_buffers_per_node"] > MEM_FLAG_BYTES else ""
-                t = r["times"]
-                auto = {"hierarchical": "H", "leader": "l", "single-node": "1 node"}[r["neuron_auto"]]
-                rows.append([P, N, fmt_t(t["hierarchical"]) + flag, fmt_t(t["leader"]) + flag,
-                             fmt_t(t["flat ring"]), fmt_t(t["hier+ring"]),
-                             f"{fmt_t(r['neuron_auto_s'])} {auto}", r["best"],
-                             f"{r['direct_over_ring']:.2f}x" if N > 1 else "-"])
-            out.table(["P", "N", "hierarchical", "leader", "flat ring", "hier+ring", "neuron",
+                p = predict(n, N, L, pm)
+                preds.append(p)
+                winners.setdefault((L, n), []).append((P, p["best"]))
+                flag = "!" if p["recv_buffers_per_node"] > MEM_FLAG_BYTES else ""
+                t = p["times"]
+                rows.append([P, N, fmt_t(t["hier+direct"]) + flag, fmt_t(t["hier+ring"]),
+                             fmt_t(t["leader"]) + flag, fmt_t(t["flat ring"]),
+                             f"{fmt_t(p['neuron_auto_s'])} {_SHORT[p['neuron_auto']]}", p["best"],
+                             f"{p['direct_over_ring']:.2f}x" if N > 1 else "-"])
+            out.table(["P", "N", "hier+direct", "hier+ring", "leader", "flat ring", "neuron",
                        "best", "direct/ring"], rows)
             out()
     out("who wins (P ranges):")
     for (L, n), ws in winners.items():
         out(f"  L={L}, {human_size(n):>7}: " + _ranges(ws))
     out()
-    js["predictions"] = {"machine": _machine_dict(pm), "rows": preds}
-
+    r.js["predictions"] = {"machine": _machine_dict(pm), "rows": preds}
     if args.whatif_link_gbs > 0:
-        wm = replace(machine, net=replace(machine.net, beta_link=1e-9 / args.whatif_link_gbs))
-        out(f"what if the node link were {args.whatif_link_gbs:g} GB/s (one rank still "
-            f"{_gbs(net.beta_rank):.2f} GB/s, so L ranks together can use more of it): best "
-            f"algorithm (P ranges)")
-        wrows = _best_by_size(out, wm, ppns, sizes, ranks)
-        js["predictions_whatif_link"] = {"machine": _machine_dict(wm), "rows": wrows}
+        _what_ifs(r, machine, ppns, sizes, ranks)
+    _crossover_lines(r, pm, ppns, ranks)
 
-        wl = replace(machine, net=replace(machine.net, lat=0.0))
-        out("what if lat were 0 (only the p2p per-message cost alpha_net per ring step; the "
-            "calibrated lat is from the code before the latency work): best algorithm")
-        lrows = _best_by_size(out, wl, ppns, sizes, ranks)
-        js["predictions_whatif_lat0"] = {"machine": _machine_dict(wl), "rows": lrows}
 
+def _what_ifs(r: _Run, machine: Machine, ppns, sizes, ranks) -> None:
+    out, args, net = r.out, r.args, machine.net
+    wm = replace(machine, net=replace(net, beta_link=1e-9 / args.whatif_link_gbs))
+    out(f"what if the node link were {args.whatif_link_gbs:g} GB/s (one rank still "
+        f"{_gbs(net.beta_rank):.2f} GB/s, so L ranks together can use more of it): best "
+        f"algorithm (P ranges)")
+    r.js["predictions_whatif_link"] = {"machine": _machine_dict(wm),
+                                       "rows": _best_by_size(out, wm, ppns, sizes, ranks)}
+    wl = replace(machine, net=replace(net, lat=0.0))
+    out("what if lat were 0 (only the p2p per-message cost alpha_net per ring step): best "
+        "algorithm")
+    r.js["predictions_whatif_lat0"] = {"machine": _machine_dict(wl),
+                                       "rows": _best_by_size(out, wl, ppns, sizes, ranks)}
+
+
+def _crossover_lines(r: _Run, pm: Machine, ppns, ranks) -> None:
+    out = r.out
     out("ring among nodes vs direct exchange: smallest power-of-two size from which hier+ring "
-        "is faster than hierarchical (as modelled / with lat = 0)")
+        "is faster than hier+direct (as modelled / with lat = 0); the code runs the ring from "
+        f"RING_BYTES = {human_size(RING_BYTES)} per slice (3+ nodes) and in halves from "
+        f"HALVES_BYTES = {human_size(HALVES_BYTES)} per slice (2 nodes)")
     cross = {}
     for L in ppns:
         parts = []
@@ -1089,27 +1157,20 @@ def run(args) -> tuple[str, dict]:
             cross[f"L={L},P={P}"] = {"modelled": a, "lat0": b}
             parts.append(f"P={P}: {human_size(a) if a else 'never'} / "
                          f"{human_size(b) if b else 'never'}")
-        out(f"  L={L}: " + ", ".join(parts))
+        out(f"  L={L} (code: ring from {human_size(L * RING_BYTES)} among 3+ nodes, halves from "
+            f"{human_size(L * HALVES_BYTES)} between two): " + ", ".join(parts))
     out()
-    js["ring_crossover_bytes"] = cross
-
-    # ------------------------------------------------------------------ 4. assumptions
-    out("== 4. assumptions (module docstring)")
-    for ln in _assumptions_text():
-        out(ln)
-    js["assumptions"] = _assumptions_text()
-    js["parameters_used"] = _machine_dict(machine)
-    return "\n".join(out.lines) + "\n", js
+    r.js["ring_crossover_bytes"] = cross
 
 
 def crossover(N: int, L: int, m: Machine, lo: int = 1 << 10, hi: int = 1 << 36) -> int | None:
-    """Smallest power of two n in [lo, hi] from which hier+ring beats hierarchical for good."""
+    """Smallest power of two n in [lo, hi] from which hier+ring beats hier+direct for good."""
     sizes = []
     n = lo
     while n <= hi:
         sizes.append(n)
         n *= 2
-    wins = [t_hier_ring(n, N, L, m) < t_hierarchical(n, N, L, m) for n in sizes]
+    wins = [t_hier_ring(n, N, L, m) < t_hier_direct(n, N, L, m) for n in sizes]
     if not wins[-1]:
         return None
     k = len(wins) - 1
@@ -1156,8 +1217,7 @@ def _ranges(ws: list) -> str:
     return ", ".join(f"{w} at P={a}" + (f"..{b}" if b != a else "") for w, a, b in parts)
 
 
-def _where_poor(groups: dict, eff: dict, before: bool, cores: int,
-                net_fits: dict | None = None) -> list[str]:
+def _where_poor(groups: dict, eff: dict, cores: int, net_fits: dict | None = None) -> list[str]:
     """Plain statements of where the model is poor, from the numbers."""
     out = ["where the model is poor:"]
     cliff = None
@@ -1211,13 +1271,11 @@ def _where_poor(groups: dict, eff: dict, before: bool, cores: int,
                 f"    alpha + n beta fitted to the measured neuron all_reduce points moves bytes at "
                 f"{min(ratio):.0%}..{max(ratio):.0%} of the p2p rate. Missing from the model: "
                 f"(a) on this box both ranks, both directions and every rail thread share "
-                f"{cores} cores (half duplex is closer up to 8 MiB);"
-                + (" (b) the fresh zero-filled scratch buffers of the measured code (fixed"
-                   " since);" if before else "")
-                + f" (c) a fall-off from {human_size(CLIFF_BYTES)} on that p2p shows too"
-                + (f" (neuron p2p at >= {human_size(CLIFF_BYTES)} runs at {cliff:.0%} of its "
-                   f"4..16 MiB rate)" if cliff else "")
-                + " and the p2p fit averages over. So the inter-node terms are optimistic: read"
+                f"{cores} cores (half duplex is closer up to 8 MiB)"
+                + (f"; (b) a fall-off from {human_size(CLIFF_BYTES)} on that p2p shows too (neuron"
+                   f" p2p at >= {human_size(CLIFF_BYTES)} runs at {cliff:.0%} of its 4..16 MiB "
+                   f"rate) and the p2p fit averages over it" if cliff and cliff < 0.9 else "")
+                + ". So the inter-node terms are optimistic: read"
                 " the predictions as ratios between algorithms more than as absolute times.")
     out.append("  * nothing measured has L > 1 and N > 1 at once, or N > 2: the hierarchical, "
                "leader and ring network phases are only checked through their 2-node, "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..config import Settings
-from ..topology import choose_address
+from ..topology import choose_addresses
 
 BACKEND_NAME = "neuron_floor"
 MAX_BYTES = 64 << 10  # exchanges beyond this could fill both sockets and deadlock
@@ -58,7 +58,7 @@ class FloorProcessGroup(ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._socks: dict[int, socket.socket] = {}
-        host = choose_address(Settings.from_env().socket_ifname, store)
+        host = choose_addresses(Settings.from_env().socket_ifname, store)[0]
         listener = socket.create_server((host, 0))
         try:
             store.set(f"floor/addr/{rank}", f"{host}:{listener.getsockname()[1]}")

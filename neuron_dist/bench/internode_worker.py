@@ -62,6 +62,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..config import environment
 from . import floor_pg
 from .sweep import ops_per_sample, time_iterations
 
@@ -104,7 +105,7 @@ def _backend_obj(group):
 
 
 def _neuron_group(rails: int, timeout: timedelta):
-    old = os.environ.get("NEURON_DIST_RAILS")
+    old = environment().get("NEURON_DIST_RAILS")
     os.environ["NEURON_DIST_RAILS"] = str(rails)
     try:
         group = dist.new_group(backend="neuron", timeout=timeout)
@@ -341,9 +342,10 @@ def main(argv=None) -> int:
             infos["floor"] = {"error": _err(exc)}
             traceback.print_exc(file=sys.stderr)
     setup_s = time.monotonic() - t0
+    env = environment()
     ident = {"rank": rank, "hostname": socket.gethostname(),
-             "node_name": os.environ.get("NEURON_DIST_NODE_NAME"),
-             "socket_ifname": os.environ.get("NEURON_DIST_SOCKET_IFNAME"),
+             "node_name": env.get("NEURON_DIST_NODE_NAME"),
+             "socket_ifname": env.get("NEURON_DIST_SOCKET_IFNAME"),
              "groups": infos, "setup_s": round(setup_s, 3)}
     everyone = ctl.all(ident)
     # A group that failed on any rank is unusable on all of them.

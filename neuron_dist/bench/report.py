@@ -2,7 +2,11 @@
 
 Rows come from ``sweep.make_row``. ``add_ratios`` gives every row ``vs_gloo``: gloo's median
 time over this row's median time for the same (op, world, bytes) - equivalently the busbw
-ratio - so > 1 means faster than gloo; None when either side is n/a or gloo was not run.
+ratio - so > 1 means faster than gloo; None when either side is n/a or gloo was not run
+(and for the null group, which is no competitor). It also gives ``x_null``: this row's
+median time over the null group's (``null_pg``, a group that does nothing) for the same
+(op, world, bytes), i.e. how many dispatch floors the op costs; None for null itself or
+when null was not run.
 The table is sorted by op (in the order asked), world size, bytes, then backend order.
 JSON holds ``meta`` (command line, versions, machine, settings), ``results``, ``overlap``,
 ``shm`` and ``errors``; the CSV holds the result rows only, one per (op, world, bytes,
@@ -16,17 +20,25 @@ import json
 import math
 
 CSV_FIELDS = ["op", "world", "bytes", "count", "dtype", "backend", "status", "iters", "batch",
-              "time_us", "min_us", "mean_us", "algbw_gbs", "busbw_gbs", "vs_gloo", "check",
-              "note"]
+              "time_us", "min_us", "mean_us", "algbw_gbs", "busbw_gbs", "vs_gloo", "x_null",
+              "check", "note"]
+NULL = "null"
+
+
+def _times(rows: list[dict], backend: str) -> dict:
+    return {(r["op"], r["world"], r["bytes"]): r["time_us"] for r in rows
+            if r["backend"] == backend and r["status"] == "ok" and r["time_us"]}
 
 
 def add_ratios(rows: list[dict]) -> None:
-    gloo = {(r["op"], r["world"], r["bytes"]): r["time_us"] for r in rows
-            if r["backend"] == "gloo" and r["status"] == "ok"}
+    """Set ``vs_gloo`` and ``x_null`` on every row (see the module docstring)."""
+    gloo, null = _times(rows, "gloo"), _times(rows, NULL)
     for r in rows:
-        g = gloo.get((r["op"], r["world"], r["bytes"]))
-        ok = g and r["status"] == "ok" and r["time_us"]
-        r["vs_gloo"] = round(g / r["time_us"], 4) if ok else None
+        key = (r["op"], r["world"], r["bytes"])
+        ok = r["status"] == "ok" and r["time_us"]
+        g, z = gloo.get(key), null.get(key)
+        r["vs_gloo"] = round(g / r["time_us"], 4) if ok and g and r["backend"] != NULL else None
+        r["x_null"] = round(r["time_us"] / z, 2) if ok and z and r["backend"] != NULL else None
 
 
 def sort_rows(rows: list[dict], ops: list[str], backends: list[str]) -> list[dict]:
@@ -43,7 +55,7 @@ def _f(v, fmt):
 
 def table(rows: list[dict]) -> str:
     head = (f"{'op':>14} {'n':>2} {'bytes':>11} {'backend':>7} {'time_us':>11} {'min_us':>11} "
-            f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'vs gloo':>7} {'check':>5}")
+            f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'vs gloo':>7} {'x null':>7} {'check':>5}")
     lines = [head, "-" * len(head)]
     prev = None
     for r in rows:
@@ -51,10 +63,11 @@ def table(rows: list[dict]) -> str:
             lines.append("")
         prev = (r["op"], r["world"])
         ratio = "-" if r.get("vs_gloo") is None else f"{r['vs_gloo']:.2f}x"
+        floor = "-" if r.get("x_null") is None else f"{r['x_null']:.1f}x"
         line = (f"{r['op']:>14} {r['world']:>2} {r['bytes']:>11} {r['backend']:>7} "
                 f"{_f(r['time_us'], '11.1f')} {_f(r['min_us'], '11.1f')} "
                 f"{_f(r['algbw_gbs'], '10.3f')} {_f(r['busbw_gbs'], '10.3f')} {ratio:>7} "
-                f"{r['check']:>5}")
+                f"{floor:>7} {r['check']:>5}")
         if r["status"] != "ok" or r["check"] == "FAIL":
             line += f"  {r['note']}"
         lines.append(line)

@@ -2,7 +2,9 @@
 
 For each world size and op: the smallest size's latency and the largest size's bus
 bandwidth per backend, each with its ratio to gloo *from the same run*, plus the range of
-neuron/gloo ratios over all sizes. ``--readme README.md`` replaces the text between the
+neuron/gloo ratios over all sizes. When the run measured the null group (a group that does
+nothing: the dispatch floor), a last column gives neuron's smallest-size time as a multiple
+of null's and what it adds above it. ``--readme README.md`` replaces the text between the
 ``<!-- perf:start -->`` and ``<!-- perf:end -->`` markers, so the README's numbers always come
 from committed result files:
 
@@ -35,9 +37,11 @@ def summarise(docs: list[tuple[str, dict]]) -> str:
         mpi = mpi.get("mpi_library", "MPI") if isinstance(mpi, dict) else (mpi or "no MPI")
         out.append(f"From `{path}` (`{meta['command']}`; {meta['cores']} cores, torch "
                    f"{meta['torch']}, {mpi}):\n")
+        floor = any(r["backend"] == "null" for r in rows)
         out.append("| op | n | smallest: time per backend (x gloo) | largest: busbw GB/s per backend "
-                   "(x gloo) | neuron vs gloo over all sizes |")
-        out.append("|---|---|---|---|---|")
+                   "(x gloo) | neuron vs gloo over all sizes |"
+                   + (" smallest: neuron over the null floor |" if floor else ""))
+        out.append("|---|---|---|---|---|" + ("---|" if floor else ""))
         keys = sorted({(r["op"], r["world"]) for r in rows}, key=lambda k: (k[1], k[0]))
         for op, world in keys:
             mine = [r for r in rows if r["op"] == op and r["world"] == world]
@@ -52,10 +56,23 @@ def summarise(docs: list[tuple[str, dict]]) -> str:
 
             ratios = [r["vs_gloo"] for r in mine if r["backend"] == "neuron" and r.get("vs_gloo")]
             span = f"{min(ratios):.2f}x .. {max(ratios):.2f}x" if ratios else "n/a"
-            out.append(f"| {op} | {world} | {cell(lo, lambda r: format(r['time_us'], '.0f') + ' us')} | "
-                       f"{cell(hi, lambda r: format(r['busbw_gbs'], '.2f'))} | {span} |")
+            line = (f"| {op} | {world} | {cell(lo, lambda r: format(r['time_us'], '.0f') + ' us')} | "
+                    f"{cell(hi, lambda r: format(r['busbw_gbs'], '.2f'))} | {span} |")
+            if floor:
+                line += f" {_over_floor(mine, lo)} |"
+            out.append(line)
         out.append("")
     return "\n".join(out)
+
+
+def _over_floor(rows: list[dict], size: int) -> str:
+    """'6.1x (12 us = null 2 us + 10 us)' for neuron at ``size``, or 'n/a'."""
+    at = {r["backend"]: r for r in rows if r["bytes"] == size}
+    neuron, null = at.get("neuron"), at.get("null")
+    if not (neuron and null and null["time_us"]):
+        return "n/a"
+    return (f"{neuron['time_us'] / null['time_us']:.1f}x ({neuron['time_us']:.0f} us = null "
+            f"{null['time_us']:.1f} us + {neuron['time_us'] - null['time_us']:.0f} us)")
 
 
 def replace_section(text: str, body: str) -> str:

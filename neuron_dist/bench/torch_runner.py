@@ -1,11 +1,13 @@
-"""Ranks for the torch backends: neuron and gloo measured in the same processes, interleaved.
+"""Ranks for the torch backends: neuron, gloo and null measured in the same processes, interleaved.
 
 The parent forks one process per rank *before* any TCPStore exists (it never starts one:
 forking a process that runs threads can copy a lock some thread holds into the child, see
 tests/harness.py), so the parent stays thread-free across several world sizes. Rank 0
 binds a TCPStore on 127.0.0.1 port 0 and sends the port up its pipe; the parent relays it
-to the other ranks. The world group is ``init_process_group("neuron")`` and gloo is
-``dist.new_group(backend="gloo")`` over the same ranks; every op gets ``group=``.
+to the other ranks. The world group is ``init_process_group("neuron")``; gloo is
+``dist.new_group(backend="gloo")`` and null (``null_pg``: a group that does nothing, the
+dispatch floor) ``dist.new_group(backend="null")`` over the same ranks; every op gets
+``group=``. null's outputs are never written, so ``--check`` and ``--overlap`` skip it.
 
 For each op and size the ranks build the buffers once, then measure the backends one after
 the other, alternating which goes first from one size to the next, so machine noise hits
@@ -32,12 +34,12 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from . import overlap as overlap_mod
+from . import null_pg, overlap as overlap_mod
 from .patterns import fill, mismatch, pattern
 from .sweep import (OPS, DTYPE_BYTES, combine, make_row, ops_per_sample, plan,
                     time_iterations)
 
-TORCH_BACKENDS = ("neuron", "gloo")
+TORCH_BACKENDS = ("neuron", "gloo", null_pg.BACKEND_NAME)
 _CTX = mp.get_context("fork")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -117,6 +119,7 @@ def _error_text(exc: BaseException) -> str:
 
 def _measure(case: Case, op: str, count: int, backend: str, group, ex: Exchange, cfg) -> dict:
     world, dtype = cfg["world"], cfg["dtype"]
+    checked = cfg["check"] and backend != null_pg.BACKEND_NAME
     barrier = lambda: dist.barrier(group=group)  # noqa: E731
     prepare = case.prepare if case.p.refill else None
     run = case.runner(group)
@@ -134,18 +137,18 @@ def _measure(case: Case, op: str, count: int, backend: str, group, ex: Exchange,
     samples, err = [], None
     try:
         samples = time_iterations(run, barrier, cfg["iters"], prepare, batch)
-        if cfg["check"] and prepare is not None and batch > 1:
+        if checked and prepare is not None and batch > 1:
             time_iterations(run, barrier, 1, prepare)  # check one operation on fresh inputs
     except Exception as exc:  # noqa: BLE001
         err = _error_text(exc)
-    bad = case.check() if cfg["check"] and err is None else None
+    bad = case.check() if checked and err is None else None
     shared = ex.all([samples, err, bad])
     errors = [(r, s[1]) for r, s in enumerate(shared) if s[1]]
     if errors:
         return make_row(op, world, backend, count, dtype, cfg["iters"],
                         note=f"rank {errors[0][0]}: {errors[0][1]}")
     check, note = "-", ""
-    if cfg["check"]:
+    if checked:
         fails = [(r, s[2]) for r, s in enumerate(shared) if s[2]]
         check = "FAIL" if fails else "OK"
         note = "; ".join(f"rank {r}: {m}" for r, m in fails[:2])
@@ -194,6 +197,9 @@ def _rank_main(rank: int, world: int, cfg: dict, conn) -> None:
     groups = {world_backend: None}
     if "gloo" in backends and world_backend != "gloo":
         groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
+    if null_pg.BACKEND_NAME in backends:
+        null_pg.register()
+        groups[null_pg.BACKEND_NAME] = dist.new_group(backend=null_pg.BACKEND_NAME, timeout=timeout)
     groups = {b: groups[b] for b in backends}
     ex = Exchange(store, rank, world)
     if cfg["report_shm"] and rank == 0:
@@ -219,7 +225,7 @@ def _rank_main(rank: int, world: int, cfg: dict, conn) -> None:
                 conn.send(("rows", [rows[b] for b in backends]))
 
     if cfg["overlap"]:
-        for b in backends:
+        for b in (b for b in backends if b != null_pg.BACKEND_NAME):
             o = cfg["overlap"]
             rows = overlap_mod.measure(rank, world, b, groups[b], ex, o["bytes"], o["matmul"],
                                        cfg["iters"], cfg["warmup"])

@@ -11,7 +11,7 @@ returns while a peer still reads its memory.
 Whether a node's ranks may use it is settled once per group by ``probe``: every rank reads a
 word from every peer and says through the store whether that worked; CMA is used only if
 it worked for every pair, so all ranks choose the same algorithms.
-``NEURON_DIST_CMA=0`` turns it off.
+``NEURON_DIST_CMA=0`` turns it off (the group passes ``enabled=False``).
 """
 
 from __future__ import annotations
@@ -56,17 +56,15 @@ def read(pid: int, local: int, remote: int, nbytes: int) -> None:
         done += got
 
 
-def enabled_by_env() -> bool:
-    return _readv is not None and os.environ.get("NEURON_DIST_CMA", "1") != "0"
-
-
-def probe(store, key: str, rank: int, size: int, pid_word_address: int) -> bool:
+def probe(store, key: str, rank: int, size: int, pid_word_address: int,
+          enabled: bool = True) -> bool:
     """Agree through ``store`` whether every rank of the node can read every other's memory.
 
     ``pid_word_address`` is the address, in this process, of an 8-byte word holding our
-    pid; every peer tries to read it back. Returns the same answer on every rank.
+    pid; every peer tries to read it back. ``enabled`` False (this rank's settings forbid
+    CMA) makes the answer False. Returns the same answer on every rank.
     """
-    ok = enabled_by_env()
+    ok = enabled and _readv is not None
     store.set(f"{key}/cma/addr/{rank}", f"{os.getpid()}:{pid_word_address}")
     for k in range(size):
         if k == rank or not ok:

@@ -16,7 +16,6 @@ therefore has a short timeout, after which the waiter looks again.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
@@ -30,7 +29,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-available = _SYS_FUTEX is not None and os.environ.get("NEURON_DIST_FUTEX", "1") != "0"
+available = _SYS_FUTEX is not None  # elsewhere waiters sleep in growing naps (backoff.py)
 
 
 def wait(addr: int, expected: int, timeout: float) -> None:

@@ -43,10 +43,6 @@ class ShmSetupError(RuntimeError):
     """The segment could not be created or opened."""
 
 
-def shm_dir() -> str:
-    return os.environ.get("NEURON_DIST_SHM_DIR", "/dev/shm")
-
-
 def new_segment_name() -> str:
     """A name no other job can guess: uid, the creator's identity (pid, PID namespace,
     start time: see procid.py) and 64 random bits."""
@@ -56,13 +52,16 @@ def new_segment_name() -> str:
 
 
 class Segment:
-    """A mapped segment. Use ``create`` or ``attach``; ``unlink`` after all peers attached."""
+    """A mapped segment. Use ``create`` or ``attach``; ``unlink`` after all peers attached.
 
-    def __init__(self, name: str, fd: int, size: int, owner: bool):
+    ``directory`` is where segments live (``NEURON_DIST_SHM_DIR``, normally /dev/shm: the
+    group passes its setting; this layer reads no environment)."""
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool, path: str):
         self.name = name
         self.size = size
         self.owner = owner
-        self._path = os.path.join(shm_dir(), name)
+        self.path = path
         try:
             self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -72,10 +71,10 @@ class Segment:
         self._unlinked = False
 
     @classmethod
-    def create(cls, name: str, size: int, reserve=((0, None),)) -> "Segment":
-        """Create ``size`` bytes; ``reserve`` lists (offset, length) ranges to allocate now
-        (length None: to the end)."""
-        path = os.path.join(shm_dir(), name)
+    def create(cls, name: str, size: int, reserve=((0, None),), *, directory: str) -> "Segment":
+        """Create ``size`` bytes in ``directory``; ``reserve`` lists (offset, length) ranges
+        to allocate now (length None: to the end)."""
+        path = os.path.join(directory, name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600)
@@ -85,27 +84,28 @@ class Segment:
             os.fchmod(fd, 0o600)  # whatever the umask: attach checks for exactly 0600
             os.ftruncate(fd, size)
             for off, length in reserve:
-                _fallocate(fd, off, size - off if length is None else length)
+                _fallocate(fd, off, size - off if length is None else length, directory)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
-        return cls(name, fd, size, owner=True)
+        return cls(name, fd, size, owner=True, path=path)
 
     def reserve(self, offset: int, length: int) -> None:
         """Allocate the pages of a range before first use (ShmSetupError if no space)."""
-        _fallocate(self._fd, offset, length)
+        _fallocate(self._fd, offset, length, os.path.dirname(self.path))
 
     @classmethod
-    def attach(cls, name: str, size: int) -> "Segment":
-        """Map the segment ``name`` another rank created (ShmSetupError naming what is wrong:
+    def attach(cls, name: str, size: int, *, directory: str) -> "Segment":
+        """Map the segment ``name`` another rank created in ``directory`` (ShmSetupError
+        naming what is wrong:
         a name ``new_segment_name`` would not make, a symbolic link, a file that is not a
         regular file of this user with mode 0600, or one of another size)."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ShmSetupError(f"refusing to attach shared-memory segment {name!r}: not a name "
                                 f"this backend makes ({PREFIX}<uid>-<pid>-<pid namespace>-<start "
                                 f"time>-<16 hex digits>, no '/'); the store held something else")
-        path = os.path.join(shm_dir(), name)
+        path = os.path.join(directory, name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
@@ -116,14 +116,14 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(name, fd, size, owner=False)
+        return cls(name, fd, size, owner=False, path=path)
 
     def unlink(self) -> None:
         """Remove the name; the mapping stays valid for everyone who has it."""
         if not self._unlinked:
             self._unlinked = True
             try:
-                os.unlink(self._path)
+                os.unlink(self.path)
             except FileNotFoundError:
                 pass
 
@@ -156,18 +156,19 @@ def _check_private(fd: int, path: str, size: int) -> None:
         raise ShmSetupError(f"segment {path} has {st.st_size} bytes, expected {size}")
 
 
-def _fallocate(fd: int, offset: int, length: int) -> None:
+def _fallocate(fd: int, offset: int, length: int, directory: str) -> None:
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as exc:
         raise ShmSetupError(
-            f"cannot reserve {length / 2**20:.1f} MiB in {shm_dir()} ({exc.strerror}); "
+            f"cannot reserve {length / 2**20:.1f} MiB in {directory} ({exc.strerror}); "
             "free space there (e.g. docker --shm-size) or lower NEURON_DIST_SHM_SLOT_BYTES / "
             "NEURON_DIST_SHM_MAILBOX_BYTES") from exc
 
 
-def sweep_leftovers() -> list[str]:
-    """Unlink this user's segments whose creator is gone; returns the names removed.
+def sweep_leftovers(directory: str) -> list[str]:
+    """Unlink this user's segments in ``directory`` whose creator is gone; returns the names
+    removed.
 
     Only segments created in this PID namespace are judged (another namespace's pids
     mean nothing here: a creator that runs there would look dead), and a creator is the
@@ -177,7 +178,7 @@ def sweep_leftovers() -> list[str]:
     prefix = f"{PREFIX}{os.getuid()}-"
     ns = procid.pid_namespace()
     try:
-        names = os.listdir(shm_dir())
+        names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
@@ -187,7 +188,7 @@ def sweep_leftovers() -> list[str]:
         if pidns != ns or procid.alive(pid, started):
             continue
         try:
-            os.unlink(os.path.join(shm_dir(), name))
+            os.unlink(os.path.join(directory, name))
             removed.append(name)
         except OSError:
             pass

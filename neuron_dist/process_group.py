@@ -203,6 +203,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return False
 
     supports_splitting = False
+    # torch's dist.shrink_group would register what a shrink returns as a C++ c10d Backend,
+    # which a Python class cannot be: neuron_dist.shrink_group instead (shrink.py says why)
+    supports_shrinking = False
     supports_coalescing = False
     supports_time_estimate = False
 

@@ -38,7 +38,8 @@ except ImportError:  # run as a plain script: python3 launch/reference.py
                        make_optimizer, markov_successors, parse_config)
 
 
-def reference_losses(cfg: TrainConfig, steps: Optional[int] = None) -> list[float]:
+def reference_losses(cfg: TrainConfig, steps: Optional[int] = None,
+                     drop_replica: Optional[tuple[int, int, int]] = None) -> list[float]:
     """Train the un-parallelised model in this process and return its losses.
 
     Parameters
@@ -49,6 +50,11 @@ def reference_losses(cfg: TrainConfig, steps: Optional[int] = None) -> list[floa
         ``batch_size`` is the global batch).
     steps : int, optional
         Number of steps; defaults to ``cfg.steps``.
+    drop_replica : (replica, step, dp), optional
+        From 1-based ``step`` on, leave out the rows data-parallel replica
+        ``replica`` of ``dp`` trains on (the run of ``launch/train.py
+        --dp-mode replicate --kill-replica R --kill-at-step S``, whose survivors
+        go on with their own slices).
 
     Returns
     -------
@@ -63,6 +69,11 @@ def reference_losses(cfg: TrainConfig, steps: Optional[int] = None) -> list[floa
     losses = []
     for step in range(steps):
         inputs, targets = global_batch(cfg, step, successors)
+        if drop_replica is not None and step + 1 >= drop_replica[1]:
+            replica, _, dp = drop_replica
+            rows = cfg.batch_size // dp
+            keep = [r for r in range(cfg.batch_size) if r // rows != replica]
+            inputs, targets = inputs[keep], targets[keep]
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(inputs), targets)
         loss.backward()

@@ -114,6 +114,14 @@ class TrainConfig:
         ``neuron_dist.comm_stats`` is unavailable; ``0`` disables profiling.
     metrics_out : str or None
         If set, rank 0 writes a JSON file with losses and metrics there.
+    dp_mode : str
+        ``"fsdp"``: FSDP2 shards the model over ``dp``; ``"replicate"``: every dp
+        coordinate holds a whole (tensor-parallel) replica and gradients are
+        all-reduced, as DDP does (:mod:`launch.recovery`).
+    kill_replica, kill_at_step : int or None
+        With ``dp_mode="replicate"``: every rank of replica ``kill_replica``
+        SIGKILLs itself at the start of step ``kill_at_step``; the others shrink
+        the world to themselves and finish training (:mod:`launch.recovery`).
     """
 
     dim: int = 64
@@ -137,6 +145,9 @@ class TrainConfig:
     force_sum_reduction: bool = False
     profile_step: int = 2
     metrics_out: Optional[str] = None
+    dp_mode: str = "fsdp"
+    kill_replica: Optional[int] = None
+    kill_at_step: Optional[int] = None
 
     @property
     def head_dim(self) -> int:
@@ -206,6 +217,17 @@ def validate_config(cfg: TrainConfig, dp: int, tp: int) -> None:
         (not cfg.sequence_parallel or cfg.seq_len % tp == 0,
          "seq_len must be divisible by tp with sequence parallel"),
         (cfg.mixed_precision in ("none", "bf16"), "mixed precision: none|bf16"),
+        (cfg.dp_mode in ("fsdp", "replicate"), "dp mode: fsdp|replicate"),
+        ((cfg.kill_replica is None) == (cfg.kill_at_step is None),
+         "--kill-replica and --kill-at-step go together"),
+        (cfg.kill_replica is None or cfg.dp_mode == "replicate",
+         "--kill-replica needs --dp-mode replicate (an FSDP shard lives on one rank only)"),
+        (cfg.kill_replica is None or 0 < cfg.kill_replica < dp,
+         "--kill-replica must be a replica other than 0 (node 0 holds the store) below dp"),
+        (cfg.kill_at_step is None or 1 <= cfg.kill_at_step <= cfg.steps,
+         "--kill-at-step must be a step of the run"),
+        (cfg.dp_mode != "replicate" or cfg.mixed_precision == "none",
+         "--dp-mode replicate runs in fp32"),
     ]
     for ok, message in checks:
         if not ok:
@@ -808,6 +830,8 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, tp = resolve_parallel_dims(cfg, world)
     validate_config(cfg, dp, tp)
+    if cfg.dp_mode == "replicate":
+        return train_replicated(dataclasses.replace(cfg, dp=dp, tp=tp))
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     model = parallelize(build_model(cfg), mesh, cfg)
@@ -845,6 +869,72 @@ def train(cfg: TrainConfig) -> Optional[dict]:
         with open(cfg.metrics_out, "w") as fh:
             json.dump(summary, fh, indent=1)
     return summary
+
+
+def train_replicated(cfg: TrainConfig) -> Optional[dict]:
+    """:func:`train` with whole replicas over ``dp`` (``--dp-mode replicate``).
+
+    With ``--kill-replica R --kill-at-step S``, replica ``R`` dies at step ``S``
+    and the survivors recover and finish (:mod:`launch.recovery`); their losses
+    then equal ``reference_losses(cfg, drop_replica=(R, S, dp))``.
+    """
+    try:
+        from . import recovery
+    except ImportError:  # run as a script: torchrun launch/train.py
+        import recovery  # type: ignore
+    import neuron_dist
+
+    store = dist.distributed_c10d._get_default_store()
+    dp0 = cfg.dp
+    reps = recovery.Replicas(cfg, build_model, apply_tensor_parallel, make_optimizer)
+    successors = markov_successors(cfg)
+    if dist.get_rank() == 0:
+        print(f"neuron-dist train: backend={dist.get_backend()} world={dist.get_world_size()} "
+              f"dp={reps.dp} tp={reps.tp} dp-mode=replicate", flush=True)
+    losses, rates = [], []
+    step, recovered = 1, False
+    while step <= cfg.steps:
+        recovery.maybe_die(cfg, step, reps.dp_coord, store)
+        batch = local_batch(cfg, step - 1, successors, reps.dp_coord, dp0)
+        start = time.perf_counter()
+        try:
+            loss = recovery.replicated_step(reps.model, reps.optimizer, *batch,
+                                            reps.dp_group, reps.dp, loss_fn)
+        except neuron_dist.PeerDiedError as exc:
+            seen = recovery.seconds_since_death(store)
+            excluded = reps.recover(exc)
+            shrunk = recovery.seconds_since_death(store)
+            if dist.get_rank() == 0:
+                print(f"recovery: step {step} failed {_secs(seen)} after the death: "
+                      f"{type(exc).__name__}: {exc}", flush=True)
+                print(f"recovery: excluded ranks {excluded}; world shrunk to "
+                      f"{dist.get_world_size()} ranks (dp={reps.dp} tp={reps.tp}) "
+                      f"{_secs(shrunk)} after the death", flush=True)
+            recovered = True
+            continue  # the failed step never reached the optimiser: run it again
+        rows = cfg.batch_size // dp0 * reps.dp
+        rates.append(rows * cfg.seq_len / (time.perf_counter() - start))
+        losses.append(loss)
+        if dist.get_rank() == 0:
+            print(format_step(step, loss, rates[-1], None, "none"), flush=True)
+            if recovered:
+                print(f"recovery: training again: step {step} done "
+                      f"{_secs(recovery.seconds_since_death(store))} after the death", flush=True)
+        recovered = False
+        step += 1
+    if dist.get_rank() != 0:
+        return None
+    summary = summarize(cfg, losses, rates, [None] * len(losses), reps.dp, reps.tp,
+                        dist.get_world_size())
+    print_summary(summary)
+    if cfg.metrics_out:
+        with open(cfg.metrics_out, "w") as fh:
+            json.dump(summary, fh, indent=1)
+    return summary
+
+
+def _secs(seconds: Optional[float]) -> str:
+    return "?" if seconds is None else f"{seconds:.2f} s"
 
 
 # ----------------------------------------------------------------------------
@@ -889,6 +979,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "comm_stats is unavailable (0: never)")
     p.add_argument("--metrics-out", default=None,
                    help="rank 0 writes a JSON summary here")
+    p.add_argument("--dp-mode", choices=["fsdp", "replicate"], default=d.dp_mode,
+                   help="fsdp: FSDP2 shards over dp; replicate: whole replicas, "
+                        "gradients all-reduced (DDP-style)")
+    p.add_argument("--kill-replica", type=int, default=None,
+                   help="with --dp-mode replicate: this dp replica SIGKILLs itself ...")
+    p.add_argument("--kill-at-step", type=int, default=None,
+                   help="... at the start of this step; the others shrink and carry on")
     return p
 
 

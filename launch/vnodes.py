@@ -102,7 +102,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Mapping, Optional, Sequence, Union
+from typing import IO, Callable, Mapping, Optional, Sequence, Union
 
 __all__ = ["Netem", "NetemUnavailable", "Result", "run", "netns_available",
            "netem_available", "cleanup_stale", "main"]
@@ -623,7 +623,8 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
         netem: Union[Netem, Mapping, None] = None, timeout: float = 600.0,
         env: Optional[Mapping[str, str]] = None, echo: bool = False, prefix: bool = True,
         grace: float = 5.0, cwd: Optional[str] = None,
-        torchrun_args: Sequence[str] = (), links: int = 1) -> Result:
+        torchrun_args: Sequence[str] = (), links: int = 1,
+        stop_when: Optional[Callable[[], bool]] = None) -> Result:
     """Run ``argv`` under torchrun on ``nodes`` virtual nodes; wait, clean up, report.
 
     Parameters
@@ -655,6 +656,10 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
         Working directory of the agents.
     torchrun_args : sequence of str
         Extra torchrun options, placed before ``argv``.
+    stop_when : callable, optional
+        Polled with the agents; once it returns True every agent is stopped and the run
+        reported (e.g. when the survivors of a deliberately killed node have written their
+        results: torchrun's agents would wait in their exit barrier for the lost node).
     links : int
         Network links per node (needs ``netns``): ``eth0``, ``eth1``, ... on separate
         bridges and subnets, and ``NEURON_DIST_SOCKET_IFNAME=eth0,eth1,...`` so the rails
@@ -756,6 +761,9 @@ def run(nodes: int, nproc_per_node: Union[int, Sequence[int]], argv: Sequence[st
                                  f"the other nodes in {grace:g} s")
                             kill_at = time.monotonic() + grace
             if all(c is not None for c in codes):
+                break
+            if stop_when is not None and stop_when():
+                _log("stop condition met; stopping the nodes")
                 break
             now = time.monotonic()
             if kill_at is not None and now >= kill_at:

@@ -10,9 +10,10 @@ importing this package (torch autoloads it through the ``torch.backends`` entry 
 import torch  # noqa: F401
 
 from .backend import register
-from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
-                     PeerTimeoutError)
+from .errors import (CollectiveMismatchError, ExcludedError, GroupAbortedError, NeuronDistError,
+                     PeerDiedError, PeerTimeoutError)
 from .process_group import ProcessGroupNeuron
+from .shrink import shrink_group
 from .stats import comm_stats
 
 
@@ -29,6 +30,7 @@ def layout(group=None) -> str | None:
 
 __version__ = "0.1.0"
 __all__ = ["ProcessGroupNeuron", "register", "comm_stats", "layout", "NeuronDistError",
-           "CollectiveMismatchError", "PeerTimeoutError", "PeerDiedError", "GroupAbortedError"]
+           "CollectiveMismatchError", "PeerTimeoutError", "PeerDiedError", "GroupAbortedError",
+           "ExcludedError", "shrink_group"]
 
 register()

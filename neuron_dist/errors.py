@@ -18,8 +18,18 @@ class PeerTimeoutError(NeuronDistError):
 
 
 class PeerDiedError(NeuronDistError):
-    """A peer process died while this rank waited for it."""
+    """A peer process died while this rank waited for it.
+
+    ``ranks``: the group ranks found dead, when this rank saw the death itself (empty when
+    it heard of it from a peer's abort notice).
+    """
+
+    ranks: tuple = ()
 
 
 class GroupAbortedError(NeuronDistError):
     """The group failed earlier (on this rank or a peer) or was aborted/destroyed."""
+
+
+class ExcludedError(GroupAbortedError):
+    """The survivors of a failure excluded this rank from the group (``shrink_group``)."""

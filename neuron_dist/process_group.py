@@ -129,6 +129,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self.settings = settings or Settings.from_env()
         links = open_group(store, rank, size, self.settings, timeout, f"rank {rank}/{size}")
         self._channel, self._topo, self._net = links.channel, links.topo, links.net
+        self._store_key = links.key  # this generation's keys in the store (shrink.py)
         self._net_scratch: dict = {}  # network collectives' buffers, kept across calls
         self._algos = FLAT if self._net is None else twolevel
         self._scratch = Scratch()
@@ -204,6 +205,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return False
 
     supports_splitting = False
+    # torch's dist.shrink_group would register what a shrink returns as a C++ c10d Backend,
+    # which a Python class cannot be: neuron_dist.shrink_group instead (shrink.py says why)
+    supports_shrinking = False
     supports_coalescing = False
     supports_time_estimate = False
 
@@ -286,6 +290,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         elif isinstance(exc, PeerDied):
             error = PeerDiedError(f"{what}: rank {self._peer(exc.rank)} (pid {exc.pid}) died"
                                   if exc.pid else f"{what}: {exc}")
+            # a pid: found by this node's shared memory (a local index), else by the network
+            error.ranks = (self._peer(exc.rank) if exc.pid else exc.rank,)
             kind = ABORTED_PEER_DIED
         elif isinstance(exc, PeerAborted):
             cls = {ABORTED_TIMEOUT: PeerTimeoutError, ABORTED_PEER_DIED: PeerDiedError,

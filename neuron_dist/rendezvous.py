@@ -51,6 +51,7 @@ class GroupLinks:
     channel: ShmChannel
     topo: Topology
     net: object  # RdmTransport, MpiTransport (same interface), or None on one node
+    key: str = ""  # prefix of this generation's keys in the store
 
 
 def open_group(store, rank: int, size: int, settings, timeout: timedelta,
@@ -66,7 +67,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     channel = _open_node_channel(store, f"{key}/n{topo.my_node}", local.index(rank), len(local),
                                  settings, timeout)
     if len(topo.nodes) == 1:
-        return GroupLinks(channel, topo, None)
+        return GroupLinks(channel, topo, None, key)
     try:
         if settings.transport == "mpi":
             net = _open_mpi(store, key, rank, size, timeout, label)
@@ -79,7 +80,26 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
              rank, size, len(topo.nodes), topo.describe(),
              "MPI" if settings.transport == "mpi" else f"{settings.rails} rail(s) per peer",
              net.address)
-    return GroupLinks(channel, topo, net)
+    return GroupLinks(channel, topo, net, key)
+
+
+def forget_group(store, key: str, topo: Topology) -> None:
+    """Delete the keys ``open_group`` wrote under ``key`` (every rank's, dead ones' too).
+
+    Called once a group is replaced (shrink.py); nothing reads a generation's keys after
+    its set-up, so this only keeps a long job's store from growing.
+    """
+    size = sum(len(node) for node in topo.nodes)
+    keys = [f"{key}/{k}" for k in ("secret", "nonce")]
+    for k in range(size):
+        keys += [f"{key}/node/{k}", f"{key}/addr/{k}", f"{key}/mpi/{k}"]
+    for n, node in enumerate(topo.nodes):
+        nk = f"{key}/n{n}"
+        keys += [f"{nk}/segment", f"{nk}/attached", f"{nk}/refused"]
+        for local in range(len(node)):
+            keys += [f"{nk}/cma/addr/{local}", f"{nk}/cma/ok/{local}"]
+    for k in keys:
+        store.delete_key(k)
 
 
 def check_memory_model(topo: Topology, archs: list) -> None:

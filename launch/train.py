@@ -1017,6 +1017,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = parse_config(argv)
     torch.set_num_threads(cfg.threads)
     ensure_rendezvous_env()
+    if cfg.backend == "null":  # collectives that do nothing: compute alone (bench.mainjob)
+        from neuron_dist.bench import null_pg
+        null_pg.register()
     dist.init_process_group(cfg.backend)
     try:
         train(cfg)

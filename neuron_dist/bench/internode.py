@@ -431,8 +431,10 @@ def _header(meta: dict, ranks: list[dict]) -> list[str]:
                 gs.append(f"{name}: ERROR {info['error']}")
             elif name.startswith("neuron"):
                 gs.append(f"{name}: {info.get('transport_rails')} rail(s) from {info.get('address')}")
-            else:
+            elif name == "gloo":
                 gs.append(f"{name}: GLOO_SOCKET_IFNAME={info.get('GLOO_SOCKET_IFNAME')}")
+            else:
+                gs.append(f"{name}: {info.get('what', '')}")
         lines.append(f"# rank {r['rank']} on {r['hostname']} (NEURON_DIST_NODE_NAME="
                      f"{r['node_name']}, ifname {r['socket_ifname']}): " + "; ".join(gs))
     lines += [f"# sizes: p2p {human_size(meta['p2p_sizes'][0])}..{human_size(meta['p2p_sizes'][-1])}, "

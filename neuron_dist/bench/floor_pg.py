@@ -28,22 +28,10 @@ from torch.distributed import ProcessGroup
 
 from ..config import Settings
 from ..topology import choose_addresses
+from .null_pg import CompletedWork
 
 BACKEND_NAME = "neuron_floor"
 MAX_BYTES = 64 << 10  # exchanges beyond this could fill both sockets and deadlock
-
-
-class _Done(dist.Work):
-    """A Work that completed when it was made."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -58,6 +46,7 @@ class FloorProcessGroup(ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._socks: dict[int, socket.socket] = {}
+        self._done = CompletedWork()
         host = choose_addresses(Settings.from_env().socket_ifname, store)[0]
         listener = socket.create_server((host, 0))
         try:
@@ -82,11 +71,11 @@ class FloorProcessGroup(ProcessGroup):
 
     def send(self, tensors, dst: int, tag: int = 0):
         self._socks[dst].sendall(_bytes_of(tensors[0]))
-        return _Done()
+        return self._done
 
     def recv(self, tensors, src: int, tag: int = 0):
         _read_into(self._socks[src], _bytes_of(tensors[0]))
-        return _Done()
+        return self._done
 
     def allreduce(self, tensors, opts=None):
         t = tensors[0]
@@ -103,12 +92,12 @@ class FloorProcessGroup(ProcessGroup):
         for r in range(self._size):
             total += t if r == self._rank else theirs[r]
         t.copy_(total)
-        return _Done()
+        return self._done
 
     def barrier(self, opts=None):
         one = torch.zeros(1, dtype=torch.uint8)
         self.allreduce([one])
-        return _Done()
+        return self._done
 
     def shutdown(self) -> None:
         for sock in self._socks.values():

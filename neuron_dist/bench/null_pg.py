@@ -20,7 +20,7 @@ import torch.distributed as dist
 BACKEND_NAME = "null"
 
 
-class _Done(dist.Work):
+class CompletedWork(dist.Work):
     """A Work that completed before it was returned (one per group, reused)."""
 
     def __init__(self):
@@ -49,7 +49,7 @@ class NullProcessGroup(dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
-        self._done = _Done()
+        self._done = CompletedWork()
         self._group_name = self._group_desc = ""
 
     def _nothing(self, *args, **kwargs):

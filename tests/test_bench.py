@@ -171,3 +171,27 @@ def test_null_floor_ratios_and_summary_without_null():
     assert "4.0x (12 us = null 3.0 us + 9 us)" in with_null
     without = summarise([("r.json", {"meta": meta, "results": rows[:2]})])
     assert "null" not in without and without.splitlines()[2].count("|") == 6
+
+
+def test_summary_into_docs_performance_matches_results(tmp_path):
+    """docs/performance.md's tables are what ``summary --into`` makes from the committed
+    results (the command that file quotes), and a file without the markers is refused."""
+    from pathlib import Path
+
+    from neuron_dist.bench import summary
+    root = Path(__file__).resolve().parents[1]
+    doc = root / "docs" / "performance.md"
+    command = ("python -m neuron_dist.bench.summary --into docs/performance.md "
+               "results/bench-n2.json results/bench-n4.json")
+    assert command in doc.read_text(), "docs/performance.md no longer quotes its command"
+    copy = tmp_path / "performance.md"
+    copy.write_text(doc.read_text())
+    summary.main(["--into", str(copy), str(root / "results/bench-n2.json"),
+                  str(root / "results/bench-n4.json")])
+    # the tables name the result files as passed: compare with the repository-relative names
+    assert copy.read_text().replace(f"{root}/", "") == doc.read_text(), \
+        "docs/performance.md's tables differ from the committed results: rerun the command"
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers here\n")
+    with pytest.raises(SystemExit, match="has no <!-- perf:start -->"):
+        summary.main(["--into", str(bare), str(root / "results/bench-n2.json")])

@@ -1,14 +1,15 @@
-"""Summarise benchmark JSON files as Markdown, and put the summary into the README.
+"""Summarise benchmark JSON files as Markdown, and put the summary into docs/performance.md.
 
 For each world size and op: the smallest size's latency and the largest size's bus
 bandwidth per backend, each with its ratio to gloo *from the same run*, plus the range of
 neuron/gloo ratios over all sizes. When the run measured the null group (a group that does
 nothing: the dispatch floor), a last column gives neuron's smallest-size time as a multiple
-of null's and what it adds above it. ``--readme README.md`` replaces the text between the
-``<!-- perf:start -->`` and ``<!-- perf:end -->`` markers, so the README's numbers always come
-from committed result files:
+of null's and what it adds above it. ``--into FILE`` replaces the text between the
+``<!-- perf:start -->`` and ``<!-- perf:end -->`` markers in FILE, so the tables of
+docs/performance.md always come from committed result files; without it the summary is
+printed:
 
-    python -m neuron_dist.bench.summary --readme README.md results/bench-n2.json results/bench-n4.json
+    python -m neuron_dist.bench.summary --into docs/performance.md results/bench-n2.json results/bench-n4.json
 """
 
 from __future__ import annotations
@@ -75,25 +76,28 @@ def _over_floor(rows: list[dict], size: int) -> str:
             f"{null['time_us']:.1f} us + {neuron['time_us'] - null['time_us']:.0f} us)")
 
 
-def replace_section(text: str, body: str) -> str:
+def replace_section(text: str, body: str, name: str = "the file") -> str:
+    """``text`` with what lies between the perf markers replaced by ``body``."""
     pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"README has no {START} ... {END} section")
+        raise SystemExit(f"{name} has no {START} ... {END} section")
     return pattern.sub(lambda _: f"{START}\n{body}\n{END}", text)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="benchmark JSON files")
-    parser.add_argument("--readme", help="README to update in place")
+    parser.add_argument("--into", metavar="FILE",
+                        help="Markdown file whose perf markers get the tables, updated in place "
+                             "(docs/performance.md)")
     args = parser.parse_args(argv)
     docs = [(p, json.load(open(p))) for p in args.files]
     body = summarise(docs)
-    if args.readme:
-        with open(args.readme) as f:
+    if args.into:
+        with open(args.into) as f:
             text = f.read()
-        with open(args.readme, "w") as f:
-            f.write(replace_section(text, body))
+        with open(args.into, "w") as f:
+            f.write(replace_section(text, body, args.into))
     else:
         print(body)
 

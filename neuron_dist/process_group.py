@@ -3,14 +3,13 @@
 Each method validates its arguments (bad input raises here, before anything is sent),
 flattens tensors to contiguous 1-D views (non-contiguous ones go through a copy that is
 written back), describes the call for the cross-rank check, and hands a closure running
-the algorithm from ``collectives`` to the group's engine (engine.py). Send/recv go to the
-group's P2P engine instead, so they never queue behind collectives.
+the algorithm from ``collectives`` to the group's engine (engine.py). Send/recv go to
+``PointToPoint`` (p2p_face.py) instead, so they never queue behind collectives.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from datetime import timedelta
 
@@ -24,7 +23,7 @@ from types import SimpleNamespace
 from .collectives import (alltoall, allgather, allreduce, barrier, broadcast, reduce_scatter,
                           rooted, twolevel)
 from .collectives.descriptor import Call, CollectiveMismatch, digest
-from .collectives.p2p import P2P, P2PError, Request
+from .collectives.p2p import P2PError
 from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
 from .transport.shm.futex import available as futex_available
 from .transport.errors import (ABORTED, ABORTED_MISMATCH, ABORTED_PEER_DIED, ABORTED_TIMEOUT,
@@ -32,11 +31,12 @@ from .transport.errors import (ABORTED, ABORTED_MISMATCH, ABORTED_PEER_DIED, ABO
 from . import checks, sparse, stats
 from .config import Settings
 from .engine import CollectiveEngine
+from .flat import Flat
 from .express import ExpressLane
 from .flight_recorder import install_signal_handler
 from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
                      PeerTimeoutError)
-from .p2p_engine import P2PEngine
+from .p2p_face import PointToPoint
 from .rendezvous import open_group
 from .work import NeuronWork
 
@@ -49,34 +49,7 @@ FLAT = SimpleNamespace(
     reduce_scatter=reduce_scatter.reduce_scatter, broadcast=broadcast.broadcast,
     reduce=rooted.reduce, gather=rooted.gather, scatter=rooted.scatter,
     all_to_all=alltoall.all_to_all, barrier=barrier.barrier)
-EXPRESS_SEND_BYTES = 1 << 20  # sends up to this size are written into the ring at once if they fit
-P2P_TAG_BASE = 1 << 32  # network tags of send/recv (collectives use twolevel.COLLECTIVE_TAG)
 _UNSET = timedelta(milliseconds=-1)
-
-
-class _Flat:
-    """A flat contiguous alias of ``t``; a non-contiguous ``t`` gets a copy written back."""
-
-    __slots__ = ("t", "flat", "copied")
-
-    def __init__(self, t: torch.Tensor, read: bool = True):
-        self.t = t
-        d = t.detach()
-        self.copied = not d.is_contiguous()
-        if not self.copied:
-            self.flat = d.reshape(-1)
-        elif read:
-            self.flat = d.contiguous().reshape(-1)
-        else:
-            self.flat = torch.empty(d.numel(), dtype=d.dtype)
-
-    @property
-    def bytes(self) -> torch.Tensor:
-        return self.flat.view(torch.uint8)
-
-    def finish(self) -> None:
-        if self.copied:
-            self.t.detach().copy_(self.flat.view(self.t.shape))
 
 
 _SPECS: dict = {}
@@ -136,7 +109,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._calls = {}
         self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size)
         install_signal_handler()
-        self._p2p = None
+        self._p2p = PointToPoint(rank, size, self._channel, self._net, self._label,
+                                 self._on_error, lambda: self._timeout_s, self._timeout_text)
         self._express = ExpressLane(self, reduce_spec)
         self._closed = False
         log.info("neuron: group rank %d/%d ready on node %r: shared memory %.1f MiB reserved "
@@ -352,7 +326,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             return self._submit("all_reduce", call,
                                 lambda ctx: self._algos.all_reduce(ctx, x, x, spec),
                                 [t], opts, t.numel() * t.element_size())
-        f = _Flat(t)
+        f = Flat(t)
         return self._submit("all_reduce", call,
                             lambda ctx: self._algos.all_reduce(ctx, f.flat, f.flat, spec),
                             [t], opts, t.numel() * t.element_size(), [f])
@@ -397,8 +371,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         inp = checks.single(input_tensors, "allgather input")
         outs = self._rank_list(output_tensors, inp, "allgather output")
         checks.numel(inp, outs[self._rank].numel(), "allgather input (vs output[rank])")
-        fi = _Flat(inp)
-        fo = [_Flat(o, read=False) for o in outs]
+        fi = Flat(inp)
+        fo = [Flat(o, read=False) for o in outs]
         sizes = [o.numel() for o in outs]
         call = Call("all_gather", inp.dtype, sum(sizes), extra=digest(sizes))
         return self._submit(
@@ -457,7 +431,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         checks.same_dtype(output, input, "all_gather_into_tensor")
         checks.numel(output, input.numel() * self._size,
                      f"all_gather_into_tensor output (input numel x world size {self._size})")
-        fi, fo = _Flat(input), _Flat(output, read=False)
+        fi, fo = Flat(input), Flat(output, read=False)
         n = input.numel() * input.element_size()
 
         def algo(ctx):
@@ -485,8 +459,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         checks.numel(out, ins[self._rank].numel(), "reduce_scatter output (vs input[rank])")
         spec = reduce_spec(opts.reduceOp)
         check_supported(spec, out.dtype)
-        fo = _Flat(out, read=False)
-        fis = [_Flat(t) for t in ins]
+        fo = Flat(out, read=False)
+        fis = [Flat(t) for t in ins]
         sizes = [t.numel() for t in ins]
         call = Call("reduce_scatter", out.dtype, sum(sizes), reduce=spec.kind, extra=digest(sizes))
         return self._submit(
@@ -507,7 +481,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                      f"reduce_scatter_tensor input (output numel x world size {self._size})")
         spec = reduce_spec(opts.reduceOp)
         check_supported(spec, output.dtype)
-        fo, fi = _Flat(output, read=False), _Flat(input)
+        fo, fi = Flat(output, read=False), Flat(input)
         n = output.numel()
 
         def algo(ctx):
@@ -537,7 +511,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         opts = opts or dist.BroadcastOptions()
         t = checks.single(tensors, "broadcast tensor")
         root = checks.rank(opts.rootRank, self._size, "broadcast root")
-        f = _Flat(t)
+        f = Flat(t)
         call = Call("broadcast", t.dtype, t.numel(), root=root)
         return self._submit("broadcast", call,
                             lambda ctx: self._algos.broadcast(ctx, f.bytes, root),
@@ -549,7 +523,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         root = checks.rank(opts.rootRank, self._size, "reduce root")
         spec = reduce_spec(opts.reduceOp)
         check_supported(spec, t.dtype)
-        f = _Flat(t)
+        f = Flat(t)
         call = Call("reduce", t.dtype, t.numel(), root=root, reduce=spec.kind)
         return self._submit("reduce", call,
                             lambda ctx: self._algos.reduce(ctx, f.flat, f.flat, spec, root),
@@ -575,14 +549,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if lists and any(len(x) for x in lists):
                 raise ValueError(f"{what}: only the root (rank {root}) may pass a tensor list")
             return []
-        return [_Flat(t, read=read) for t in self._rank_list(lists, like, what, equal_numel=True)]
+        return [Flat(t, read=read) for t in self._rank_list(lists, like, what, equal_numel=True)]
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
         inp = checks.single(input_tensors, "gather input")
         root = checks.rank(opts.rootRank, self._size, "gather root")
         fo = self._root_list(output_tensors, inp, root, "gather output", read=False)
-        fi = _Flat(inp)
+        fi = Flat(inp)
         call = Call("gather", inp.dtype, inp.numel(), root=root)
         return self._submit("gather", call,
                             lambda ctx: self._algos.gather(ctx, [f.bytes for f in fo], fi.bytes, root),
@@ -593,7 +567,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         out = checks.single(output_tensors, "scatter output")
         root = checks.rank(opts.rootRank, self._size, "scatter root")
         fis = self._root_list(input_tensors, out, root, "scatter input", read=True)
-        fo = _Flat(out, read=False)
+        fo = Flat(out, read=False)
         call = Call("scatter", out.dtype, out.numel(), root=root)
         return self._submit("scatter", call,
                             lambda ctx: self._algos.scatter(ctx, fo.bytes, [f.bytes for f in fis], root),
@@ -611,8 +585,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 dtype = t.dtype
             elif t.dtype != dtype:
                 raise ValueError(f"alltoall: all tensors must have one dtype ({dtype} vs {t.dtype})")
-        fo = [_Flat(t, read=False) for t in output_tensors]
-        fi = [_Flat(t) for t in input_tensors]
+        fo = [Flat(t, read=False) for t in output_tensors]
+        fi = [Flat(t) for t in input_tensors]
         es = input_tensors[0].element_size()
         call = Call("all_to_all", dtype, 0)
         return self._submit(
@@ -632,7 +606,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         checks.same_dtype(output, input, "all_to_all_single")
         out_splits = self._splits(output, output_split_sizes, "output")
         in_splits = self._splits(input, input_split_sizes, "input")
-        fo, fi = _Flat(output, read=False), _Flat(input)
+        fo, fi = Flat(output, read=False), Flat(input)
         es = input.element_size()
 
         def algo(ctx):
@@ -664,161 +638,25 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return self._submit("barrier", Call("barrier"), self._algos.barrier, [], opts, 0)
 
     # --------------------------------------------------------------- send/recv
-    def _p2p_engine(self) -> P2PEngine:
-        if self._p2p is None:
-            ch = self._channel
-            p2p = P2P(self._rank, self._size, lambda k: ch.mailbox(self._rank, k),
-                      lambda k: ch.mailbox(k, self._rank), ch.ring)
-            self._p2p = P2PEngine(p2p, ch, self._label(),
-                                  lambda exc, what: self._on_error(exc, what)[0])
-        return self._p2p
-
-    def _post(self, t, peer, tag: int, is_send: bool, name: str):
-        if _profiler._is_profiler_enabled:
-            what = f"group={self._label()} peer={peer} tag={tag} bytes={t.numel() * t.element_size()}"
-            with _profiler.record_function(f"neuron:{name}", what):
-                return self._post_now(t, peer, tag, is_send, name)
-        return self._post_now(t, peer, tag, is_send, name)
-
-    def _post_now(self, t, peer, tag: int, is_send: bool, name: str):
-        if self._closed:
-            raise GroupAbortedError(f"{name}: the group was destroyed")
-        if self._net is not None:
-            return self._post_net(t, peer, tag, is_send, name)
-        f = _Flat(t, read=is_send)
-        req = Request(peer, int(tag), f.bytes, is_send,
-                      time.monotonic() + self._timeout.total_seconds())
-        work = NeuronWork([t], f"{req.describe()} in group {self._label()}")
-        engine = self._p2p_engine()
-
-        def done(r):
-            if r.error is None and not is_send:
-                f.finish()
-            work._complete(r.error, r.source)
-
-        req.callback = done
-        work.driver = lambda deadline: engine.drive(req, deadline)
-        stats.add_call(f.bytes.numel())
-        engine.post(req)
-        return work
-
-    def _post_net(self, t, peer, tag: int, is_send: bool, name: str):
-        """Send/recv in a group that spans nodes: straight over the inter-node transport.
-
-        A contiguous tensor's memory is handed to the transport as it is (no torch view ops:
-        they cost several µs each here); a send the transport completes at once (it copied
-        a small message) returns a finished Work without any completion machinery. The
-        Work's description is only formatted if someone reads it (an error, a log).
-        """
-        if tag < 0:
-            raise ValueError(f"{name}: tag must be >= 0, not {tag}")
-        f = None
-        if t.is_contiguous():
-            buf = twolevel.as_bytes(t)
-        else:
-            f = _Flat(t, read=is_send)
-            buf = twolevel.as_bytes(f.bytes)
-        nbytes = buf.nbytes
-
-        def describe():
-            who = f"rank {peer}" if peer is not None else "any rank"
-            return (f"{name} {'to' if is_send else 'from'} {who} (tag {tag}, "
-                    f"{nbytes} bytes) in group {self._label()}")
-
-        work = NeuronWork([t], describe)
-        stats.add_call(nbytes)
-        net = self._net
-        try:
-            if peer is None:
-                req = net.irecv_any(P2P_TAG_BASE + int(tag), buf)
-            elif is_send:
-                req = net.isend(peer, P2P_TAG_BASE + int(tag), buf)
-                if req.test():
-                    work._finished = True
-                    return work
-            else:
-                req = net.irecv(peer, P2P_TAG_BASE + int(tag), buf)
-        except (PeerDied, PeerAborted, ChannelClosed) as e:
-            raise self._on_error(e, work.what)[0] from None
-        op_deadline = time.monotonic() + self._timeout_s
-        token = [True]  # whoever pops it completes the work (list.pop is atomic)
-
-        def finish(req):
-            try:
-                token.pop()
-            except IndexError:
-                return
-            error = req.error
-            if error is not None:
-                error = self._on_error(error, work.what)[0]
-            elif f is not None and not is_send:
-                f.finish()  # a receive into a non-contiguous tensor: copy it back
-            work._complete(error, req.source if req.source is not None else -1)
-
-        def drive(deadline):
-            try:
-                req.wait(min(deadline, op_deadline))
-            except PeerTimeout as e:
-                if deadline < op_deadline:
-                    raise PeerTimeoutError(f"{work.what}: Timed out in Work.wait") from None
-                who = f"rank {peer}" if peer is not None else "any rank"
-                error = PeerTimeoutError(
-                    f"{work.what}: Timed out after {self._timeout_text()}: {who} did not "
-                    f"{'receive' if is_send else 'send'} it")
-                # Withdrawn before the Work fails: the tensor is the caller's again, a late
-                # message never lands in it, and later traffic with that peer fails loudly
-                # instead of matching the wrong message (the peer is told).
-                if not net.cancel(req, e):
-                    finish(req)  # it completed in the meantime after all
-                    return
-                try:
-                    token.pop()
-                except IndexError:
-                    return
-                work._complete(error, -1)
-                return
-            except Exception:  # noqa: BLE001 - finish() reports it
-                pass
-            finish(req)
-
-        # Completed by whoever looks (wait, is_completed, ...): no completion callback, so
-        # no hand-off to the transport's callback thread per message. A future or hook
-        # arms the callback.
-        work.driver = drive
-        work.poll = lambda: finish(req) if req.done() else None
-        work.arm = lambda: req.on_complete(finish)
-        return work
-
     def send(self, tensors, dst: int, tag: int = 0):
         t = checks.single(tensors, "send tensor")
         checks.rank(dst, self._size, "send destination rank")
         if dst == self._rank:
             raise ValueError(f"send: rank {dst} cannot send to itself")
-        nbytes = t.numel() * t.element_size()
-        # A small message that fits the ring is written whole, now, from the tensor itself:
-        # no request, no progress engine (send and isend alike: the bytes have left).
-        if (nbytes <= EXPRESS_SEND_BYTES and self._net is None and not self._closed
-                and t.is_contiguous() and not _profiler._is_profiler_enabled
-                and self._p2p_engine().send_now(dst, int(tag), t.data_ptr(), nbytes)):
-            stats.add_call(nbytes)
-            work = NeuronWork([t], f"send to rank {dst} (tag {tag}, {nbytes} bytes) in group "
-                                   f"{self._label()}")
-            work._finished = True
-            return work
-        return self._post(t, dst, tag, True, "send")
+        return self._p2p.send(t, dst, tag)
 
     def recv(self, tensors, src: int, tag: int = 0):
         t = checks.single(tensors, "recv tensor")
         checks.rank(src, self._size, "recv source rank")
         if src == self._rank:
             raise ValueError(f"recv: rank {src} cannot receive from itself")
-        return self._post(t, src, tag, False, "recv")
+        return self._p2p.recv(t, src, tag)
 
     def recv_anysource(self, tensors, tag: int = 0):
         t = checks.single(tensors, "recv tensor")
         if self._size == 1:
             raise ValueError("recv from any source in a group of size 1 can never complete")
-        return self._post(t, None, tag, False, "recv")
+        return self._p2p.recv(t, None, tag)
 
     # ---------------------------------------------------------------- shutdown
     def abort(self) -> None:
@@ -839,8 +677,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 self._net.abort(str(error))
         self._channel.interrupt()
         self._engine.stop(error)
-        if self._p2p is not None:
-            self._p2p.stop(error)
+        self._p2p.stop(error)
         if self._net is not None:
             self._net.close(error)
         self._channel.close()

@@ -1,0 +1,219 @@
+"""Send and receive of the c10d face: which of three paths a message takes, and its Work.
+
+How it works
+------------
+* **One node, small send**: a contiguous tensor of up to ``EXPRESS_SEND_BYTES`` that fits
+  its ring now is written whole from the tensor, in the caller's thread; the Work is
+  finished when it is returned (send and isend alike: the bytes have left).
+* **One node, otherwise**: a ``collectives.p2p`` request is posted on the group's
+  shared-memory send/recv engine (``p2p_engine.py``, its own progress); its callback
+  completes the Work (a non-contiguous receive is copied back first).
+* **A group that spans nodes**: straight over the inter-node transport, tags offset by
+  ``P2P_TAG_BASE`` (collectives use ``twolevel.COLLECTIVE_TAG``). A small send completes
+  as it is posted; everything else completes for whoever looks at its Work (``wait``,
+  ``is_completed``, ...), so no thread hand-off is on a message's path, and a future or a
+  hook arms a completion callback. A receive that times out is withdrawn from the
+  transport before its Work fails: the tensor is the caller's again.
+
+Send/recv never queue behind the group's collectives. Argument checks happen in
+``ProcessGroupNeuron.send``/``recv`` before anything here runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch.autograd import profiler as _profiler
+
+from . import stats
+from .collectives import twolevel
+from .collectives.p2p import P2P, Request
+from .errors import GroupAbortedError, PeerTimeoutError
+from .flat import Flat
+from .p2p_engine import P2PEngine
+from .transport.errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
+from .work import NeuronWork
+
+EXPRESS_SEND_BYTES = 1 << 20  # sends up to this size are written into the ring at once if they fit
+P2P_TAG_BASE = 1 << 32  # network tags of send/recv (collectives use twolevel.COLLECTIVE_TAG)
+
+
+class PointToPoint:
+    """The send/recv of one group (see the module docstring).
+
+    Parameters
+    ----------
+    rank, size : int
+        This rank and the group size.
+    channel : ShmChannel
+        The node's shared-memory channel (mailboxes and rings).
+    net : transport or None
+        The inter-node transport when the group spans nodes.
+    label : callable
+        ``label()``: the group's name for messages.
+    on_error : callable
+        ``on_error(exc, what)`` -> ``(error to raise, fatal)``: the group's translation of
+        transport errors (it also aborts the group when fatal).
+    timeout, timeout_text : callable
+        The group's current default timeout, in seconds and as text.
+    """
+
+    def __init__(self, rank: int, size: int, channel, net, label, on_error, timeout,
+                 timeout_text):
+        self._rank, self._size = rank, size
+        self._channel, self._net = channel, net
+        self._label, self._on_error = label, on_error
+        self._timeout, self._timeout_text = timeout, timeout_text
+        self._shm = None  # P2PEngine, made on first use
+        self._stopped = False
+
+    def send(self, t, dst: int, tag: int):
+        """Send tensor ``t`` to group rank ``dst``; its Work."""
+        nbytes = t.numel() * t.element_size()
+        # A small message that fits the ring is written whole, now, from the tensor itself:
+        # no request, no progress engine (send and isend alike: the bytes have left).
+        if (nbytes <= EXPRESS_SEND_BYTES and self._net is None and not self._stopped
+                and t.is_contiguous() and not _profiler._is_profiler_enabled
+                and self._engine().send_now(dst, int(tag), t.data_ptr(), nbytes)):
+            stats.add_call(nbytes)
+            work = NeuronWork([t], lambda: f"send to rank {dst} (tag {tag}, {nbytes} bytes) "
+                                           f"in group {self._label()}")
+            work._finished = True
+            return work
+        return self._post(t, dst, tag, True, "send")
+
+    def recv(self, t, src, tag: int):
+        """Receive into tensor ``t`` from group rank ``src`` (None: any rank); its Work."""
+        return self._post(t, src, tag, False, "recv")
+
+    def stop(self, error) -> None:
+        """The group is going away: pending and later sends/receives fail (with ``error``)."""
+        self._stopped = True
+        if self._shm is not None:
+            self._shm.stop(error)
+
+    def _engine(self) -> P2PEngine:
+        """The group's shared-memory send/recv engine (made on first use)."""
+        if self._shm is None:
+            ch = self._channel
+            p2p = P2P(self._rank, self._size, lambda k: ch.mailbox(self._rank, k),
+                      lambda k: ch.mailbox(k, self._rank), ch.ring)
+            self._shm = P2PEngine(p2p, ch, self._label(),
+                                  lambda exc, what: self._on_error(exc, what)[0])
+        return self._shm
+
+    def _post(self, t, peer, tag: int, is_send: bool, name: str):
+        if _profiler._is_profiler_enabled:
+            what = f"group={self._label()} peer={peer} tag={tag} bytes={t.numel() * t.element_size()}"
+            with _profiler.record_function(f"neuron:{name}", what):
+                return self._post_now(t, peer, tag, is_send, name)
+        return self._post_now(t, peer, tag, is_send, name)
+
+    def _post_now(self, t, peer, tag: int, is_send: bool, name: str):
+        if self._stopped:
+            raise GroupAbortedError(f"{name}: the group was destroyed")
+        if self._net is not None:
+            return self._post_net(t, peer, tag, is_send, name)
+        f = Flat(t, read=is_send)
+        req = Request(peer, int(tag), f.bytes, is_send,
+                      time.monotonic() + self._timeout())
+        work = NeuronWork([t], f"{req.describe()} in group {self._label()}")
+        engine = self._engine()
+
+        def done(r):
+            if r.error is None and not is_send:
+                f.finish()
+            work._complete(r.error, r.source)
+
+        req.callback = done
+        work.driver = lambda deadline: engine.drive(req, deadline)
+        stats.add_call(f.bytes.numel())
+        engine.post(req)
+        return work
+
+    def _post_net(self, t, peer, tag: int, is_send: bool, name: str):
+        """Send/recv in a group that spans nodes: straight over the inter-node transport.
+
+        A contiguous tensor's memory is handed to the transport as it is (no torch view ops:
+        they cost several µs each here); a send the transport completes at once (it copied
+        a small message) returns a finished Work without any completion machinery. The
+        Work's description is only formatted if someone reads it (an error, a log).
+        """
+        if tag < 0:
+            raise ValueError(f"{name}: tag must be >= 0, not {tag}")
+        f = None
+        if t.is_contiguous():
+            buf = twolevel.as_bytes(t)
+        else:
+            f = Flat(t, read=is_send)
+            buf = twolevel.as_bytes(f.bytes)
+        nbytes = buf.nbytes
+
+        def describe():
+            who = f"rank {peer}" if peer is not None else "any rank"
+            return (f"{name} {'to' if is_send else 'from'} {who} (tag {tag}, "
+                    f"{nbytes} bytes) in group {self._label()}")
+
+        work = NeuronWork([t], describe)
+        stats.add_call(nbytes)
+        net = self._net
+        try:
+            if peer is None:
+                req = net.irecv_any(P2P_TAG_BASE + int(tag), buf)
+            elif is_send:
+                req = net.isend(peer, P2P_TAG_BASE + int(tag), buf)
+                if req.test():
+                    work._finished = True
+                    return work
+            else:
+                req = net.irecv(peer, P2P_TAG_BASE + int(tag), buf)
+        except (PeerDied, PeerAborted, ChannelClosed) as e:
+            raise self._on_error(e, work.what)[0] from None
+        op_deadline = time.monotonic() + self._timeout()
+        token = [True]  # whoever pops it completes the work (list.pop is atomic)
+
+        def finish(req):
+            try:
+                token.pop()
+            except IndexError:
+                return
+            error = req.error
+            if error is not None:
+                error = self._on_error(error, work.what)[0]
+            elif f is not None and not is_send:
+                f.finish()  # a receive into a non-contiguous tensor: copy it back
+            work._complete(error, req.source if req.source is not None else -1)
+
+        def drive(deadline):
+            try:
+                req.wait(min(deadline, op_deadline))
+            except PeerTimeout as e:
+                if deadline < op_deadline:
+                    raise PeerTimeoutError(f"{work.what}: Timed out in Work.wait") from None
+                who = f"rank {peer}" if peer is not None else "any rank"
+                error = PeerTimeoutError(
+                    f"{work.what}: Timed out after {self._timeout_text()}: {who} did not "
+                    f"{'receive' if is_send else 'send'} it")
+                # Withdrawn before the Work fails: the tensor is the caller's again, a late
+                # message never lands in it, and later traffic with that peer fails loudly
+                # instead of matching the wrong message (the peer is told).
+                if not net.cancel(req, e):
+                    finish(req)  # it completed in the meantime after all
+                    return
+                try:
+                    token.pop()
+                except IndexError:
+                    return
+                work._complete(error, -1)
+                return
+            except Exception:  # noqa: BLE001 - finish() reports it
+                pass
+            finish(req)
+
+        # Completed by whoever looks (wait, is_completed, ...): no completion callback, so
+        # no hand-off to the transport's callback thread per message. A future or hook
+        # arms the callback.
+        work.driver = drive
+        work.poll = lambda: finish(req) if req.done() else None
+        work.arm = lambda: req.on_complete(finish)
+        return work

@@ -14,7 +14,9 @@
    with ``NEURON_DIST_TRANSPORT=mpi``, else rdm): it listens on the
    chosen interface (topology.choose_address), publishes ``host:port``, and connects
    ``NEURON_DIST_RAILS`` authenticated rails to every other rank. The job key is
-   ``NEURON_DIST_AUTH_KEY`` or 32 random bytes group rank 0 puts in the store.
+   ``NEURON_DIST_AUTH_KEY`` or 32 random bytes group rank 0 puts in the store. With
+   ``NEURON_DIST_AUTH_KEY`` (or ``NEURON_DIST_NET_MAC=1``) every frame on a rail is
+   authenticated with the rail's session key (transport/rdm/railmac.py).
 
 With ``NEURON_DIST_AUTH_KEY`` set, every value a rank reads in these steps (node
 identities, the segment's name, the CMA probe's pids and answers, the group nonce, peers'
@@ -223,6 +225,7 @@ def _open_network(auth: StoreAuth, key: str, rank: int, size: int, settings,
     net = RdmTransport(rank, size, host=choose_addresses(settings.socket_ifname, store),
                        rails=settings.rails, key=job_key, group=group,
                        segment_bytes=settings.net_segment_bytes, crc=settings.net_crc,
+                       frame_mac=bool(settings.auth_key), payload_mac=settings.net_mac,
                        link_timeout=settings.net_link_timeout,
                        max_unexpected_bytes=settings.net_max_unexpected_bytes,
                        label=label or f"rank {rank}")

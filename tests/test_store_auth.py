@@ -306,6 +306,33 @@ def test_genuine_set_up_with_a_key_works(no_leftovers):
         _close(links)
 
 
+# ---------------------------------------------------------------- a node identity
+
+def _forge_node(real):
+    import json
+    identity = json.loads(real[len(MAGIC) + 32:] if real.startswith(MAGIC) else real)
+    return json.dumps(["a", identity[1]])  # rank 1 now claims to share rank 0's node
+
+
+def test_replaced_node_identity_is_believed_without_a_key(no_leftovers):
+    links = _set_up(AttackedStore("neuron/0/node/1", _forge_node), ["a", "b"], None)
+    try:
+        assert not any(isinstance(v, BaseException) for v in links.values()), links
+        assert all(len(link.topo.nodes) == 1 for link in links.values())  # one "node"
+    finally:
+        _close(links)
+
+
+def test_replaced_node_identity_fails_with_a_key(no_leftovers):
+    links = _set_up(AttackedStore("neuron/0/node/1", _forge_node), ["a", "b"], "job secret")
+    try:
+        for rank in (0, 1):
+            assert isinstance(links[rank], StoreAuthError), links[rank]
+            assert "'neuron/0/node/1'" in str(links[rank]) and "rank 1" in str(links[rank])
+    finally:
+        _close(links)
+
+
 # ---------------------------------------------------------------- shrink's agreement
 
 def test_forged_shrink_report_is_refused_with_a_key():

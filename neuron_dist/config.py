@@ -65,6 +65,7 @@ class Settings:
     socket_ifname: str | None = None
     auth_key: str | None = None
     net_crc: bool = False
+    net_mac: bool = False
     net_link_timeout: float = 10.0
     net_max_unexpected_bytes: int = 512 << 20
     algo: str = "auto"
@@ -95,6 +96,7 @@ class Settings:
             socket_ifname=_env("NEURON_DIST_SOCKET_IFNAME", None, env) or None,
             auth_key=_env("NEURON_DIST_AUTH_KEY", None, env) or None,
             net_crc=_flag("NEURON_DIST_NET_CRC", "0", env),
+            net_mac=_flag("NEURON_DIST_NET_MAC", "0", env),
             net_link_timeout=float(_env("NEURON_DIST_NET_LINK_TIMEOUT", "10", env)),
             net_max_unexpected_bytes=parse_bytes(
                 _env("NEURON_DIST_NET_MAX_UNEXPECTED_BYTES", "512M", env)),

@@ -103,6 +103,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         links = open_group(store, rank, size, self.settings, timeout, f"rank {rank}/{size}")
         self._channel, self._topo, self._net = links.channel, links.topo, links.net
         self._store_key = links.key  # this generation's keys in the store (shrink.py)
+        self._store_auth = links.auth  # checks what the store says (store_auth.py)
         self._net_scratch: dict = {}  # network collectives' buffers, kept across calls
         self._algos = FLAT if self._net is None else twolevel
         self._scratch = Scratch()

@@ -14,7 +14,14 @@
    with ``NEURON_DIST_TRANSPORT=mpi``, else rdm): it listens on the
    chosen interface (topology.choose_address), publishes ``host:port``, and connects
    ``NEURON_DIST_RAILS`` authenticated rails to every other rank. The job key is
-   ``NEURON_DIST_AUTH_KEY`` or 32 random bytes group rank 0 puts in the store.
+   ``NEURON_DIST_AUTH_KEY`` or 32 random bytes group rank 0 puts in the store. With
+   ``NEURON_DIST_AUTH_KEY`` (or ``NEURON_DIST_NET_MAC=1``) every frame on a rail is
+   authenticated with the rail's session key (transport/rdm/railmac.py).
+
+With ``NEURON_DIST_AUTH_KEY`` set, every value a rank reads in these steps (node
+identities, the segment's name, the CMA probe's pids and answers, the group nonce, peers'
+addresses, MPI ranks) carries an HMAC tag bound to the key name (generation included), its
+writer's rank and this set-up's fresh session, checked before use (store_auth.py).
 
 Keys carry a generation number drawn from a store counter, so re-initialising a group on
 the same store (after destroy_process_group) never reads a previous generation's keys.
@@ -22,6 +29,7 @@ the same store (after destroy_process_group) never reads a previous generation's
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
@@ -39,6 +47,7 @@ from .transport.shm.layout import Layout
 from .transport.shm.ordering import machine, shares_memory_safely
 from .transport.shm.segment import (Segment, ShmSetupError, new_segment_name,
                                      sweep_leftovers)
+from .store_auth import StoreAuth, StoreAuthError
 from .topology import choose_addresses, node_identity
 
 log = logging.getLogger("neuron_dist")
@@ -52,27 +61,46 @@ class GroupLinks:
     topo: Topology
     net: object  # RdmTransport, MpiTransport (same interface), or None on one node
     key: str = ""  # prefix of this generation's keys in the store
+    auth: StoreAuth | None = None  # the group's store values, checked with the job key
 
 
 def open_group(store, rank: int, size: int, settings, timeout: timedelta,
                label: str = "") -> GroupLinks:
-    """Rendezvous through ``store``; return the group's channel, topology and transport."""
+    """Rendezvous through ``store``; return the group's channel, topology and transport.
+
+    With ``NEURON_DIST_AUTH_KEY`` set, every value read from the store is authenticated
+    (store_auth.py) before it is used: a value not written by the rank it should come
+    from, with this key, for this group and this set-up, fails with ``StoreAuthError``.
+    """
+    job_key = derive_key(settings.auth_key) if settings.auth_key else None
+    auth = StoreAuth(store, job_key, f"group of {size}", rank)
     gen = (store.add("neuron/generation", 1) - 1) // size
     key = f"neuron/{gen}"
-    store.set(f"{key}/node/{rank}", json.dumps([node_identity(settings), machine()]))
-    nodes = [json.loads(store.get(f"{key}/node/{k}")) for k in range(size)]
+    mine = [node_identity(settings), machine()]
+    if auth.enabled:
+        mine.append(secrets.token_hex(16))  # freshness: the session binds every rank's
+    auth.set(f"{key}/node/{rank}", json.dumps(mine))
+    raws = [auth.get(f"{key}/node/{k}", k) for k in range(size)]
+    if auth.enabled:
+        if json.loads(raws[rank]) != mine:
+            raise StoreAuthError(f"store key '{key}/node/{rank}' (written by this rank, "
+                                 f"{rank}) came back changed: someone else writes the store")
+        auth.bind(hashlib.sha256(b"".join(len(r).to_bytes(4, "big") + r
+                                          for r in raws)).digest())
+    nodes = [json.loads(r)[:2] for r in raws]
     topo = Topology.from_names(rank, [name for name, _ in nodes])
     check_memory_model(topo, [arch for _, arch in nodes])
     local = topo.local
-    channel = _open_node_channel(store, f"{key}/n{topo.my_node}", local.index(rank), len(local),
+    channel = _open_node_channel(auth.for_rank(local.index(rank), local),
+                                 f"{key}/n{topo.my_node}", local.index(rank), len(local),
                                  settings, timeout)
     if len(topo.nodes) == 1:
-        return GroupLinks(channel, topo, None, key)
+        return GroupLinks(channel, topo, None, key, auth)
     try:
         if settings.transport == "mpi":
-            net = _open_mpi(store, key, rank, size, timeout, label)
+            net = _open_mpi(auth, key, rank, size, timeout, label)
         else:
-            net = _open_network(store, key, rank, size, settings, timeout, label)
+            net = _open_network(auth, key, rank, size, settings, timeout, label)
     except BaseException:
         channel.close()
         raise
@@ -80,7 +108,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
              rank, size, len(topo.nodes), topo.describe(),
              "MPI" if settings.transport == "mpi" else f"{settings.rails} rail(s) per peer",
              net.address)
-    return GroupLinks(channel, topo, net, key)
+    return GroupLinks(channel, topo, net, key, auth)
 
 
 def forget_group(store, key: str, topo: Topology) -> None:
@@ -118,12 +146,13 @@ def check_memory_model(topo: Topology, archs: list) -> None:
                 f"{{os.environ['LOCAL_RANK']}}\" before init_process_group")
 
 
-def _open_mpi(store, key: str, rank: int, size: int, timeout: timedelta, label: str):
+def _open_mpi(auth: StoreAuth, key: str, rank: int, size: int, timeout: timedelta,
+              label: str):
     """The group's MPI transport: ranks publish their MPI_COMM_WORLD rank, then build the
     group's communicator together."""
     from .transport.mpi import MpiTransport, world_rank  # mpi4py (and MPI_Init) only here
-    store.set(f"{key}/mpi/{rank}", str(world_rank()))
-    world_ranks = [int(store.get(f"{key}/mpi/{k}")) for k in range(size)]
+    auth.set(f"{key}/mpi/{rank}", str(world_rank()))
+    world_ranks = [int(auth.get(f"{key}/mpi/{k}", k)) for k in range(size)]
     deadline = time.monotonic() + timeout.total_seconds()
     net = MpiTransport(rank, size, world_ranks, label=label or f"rank {rank}", deadline=deadline)
     try:
@@ -137,19 +166,22 @@ def _open_mpi(store, key: str, rank: int, size: int, timeout: timedelta, label: 
 _REFUSED = 1 << 40  # added to the attach count by a rank that refused the segment
 
 
-def _open_node_channel(store, key: str, rank: int, size: int, settings,
+def _open_node_channel(auth: StoreAuth, key: str, rank: int, size: int, settings,
                        timeout: timedelta) -> ShmChannel:
+    """The node's shared memory; ``rank``, ``size``: this rank's index on the node and the
+    node's rank count; ``auth`` writes as that index."""
+    store = auth.store
     layout = Layout(size, settings.slot_bytes, settings.mailbox_bytes)
     if rank == 0:
         sweep_leftovers(settings.shm_dir)
         segment = Segment.create(new_segment_name(), layout.total_bytes, layout.eager_ranges(),
                                  directory=settings.shm_dir)
-        store.set(f"{key}/segment", segment.name)
+        auth.set(f"{key}/segment", segment.name)
     else:
         try:
-            segment = Segment.attach(store.get(f"{key}/segment").decode(), layout.total_bytes,
+            segment = Segment.attach(auth.get(f"{key}/segment", 0).decode(), layout.total_bytes,
                                      directory=settings.shm_dir)
-        except ShmSetupError as exc:  # tell the creator, who waits for the count
+        except (ShmSetupError, StoreAuthError) as exc:  # tell the creator, who waits for the count
             store.set(f"{key}/refused", f"local rank {rank} of the node: {exc}")
             store.add(f"{key}/attached", _REFUSED)
             raise
@@ -174,30 +206,32 @@ def _open_node_channel(store, key: str, rank: int, size: int, settings,
     if rank == 0:
         segment.unlink()
     if size > 1:
-        channel.cma = cma.probe(store, key, rank, size, channel.pid_word_address(), settings.cma)
+        channel.cma = cma.probe(auth, key, rank, size, channel.pid_word_address(), settings.cma)
     return channel
 
 
-def _open_network(store, key: str, rank: int, size: int, settings, timeout: timedelta,
-                  label: str) -> RdmTransport:
+def _open_network(auth: StoreAuth, key: str, rank: int, size: int, settings,
+                  timeout: timedelta, label: str) -> RdmTransport:
+    store = auth.store
     if settings.auth_key:
         job_key = derive_key(settings.auth_key)
-    else:
+    else:  # (no key: the store is trusted, and carries the random job key in clear)
         if rank == 0:
             store.set(f"{key}/secret", secrets.token_bytes(32))
         job_key = store.get(f"{key}/secret")
     if rank == 0:
-        store.set(f"{key}/nonce", secrets.token_hex(16))
-    group = f"{key}/{store.get(f'{key}/nonce').decode()}".encode()
+        auth.set(f"{key}/nonce", secrets.token_hex(16))
+    group = f"{key}/{auth.get(f'{key}/nonce', 0).decode()}".encode()
     net = RdmTransport(rank, size, host=choose_addresses(settings.socket_ifname, store),
                        rails=settings.rails, key=job_key, group=group,
                        segment_bytes=settings.net_segment_bytes, crc=settings.net_crc,
+                       frame_mac=bool(settings.auth_key), payload_mac=settings.net_mac,
                        link_timeout=settings.net_link_timeout,
                        max_unexpected_bytes=settings.net_max_unexpected_bytes,
                        label=label or f"rank {rank}")
     try:
-        store.set(f"{key}/addr/{rank}", net.address)
-        peers = {k: store.get(f"{key}/addr/{k}").decode() for k in range(size) if k != rank}
+        auth.set(f"{key}/addr/{rank}", net.address)
+        peers = {k: auth.get(f"{key}/addr/{k}", k).decode() for k in range(size) if k != rank}
         net.connect(peers, time.monotonic() + timeout.total_seconds())
     except BaseException:
         net.close()

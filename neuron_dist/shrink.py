@@ -86,7 +86,8 @@ def shrink_group(ranks_to_exclude, group=None, timeout: timedelta | None = None)
     timeout = timeout or backend._timeout
     started = time.monotonic()
     key = f"{backend._store_key}/shrink"
-    excluded = agree(backend._store, key, rank, size, report, timeout.total_seconds())
+    excluded = agree(backend._store, key, rank, size, report, timeout.total_seconds(),
+                     auth=backend._store_auth)
     survivors = [k for k in range(size) if k not in excluded]
     reason = (f"group {backend._label()} was shrunk to its ranks {survivors}; rank(s) "
               f"{excluded} excluded")

@@ -19,6 +19,11 @@ Every rank that is not excluded posted its report before the decision was taken 
 decider waited for it), so every survivor's report is part of the decision. A rank that was
 named although it is alive (someone reported it because it was slow) learns the decision
 when it calls ``agree`` itself and fails with ``ExcludedError``; the survivors log it.
+
+With ``NEURON_DIST_AUTH_KEY`` set, ``auth`` (the group's ``StoreAuth``, bound to its set-up
+session) tags every report with its writer's rank and the decision with its decider's, and
+each is checked before use (``StoreAuthError`` naming the key and rank otherwise), so
+someone who can write the store cannot exclude a live rank or keep a dead one.
 """
 
 from __future__ import annotations
@@ -35,29 +40,34 @@ POLL_SECONDS = 0.005
 
 
 def agree(store, key: str, rank: int, size: int, report, timeout: float,
-          what: str = "shrink_group") -> list[int]:
+          what: str = "shrink_group", auth=None) -> list[int]:
     """Post ``report`` (group ranks to exclude) and return the agreed exclusion list.
+
+    ``auth``: the group's ``store_auth.StoreAuth`` (its values checked when it has a key).
 
     Raises ``ExcludedError`` if this rank is excluded, ``PeerTimeoutError`` naming the
     ranks that neither joined nor were reported within ``timeout`` seconds.
     """
-    store.set(f"{key}/report/{rank}", json.dumps(sorted(set(report))))
+    auth = auth if auth is not None and auth.enabled else None
+    _post(store, auth, f"{key}/report/{rank}", json.dumps(sorted(set(report))))
     decision_key = f"{key}/decision"
     deadline = time.monotonic() + timeout
     reports: dict[int, list[int]] = {}
     while True:
         if store.check([decision_key]):
-            decision = json.loads(store.get(decision_key))
+            decision = _decision(auth, decision_key, store.get(decision_key))
             break
         for k in range(size):
             if k not in reports and store.check([f"{key}/report/{k}"]):
-                reports[k] = json.loads(store.get(f"{key}/report/{k}"))
+                reports[k] = json.loads(_read(store, auth, f"{key}/report/{k}", k))
         named = sorted({r for rep in reports.values() for r in rep})
         missing = [k for k in range(size) if k not in reports and k not in named]
         if not missing:
-            stored = store.compare_set(decision_key, "", json.dumps({
-                "exclude": named, "by": {str(k): v for k, v in sorted(reports.items())}}))
-            decision = json.loads(stored)
+            text = json.dumps({"exclude": named,
+                               "by": {str(k): v for k, v in sorted(reports.items())}})
+            if auth is not None:  # (compare_set takes text: the decider's rank, tagged hex)
+                text = f"{rank}:{auth.seal(decision_key, text).hex()}"
+            decision = _decision(auth, decision_key, store.compare_set(decision_key, "", text))
             break
         if time.monotonic() > deadline:
             raise PeerTimeoutError(
@@ -79,6 +89,27 @@ def agree(store, key: str, rank: int, size: int, report, timeout: float,
                     "(alive, reported by others: %s); they are fenced off", what, alive,
                     _describe(by))
     return excluded
+
+
+def _post(store, auth, name: str, text: str) -> None:
+    store.set(name, auth.seal(name, text) if auth is not None else text)
+
+
+def _read(store, auth, name: str, writer: int) -> bytes:
+    raw = store.get(name)
+    return auth.open(name, raw, writer) if auth is not None else raw
+
+
+def _decision(auth, name: str, raw) -> dict:
+    """The decision stored under ``name`` (checked to come from its decider with a key)."""
+    if auth is None:
+        return json.loads(raw)
+    decider, _, sealed = bytes(raw).decode("ascii", "replace").partition(":")
+    try:
+        writer, value = int(decider), bytes.fromhex(sealed)
+    except ValueError:
+        writer, value = -1, b""
+    return json.loads(auth.open(name, value, writer))
 
 
 def _describe(reports: dict) -> str:

@@ -59,6 +59,7 @@ from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismat
 from ..requests import Request as _Request
 from . import frames as F
 from . import handshake, progress
+from .railmac import TAG as _MAC_TAG, RailMac
 from .listener import HANDSHAKE_TIMEOUT
 from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived, PeerFailed,
                        SendCompleted)
@@ -118,15 +119,17 @@ class _Rail:
     """One connection to a peer, with its reading state and its queue of bytes to write."""
 
     __slots__ = ("sock", "fd", "peer", "index", "out", "alive", "events", "stage", "got",
-                 "hbuf", "hview", "header", "view", "buf", "inbuf", "lo", "hi")
+                 "hbuf", "hview", "header", "view", "buf", "inbuf", "lo", "hi", "mac", "head")
 
-    def __init__(self, sock, peer, index):
+    def __init__(self, sock, peer, index, mac=None):
         self.sock, self.fd, self.peer, self.index = sock, sock.fileno(), peer, index
         self.out = deque()  # byte views still to write
         self.alive = True
         self.events = _IN
-        self.hbuf = bytearray(F.HEADER_SIZE)
+        self.mac = mac  # railmac.RailMac when frames are authenticated: headers carry a tag
+        self.hbuf = bytearray(F.HEADER_SIZE + (_MAC_TAG if mac else 0))
         self.hview = memoryview(self.hbuf)
+        self.head = self.hview[:F.HEADER_SIZE] if mac else self.hbuf  # the header proper
         self.stage, self.got, self.header = _HEADER, 0, None
         self.view = self.hview  # where the bytes of the current stage go
         self.buf = None  # the frame read aside, or the trailer
@@ -177,6 +180,9 @@ class RdmTransport:
         Largest DATA payload, unacknowledged bytes allowed per peer.
     crc : bool
         CRC-32 on every frame (end-to-end check on top of TCP's).
+    frame_mac, payload_mac : bool
+        Authenticate every frame's header and acks with the rail's session key
+        (railmac.py); ``payload_mac`` also its payload (implies ``frame_mac``).
     max_unexpected_bytes : int
         Memory per peer for messages that arrive before their receive is posted
         (``Endpoint``'s ``max_reassembly_bytes``); beyond it the peer is held back.
@@ -193,10 +199,11 @@ class RdmTransport:
                  group: bytes, segment_bytes: int = 1 << 20, window_bytes: int = 32 << 20,
                  crc: bool = False, rto: float = 5.0, ack_delay: float = 0.005,
                  max_unexpected_bytes: int = 512 << 20, link_timeout: float = 10.0,
-                 label: str = ""):
+                 label: str = "", frame_mac: bool = False, payload_mac: bool = False):
         self.rank, self.world_size, self.nrails = rank, world_size, rails
         self.segment_bytes = segment_bytes
         self._key, self._group, self._label = key, group, label or f"rank {rank}"
+        self._mac = (frame_mac or payload_mac, payload_mac)
         self.ep = Endpoint(rank, world_size, rails, segment_bytes, 1 << 48, rto=rto,
                            max_rto=max(rto, 30.0), max_retries=6, window_bytes=window_bytes,
                            max_reassembly_bytes=max_unexpected_bytes, crc=crc,
@@ -277,11 +284,11 @@ class RdmTransport:
             except ConnectionRefusedError:
                 time.sleep(0.05)
         try:
-            handshake.dial(sock, self._key, self._group, self.rank, rail, peer)
+            session = handshake.dial(sock, self._key, self._group, self.rank, rail, peer)
         except BaseException:
             sock.close()
             raise
-        self._add_rail(sock, peer, rail)
+        self._add_rail(sock, peer, rail, session, dialer=True)
 
     def _may_dial(self, rank: int, rail: int) -> bool:
         """May ``rank`` open rail ``rail`` to this rank now (the listener asks)?"""
@@ -290,11 +297,12 @@ class RdmTransport:
                     and not self._closed
                     and self._rails.get(rank, [None] * self.nrails)[rail] is None)
 
-    def _accepted(self, sock, peer: int, index: int) -> None:
+    def _accepted(self, sock, peer: int, index: int, session: bytes = b"") -> None:
         """An authenticated connection from ``peer`` for rail ``index`` (the listener)."""
-        self._add_rail(sock, peer, index)
+        self._add_rail(sock, peer, index, session, dialer=False)
 
-    def _add_rail(self, sock, peer: int, index: int) -> None:
+    def _add_rail(self, sock, peer: int, index: int, session: bytes = b"",
+                  dialer: bool = False) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if hasattr(socket, "TCP_USER_TIMEOUT"):  # a dead link breaks the rail (Linux)
@@ -310,7 +318,8 @@ class RdmTransport:
                             max(1, int(self._link_timeout / 2)))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
         sock.setblocking(False)
-        rail = _Rail(sock, peer, index)
+        mac = RailMac(session, dialer, self._mac[1]) if self._mac[0] else None
+        rail = _Rail(sock, peer, index, mac)
         with self._lock:
             if self._closed:
                 sock.close()
@@ -381,6 +390,8 @@ class RdmTransport:
         rail = rails[tx.rail] if rails else None
         if rail is None or not rail.alive:
             return  # (resent on another rail: the endpoint learns of the failure)
+        if rail.mac is not None:
+            tx = rail.mac.seal(tx)
         out = rail.out
         out.append(memoryview(tx.header))
         if len(tx.payload):
@@ -602,9 +613,12 @@ class RdmTransport:
     def _advance(self, rail: _Rail, ep: Endpoint) -> None:
         """Under the lock: the current stage of ``rail``'s frame is read; go to the next."""
         stage, h = rail.stage, rail.header
+        mac = rail.mac
         if stage == _HEADER:
             try:
-                h = F.decode_header(rail.hbuf, world_size=self.world_size,
+                if mac is not None:
+                    mac.check_header(rail.hbuf)
+                h = F.decode_header(rail.head, world_size=self.world_size,
                                     max_message_bytes=ep.max_message_bytes,
                                     max_payload=self._max_payload, require_crc=ep.crc)
                 if h.src != rail.peer or h.dst != self.rank:
@@ -620,21 +634,40 @@ class RdmTransport:
             if target is not None:  # claimed for this rail: see "Buffer ownership"
                 self._stage(rail, _PAYLOAD, target)
                 return
-            frame = bytearray(F.HEADER_SIZE + h.length + h.trailer_bytes)
-            frame[:F.HEADER_SIZE] = rail.hbuf
+            tail = _MAC_TAG if mac is not None and mac.tail(h.type, h.nacks) else 0
+            frame = bytearray(F.HEADER_SIZE + h.length + h.trailer_bytes + tail)
+            frame[:F.HEADER_SIZE] = rail.head
             rail.buf = frame
             self._stage(rail, _ASIDE, memoryview(frame)[F.HEADER_SIZE:])
             return
-        if stage == _PAYLOAD and h.nacks:
-            rail.buf = bytearray(h.trailer_bytes)
+        tail = mac is not None and mac.tail(h.type, h.nacks)
+        if stage == _PAYLOAD and (h.nacks or tail):
+            if mac is not None and mac.payload:
+                mac.absorb(rail.view)  # (what was read: scratch memory if cancelled meanwhile)
+            rail.buf = bytearray(h.trailer_bytes + (_MAC_TAG if tail else 0))
             self._stage(rail, _TRAILER, memoryview(rail.buf))
             return
+        frame = rail.buf
+        if tail:  # check the acks (and payload) before they are acted on
+            try:
+                if stage == _TRAILER:
+                    mac.check_tail(memoryview(frame)[:-_MAC_TAG], frame[-_MAC_TAG:])
+                else:
+                    covered = F.HEADER_SIZE if mac.payload or h.type == F.ACK else \
+                        F.HEADER_SIZE + h.length
+                    mac.check_tail(memoryview(frame)[covered:-_MAC_TAG], frame[-_MAC_TAG:])
+            except F.FrameError as e:
+                log.error("neuron %s: closing rail %d to rank %d: %s", self._label, rail.index,
+                          rail.peer, e)
+                self._rail_down(rail, f"unauthenticated frame: {e}")  # (releases the claim)
+                return
+            frame = memoryview(frame)[:-_MAC_TAG]
         if stage in (_PAYLOAD, _TRAILER):
-            trailer = rail.buf if stage == _TRAILER else b""
+            trailer = frame if stage == _TRAILER else b""
             ep.data_landed(rail.index, rail.hbuf, h, time.monotonic(), trailer)
         else:  # _ASIDE
             rejected = ep.stats["rejected"]
-            ep.receive(rail.index, rail.buf, time.monotonic())
+            ep.receive(rail.index, frame, time.monotonic())
             if ep.stats["rejected"] > rejected and ep.crc:
                 # a path that corrupts data (past TCP's checksum) is not used again
                 self._stage(rail, _HEADER, rail.hview)
@@ -659,6 +692,8 @@ class RdmTransport:
                 rail = rails[tx.rail] if rails else None
                 if rail is None or not rail.alive:
                     continue
+                if rail.mac is not None:
+                    tx = rail.mac.seal(tx)
                 rail.out.append(memoryview(tx.header))
                 if len(tx.payload):
                     rail.out.append(memoryview(tx.payload).cast("B"))
@@ -832,7 +867,7 @@ class RdmTransport:
             log.log(logging.INFO if reason.startswith(_CLEAN_EOF) else logging.WARNING,
                     "neuron %s: rail %d to rank %d failed: %s", self._label, rail.index,
                     rail.peer, reason)
-        if rail.stage == _PAYLOAD:
+        if rail.stage in (_PAYLOAD, _TRAILER):  # (a trailer follows a payload read in place)
             self.ep.release_claims(rail.peer, rail.index)
         self._drop(rail)
         if rail.peer not in self._failed and not self._closed:

@@ -18,6 +18,12 @@ also checks that the claimed rank may dial it, and the dialer checks the accepto
 answer, so neither end talks to an impostor. Fresh challenges on both sides defeat replay. A peer that fails, stalls
 (the whole handshake has one deadline, however slowly its bytes come) or sends garbage
 gets its connection closed and nothing else: the caller logs it and goes on accepting.
+
+Both ends then know a fresh *session key* for the connection (``session_key``): an HMAC
+with the job key over both challenges, the group, both ranks and the rail. With frame
+authentication on (a job key set by the user, or ``NEURON_DIST_NET_MAC=1``), every frame
+on the rail carries tags made with it (railmac.py), which binds the handshake to the
+connection that follows: relaying the handshake gains nothing without the job key.
 """
 
 from __future__ import annotations
@@ -56,6 +62,13 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
+def session_key(key: bytes, group: bytes, challenge_a: bytes, challenge_d: bytes,
+                dialer: int, rail: int, acceptor: int) -> bytes:
+    """The key of one rail connection, from the job key and the handshake's fresh values."""
+    return _mac(key, b"session", group, challenge_a, challenge_d,
+                struct.pack("!IHI", dialer, rail, acceptor))
+
+
 def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -80,7 +93,8 @@ def _until(sock: socket.socket, deadline: float) -> None:
 
 
 def accept(sock: socket.socket, resolve, deadline: float | None = None):
-    """Authenticate a dialer on the accepted ``sock``; return ``(owner, rank, rail)``.
+    """Authenticate a dialer on the accepted ``sock``; return ``(owner, rank, rail,
+    session)``, ``session`` being the connection's ``session_key``.
 
     ``resolve(group_id, dst)`` returns ``(owner, key, group, may_dial)`` for the group
     and rank dialled, or None (no such group here): ``may_dial(rank, rail)`` says whether
@@ -115,11 +129,14 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
     if deadline is not None:
         _until(sock, deadline)
     sock.sendall(OK + _mac(key, b"accept", group, their_challenge, struct.pack("!I", my_rank)))
-    return owner, rank, rail
+    return owner, rank, rail, session_key(key, group, challenge, their_challenge, rank, rail,
+                                          my_rank)
 
 
-def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int, dst: int) -> None:
-    """Authenticate to the acceptor ``dst`` on the connected ``sock`` (timeout set).
+def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
+         dst: int) -> bytes:
+    """Authenticate to the acceptor ``dst`` on the connected ``sock`` (timeout set); return
+    the connection's ``session_key``.
 
     Raises
     ------
@@ -137,3 +154,4 @@ def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
     expect = _mac(key, b"accept", group, challenge, struct.pack("!I", dst))
     if answer[:4] != OK or not hmac.compare_digest(answer[4:], expect):
         raise HandshakeError(f"rank {dst} at {sock.getpeername()} did not prove the job key")
+    return session_key(key, group, hello[4:], challenge, my_rank, rail, dst)

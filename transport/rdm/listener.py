@@ -130,7 +130,7 @@ class Listener:
 
     def _accept_one(self, conn, addr) -> None:
         try:
-            owner, peer, rail = handshake.accept(conn, self._resolve,
+            owner, peer, rail, session = handshake.accept(conn, self._resolve,
                                                  deadline=time.monotonic() + HANDSHAKE_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - a stranger must never hurt the job
             with self._lock:
@@ -143,4 +143,4 @@ class Listener:
         if evicted:  # (it was closed under us: the dialer retries)
             conn.close()
             return
-        owner._accepted(conn, peer, rail)
+        owner._accepted(conn, peer, rail, session)

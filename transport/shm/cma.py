@@ -60,6 +60,10 @@ def probe(store, key: str, rank: int, size: int, pid_word_address: int,
           enabled: bool = True) -> bool:
     """Agree through ``store`` whether every rank of the node can read every other's memory.
 
+    ``store`` has ``set(name, value)`` (written by this rank) and ``get(name, writer)``
+    (checked to come from the node's rank ``writer``: neuron_dist/store_auth.py's
+    ``StoreAuth``, which authenticates the values when the job has a key).
+
     ``pid_word_address`` is the address, in this process, of an 8-byte word holding our
     pid; every peer tries to read it back. ``enabled`` False (this rank's settings forbid
     CMA) makes the answer False. Returns the same answer on every rank.
@@ -69,7 +73,7 @@ def probe(store, key: str, rank: int, size: int, pid_word_address: int,
     for k in range(size):
         if k == rank or not ok:
             continue
-        pid, addr = map(int, store.get(f"{key}/cma/addr/{k}").decode().split(":"))
+        pid, addr = map(int, store.get(f"{key}/cma/addr/{k}", k).decode().split(":"))
         buf = ctypes.c_int64(0)
         try:
             read(pid, ctypes.addressof(buf), addr, 8)
@@ -78,4 +82,4 @@ def probe(store, key: str, rank: int, size: int, pid_word_address: int,
         else:
             ok = buf.value == pid
     store.set(f"{key}/cma/ok/{rank}", "1" if ok else "0")
-    return all(store.get(f"{key}/cma/ok/{k}") == b"1" for k in range(size))
+    return all(store.get(f"{key}/cma/ok/{k}", k) == b"1" for k in range(size))

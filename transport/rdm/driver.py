@@ -61,7 +61,7 @@ from . import frames as F
 from . import handshake, progress
 from .railmac import TAG as _MAC_TAG, RailMac
 from .listener import HANDSHAKE_TIMEOUT
-from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived, PeerFailed,
+from .protocol import (Endpoint, FrameRejected, MessageReceived, PeerFailed,
                        SendCompleted)
 
 log = logging.getLogger("neuron_dist.rdm")

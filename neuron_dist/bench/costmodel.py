@@ -126,7 +126,6 @@ import numpy as np
 from ..collectives.context import ALIGN_BYTES
 from ..collectives.twolevel import HALVES_BYTES, PIGGYBACK_BYTES, RING_BYTES
 from ..config import Settings
-from .internode import link_reference
 from .sweep import human_size, parse_size
 
 # The settings the measurements ran with: the defaults (neuron_dist/config.py).
@@ -149,6 +148,39 @@ IMPLEMENTED = ("hier+direct", "hier+ring", "leader")
 
 
 # ============================================================================ data
+
+def link_reference(path: str) -> dict | None:
+    """The raw-TCP numbers of ``bench.link --where veth`` (None if the file is missing).
+
+    Returns ``{"path", "streams": {S: GB/s}, "best": {...} | None, "command", "time"}``;
+    "streams" is the best TCP variant per stream count S.
+    """
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        return {"path": path, "error": f"{type(exc).__name__}: {exc}"}
+    summ = doc.get("summary") or {}
+    streams = {}
+    for s, cell in (summ.get("tcp_best") or {}).items():
+        try:
+            streams[int(s)] = {"gbps": float(cell["gbps"]), "variant": cell.get("variant")}
+        except (KeyError, TypeError, ValueError):
+            continue
+    if not streams:  # older or different layout: take the tcp rows themselves
+        for r in doc.get("results") or []:
+            if r.get("mode") == "tcp" and "gbps" in r and "streams" in r:
+                cur = streams.get(int(r["streams"]))
+                if cur is None or r["gbps"] > cur["gbps"]:
+                    streams[int(r["streams"])] = {"gbps": float(r["gbps"]),
+                                                  "variant": r.get("variant")}
+    meta = doc.get("meta") or {}
+    return {"path": path, "streams": dict(sorted(streams.items())),
+            "best": summ.get("baseline"), "command": meta.get("command"),
+            "time": meta.get("time"), "where": meta.get("where")}
+
 
 def _load(path: str) -> dict:
     with open(path) as f:

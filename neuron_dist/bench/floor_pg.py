@@ -3,24 +3,34 @@
 How it works
 ------------
 ``neuron_floor`` is a ``torch.distributed`` backend for benchmarks only. Every pair of
-ranks shares one blocking TCP connection (``TCP_NODELAY``) on the address neuron itself
-would use (``NEURON_DIST_SOCKET_IFNAME``); ``send`` writes the tensor's bytes, ``recv``
-reads exactly as many, and ``all_reduce`` (SUM) sends the buffer to every other rank, reads
-theirs and adds them up in rank order. There are no headers, tags, acks, timeouts,
-checks or threads, and every call returns a Work that is already complete.
+ranks shares ``streams`` blocking TCP connections (``TCP_NODELAY``) on the address neuron
+itself would use (``NEURON_DIST_SOCKET_IFNAME``), and nothing else: no headers, tags, acks,
+timeouts, checks or progress engine, and every call returns a Work that is already complete.
 
-What it measures is what torch's dispatch to a Python ``ProcessGroup`` plus two socket
-calls cost on the machine, in the same run as neuron and gloo: neither neuron nor any
-other backend written in Python can be faster than this for a small message, so it
-bounds the small-message rows of ``bench.internode``. It is not a backend anyone should
-train with: it runs only small messages (both ranks of an exchange write before they
-read, which only kernel socket buffers make safe) and it never notices a dead peer.
+* A message of up to ``SMALL_BYTES`` goes whole over the first connection, from the
+  caller's thread: ``send`` writes the tensor's bytes, ``recv`` reads exactly as many. That
+  is what torch's dispatch to a Python ``ProcessGroup`` plus two socket calls cost.
+* A larger one is cut into ``streams`` contiguous pieces, piece ``i`` on connection ``i``,
+  each written (or read) by a thread of its own at the same time: raw TCP over as many
+  streams as neuron has rails, through the same c10d face, with the bytes going from the
+  tensor to the socket and from the socket to the tensor once each.
+* ``all_reduce`` (SUM) sends the buffer to every other rank and reads theirs at the same time
+  (threads, so two ranks that both write large buffers cannot fill each other's socket
+  buffers and stop), into buffers kept across calls, then adds them up in rank order: the
+  simplest exchange, with every byte crossing the link once each way.
+
+``bench.internode`` runs it beside neuron and gloo in the same run and prints ratios to it:
+for small messages it bounds what any backend written in Python can reach on the machine;
+for large ones it is the link itself (the target for neuron's large send/recv is a share of
+raw TCP over several streams). It is not a backend anyone should train with: it never
+notices a dead peer and it has no barrier semantics beyond a tiny all_reduce.
 """
 
 from __future__ import annotations
 
 import ctypes
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -31,7 +41,7 @@ from ..topology import choose_addresses
 from .null_pg import CompletedWork
 
 BACKEND_NAME = "neuron_floor"
-MAX_BYTES = 64 << 10  # exchanges beyond this could fill both sockets and deadlock
+SMALL_BYTES = 64 << 10  # up to this size a message is one write on one connection
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -40,59 +50,108 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 class FloorProcessGroup(ProcessGroup):
-    """See the module docstring. ``store`` exchanges the listening addresses."""
+    """See the module docstring. ``store`` exchanges the listening addresses; ``streams``
+    connections join every pair of ranks."""
 
-    def __init__(self, store, rank: int, size: int):
+    def __init__(self, store, rank: int, size: int, streams: int = 1):
         super().__init__(rank, size)
-        self._rank, self._size = rank, size
-        self._socks: dict[int, socket.socket] = {}
+        if streams < 1:
+            raise ValueError(f"{BACKEND_NAME}: streams must be >= 1, not {streams}")
+        self._rank, self._size, self._streams = rank, size, streams
+        self._socks: dict[int, list] = {}  # peer -> its connections, in stream order
         self._done = CompletedWork()
+        self._buffers: dict = {}  # peer (-1: the sum) -> buffer of the last all_reduce's shape
+        self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * streams * (size - 1)),
+                                        thread_name_prefix="neuron-floor")
         host = choose_addresses(Settings.from_env().socket_ifname, store)[0]
-        listener = socket.create_server((host, 0))
+        listener = socket.create_server((host, 0), backlog=max(8, streams * size))
         try:
             store.set(f"floor/addr/{rank}", f"{host}:{listener.getsockname()[1]}")
             for peer in range(rank):  # dial the lower ranks, accept the higher ones
                 h, _, p = store.get(f"floor/addr/{peer}").decode().rpartition(":")
-                sock = socket.create_connection((h, int(p)))
-                sock.sendall(rank.to_bytes(4, "little"))
-                self._add(peer, sock)
-            for _ in range(rank + 1, size):
+                for i in range(streams):
+                    sock = socket.create_connection((h, int(p)))
+                    sock.sendall(rank.to_bytes(4, "little") + i.to_bytes(4, "little"))
+                    self._add(peer, i, sock)
+            for _ in range(streams * (size - rank - 1)):
                 sock, _ = listener.accept()
-                self._add(int.from_bytes(_read(sock, 4), "little"), sock)
+                who = _read(sock, 8)
+                self._add(int.from_bytes(who[:4], "little"), int.from_bytes(who[4:], "little"),
+                          sock)
         finally:
             listener.close()
 
-    def _add(self, peer: int, sock: socket.socket) -> None:
+    def _add(self, peer: int, index: int, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._socks[peer] = sock
+        self._socks.setdefault(peer, [None] * self._streams)[index] = sock
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
+    def _pieces(self, view: memoryview) -> list:
+        """``view`` cut into one contiguous piece per stream (just one when it is small)."""
+        n = view.nbytes
+        if n <= SMALL_BYTES:
+            return [view]
+        step = -(-n // self._streams)
+        return [view[i:i + step] for i in range(0, n, step)]
+
+    def _start(self, peer: int, view: memoryview, send: bool) -> list:
+        """Start moving ``view`` to (or from) ``peer``, piece ``i`` on connection ``i``, each
+        in a pool thread; the futures."""
+        io = _write if send else _read_into
+        socks = self._socks[peer]
+        return [self._pool.submit(io, socks[i], piece)
+                for i, piece in enumerate(self._pieces(view))]
+
     def send(self, tensors, dst: int, tag: int = 0):
-        self._socks[dst].sendall(_bytes_of(tensors[0]))
+        view = _bytes_of(tensors[0])
+        if view.nbytes <= SMALL_BYTES:
+            self._socks[dst][0].sendall(view)
+        else:
+            _wait(self._start(dst, view, True))
         return self._done
 
     def recv(self, tensors, src: int, tag: int = 0):
-        _read_into(self._socks[src], _bytes_of(tensors[0]))
+        view = _bytes_of(tensors[0])
+        if view.nbytes <= SMALL_BYTES:
+            _read_into(self._socks[src][0], view)
+        else:
+            _wait(self._start(src, view, False))
         return self._done
 
     def allreduce(self, tensors, opts=None):
         t = tensors[0]
-        if t.numel() * t.element_size() > MAX_BYTES:
-            raise ValueError(f"{BACKEND_NAME} runs messages up to {MAX_BYTES} bytes only")
         mine = _bytes_of(t)
-        theirs = {}
-        for peer, sock in self._socks.items():
-            sock.sendall(mine)
-        for peer, sock in self._socks.items():
-            theirs[peer] = torch.empty_like(t)
-            _read_into(sock, _bytes_of(theirs[peer]))
-        total = torch.zeros_like(t)
-        for r in range(self._size):
+        theirs = {peer: self._buffer(peer, t) for peer in self._socks}
+        if mine.nbytes <= SMALL_BYTES:  # (both ranks may write first: socket buffers hold it)
+            for sock in self._socks.values():
+                sock[0].sendall(mine)
+            for peer, sock in self._socks.items():
+                _read_into(sock[0], _bytes_of(theirs[peer]))
+        else:
+            moving = []
+            for peer in self._socks:
+                moving += self._start(peer, mine, True)
+                moving += self._start(peer, _bytes_of(theirs[peer]), False)
+            _wait(moving)
+        if self._size == 2:  # (a + b == b + a exactly: both ranks get the same bits)
+            t.add_(theirs[1 - self._rank])
+            return self._done
+        total = self._buffer(-1, t)
+        total.zero_()
+        for r in range(self._size):  # the same order on every rank
             total += t if r == self._rank else theirs[r]
         t.copy_(total)
         return self._done
+
+    def _buffer(self, key: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer shaped like ``like``, kept across calls (fresh pages cost more than the
+        network here: the kernel zero-fills each one)."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != like.numel() or buf.dtype != like.dtype:
+            buf = self._buffers[key] = torch.empty_like(like)
+        return buf
 
     def barrier(self, opts=None):
         one = torch.zeros(1, dtype=torch.uint8)
@@ -100,9 +159,20 @@ class FloorProcessGroup(ProcessGroup):
         return self._done
 
     def shutdown(self) -> None:
-        for sock in self._socks.values():
-            sock.close()
+        for socks in self._socks.values():
+            for sock in socks:
+                sock.close()
         self._socks.clear()
+        self._pool.shutdown(wait=False)
+
+
+def _wait(futures) -> None:
+    for f in futures:
+        f.result()
+
+
+def _write(sock: socket.socket, view: memoryview) -> None:
+    sock.sendall(view)
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
@@ -120,11 +190,16 @@ def _read_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def register() -> None:
-    """Register ``neuron_floor`` with torch.distributed (idempotent)."""
+_STREAMS = [1]  # connections per pair of the groups made from now on (register())
+
+
+def register(streams: int = 1) -> None:
+    """Register ``neuron_floor`` with torch.distributed (idempotent); groups made after this
+    join every pair of ranks with ``streams`` TCP connections."""
+    _STREAMS[0] = streams
     if BACKEND_NAME in dist.Backend.backend_list:
         return
     dist.Backend.register_backend(
         BACKEND_NAME, lambda o, pg_options=None: FloorProcessGroup(o.store, o.group_rank,
-                                                                   o.group_size),
+                                                                   o.group_size, _STREAMS[0]),
         extended_api=True, devices=["cpu"])

@@ -11,20 +11,21 @@ interleaved per size, in the same two processes:
   (algbw x 2(n-1)/n, = algbw for 2 ranks),
 
 for the neuron backend with ``NEURON_DIST_RAILS=1``, with ``NEURON_DIST_RAILS=4`` and for
-gloo (``GLOO_SOCKET_IFNAME=eth0``), and, for ping-pongs and all_reduces up to 64 KiB, for
-the *floor*: ``neuron_floor`` (``bench/floor_pg.py``), a Python process group with one TCP
-connection per pair and no protocol at all, which is what torch's dispatch to any Python
-backend plus the socket calls cost in this run (``floor/gloo`` is the best ratio to gloo a
-Python backend could show; ``--no-floor`` leaves it out). The rank side is ``internode_worker.py`` (see its
+gloo (``GLOO_SOCKET_IFNAME=eth0``), and, for ping-pongs, p2p and all_reduces, for the
+*floor*: ``neuron_floor`` (``bench/floor_pg.py``), a Python process group over raw TCP with
+as many connections per pair as neuron's most rails and no protocol at all. For small
+messages it is what torch's dispatch to any Python backend plus the socket calls cost in
+this run (``floor/gloo`` is the best ratio to gloo a Python backend could show); for large
+ones it is the link itself, several raw TCP streams on the same veth (``4r/floor`` is
+neuron's share of it). ``--no-floor`` leaves it out. The rank side is ``internode_worker.py`` (see its
 docstring for groups and timing); it prints ``INTERNODE {json}`` lines that this command
 collects from the launcher's ``Result.stdout``. Progress lines go to stderr while the run
 goes (through a temporary file the worker appends to; removed at the end).
 
 Output: the command and set-up on top, one table per op (nccl-tests-like) with a column
 pair per backend and the ratios ``4r/gloo`` (neuron 4 rails busbw / gloo busbw: > 1 means
-neuron is faster) and ``4r/1r``; the raw TCP reference from ``results/link-veth.json``
-(``python -m neuron_dist.bench.link --where veth``) when present; a summary at the large
-sizes. ``--json FILE`` writes everything.
+neuron is faster), ``floor/gloo``, ``4r/floor`` and ``4r/1r``; a summary at the large
+sizes. Every reference is measured in the same run. ``--json FILE`` writes everything.
 
 Bounded: ``--timeout`` for the whole run (vnodes kills every agent and deletes the
 namespaces on every exit path), ``--pg-timeout`` per operation inside the ranks.
@@ -50,7 +51,6 @@ from .sweep import human_size, parse_size
 WORKER = "neuron_dist.bench.internode_worker"
 TAG = "INTERNODE "
 OPS = ("pingpong", "p2p", "all_reduce", "all_gather", "reduce_scatter")
-DEFAULT_LINK_JSON = os.path.join("results", "link-veth.json")
 
 EPILOG = """\
 p2p: rank 0 -> rank 1 only (osu_bw style). One iteration = W isends posted at once on
@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rails", type=_rails, default="1,4", help="neuron groups to measure")
     m.add_argument("--no-gloo", action="store_true", help="do not measure gloo")
     m.add_argument("--no-floor", action="store_true",
-                   help="do not measure the floor (a Python process group with no protocol: "
-                        "bench/floor_pg.py) on small ping-pongs and all_reduces")
+                   help="do not measure the floor (a Python process group over raw TCP with no "
+                        "protocol: bench/floor_pg.py) on ping-pongs, p2p and all_reduces")
     m.add_argument("--iters", type=int, default=20, help="most timed iterations per size")
     m.add_argument("--min-iters", type=int, default=5, help="fewest timed iterations per size")
     m.add_argument("--iter-bytes", type=_size, default="1G",
@@ -125,8 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write meta, rows and the reference as JSON")
-    o.add_argument("--link-json", default=DEFAULT_LINK_JSON, metavar="FILE",
-                   help="raw TCP reference (bench.link --where veth); ignored if missing")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     t = p.add_argument_group("limits")
     t.add_argument("--timeout", type=float, default=480.0,
@@ -148,57 +146,6 @@ def sizes_between(lo: int, hi: int, factor: float) -> list[int]:
         s *= factor
     out.append(hi)
     return sorted(set(out))
-
-
-# ----------------------------------------------------------------------------- reference
-
-def link_reference(path: str) -> dict | None:
-    """The raw-TCP numbers of ``bench.link --where veth`` (None if the file is missing).
-
-    Returns ``{"path", "streams": {S: GB/s}, "best": {...} | None, "command", "time"}``;
-    "streams" is the best TCP variant per stream count S.
-    """
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        return {"path": path, "error": f"{type(exc).__name__}: {exc}"}
-    summ = doc.get("summary") or {}
-    streams = {}
-    for s, cell in (summ.get("tcp_best") or {}).items():
-        try:
-            streams[int(s)] = {"gbps": float(cell["gbps"]), "variant": cell.get("variant")}
-        except (KeyError, TypeError, ValueError):
-            continue
-    if not streams:  # older or different layout: take the tcp rows themselves
-        for r in doc.get("results") or []:
-            if r.get("mode") == "tcp" and "gbps" in r and "streams" in r:
-                cur = streams.get(int(r["streams"]))
-                if cur is None or r["gbps"] > cur["gbps"]:
-                    streams[int(r["streams"])] = {"gbps": float(r["gbps"]),
-                                                  "variant": r.get("variant")}
-    meta = doc.get("meta") or {}
-    return {"path": path, "streams": dict(sorted(streams.items())),
-            "best": summ.get("baseline"), "command": meta.get("command"),
-            "time": meta.get("time"), "where": meta.get("where")}
-
-
-def reference_lines(ref: dict | None, path: str) -> list[str]:
-    if ref is None:
-        return [f"# raw TCP reference: {path} not present (make it with: python -m "
-                f"neuron_dist.bench.link --where veth --json {path})"]
-    if "error" in ref:
-        return [f"# raw TCP reference: cannot read {path}: {ref['error']}"]
-    if not ref["streams"]:
-        return [f"# raw TCP reference: no TCP results in {path}"]
-    out = [f"# raw TCP over a veth pair ({path}"
-           + (f", {ref['time']}" if ref.get("time") else "") + "), one direction, best variant:"]
-    for s, cell in ref["streams"].items():
-        out.append(f"#   raw TCP, {s} stream{'s' if s != 1 else ''}: {cell['gbps']:.3f} GB/s "
-                   f"({cell.get('variant')})")
-    return out
 
 
 # ----------------------------------------------------------------------------- run
@@ -393,7 +340,7 @@ def summarize(rows: list[dict], backends: list[str], ratio_pairs, large: int) ->
     return out
 
 
-def summary_lines(summ: dict, ref: dict | None) -> list[str]:
+def summary_lines(summ: dict) -> list[str]:
     out = []
     for op, s in summ.items():
         what = "GB/s" if op == "p2p" else "busbw GB/s"
@@ -406,15 +353,6 @@ def summary_lines(summ: dict, ref: dict | None) -> list[str]:
         for label, r in s["ratios"].items():
             f = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
             out.append(f"#   {label:<14} {f(r['at_max']):>7}  ({f(r['median_large'])})")
-    if ref and ref.get("streams"):
-        for op, s in summ.items():
-            for b, v in s["backends"].items():
-                m = b.split("-")[1] if b.startswith("neuron-") else None
-                n = int(m.split("rail")[0]) if m else None
-                raw = ref["streams"].get(n) if n else None
-                if op == "p2p" and raw and v["at_max_gbs"]:
-                    out.append(f"#   {b} p2p at max / raw TCP {n} stream{'s' if n != 1 else ''}: "
-                               f"{v['at_max_gbs'] / raw['gbps']:.2f}")
     return out
 
 
@@ -505,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                 ratio_pairs.append((f"{r}r/gloo", name, "gloo"))
                 if "floor" in backends:
                     ratio_pairs.append(("floor/gloo", "floor", "gloo"))
+    if "floor" in backends:
+        hi = max(args.rails)
+        ratio_pairs.append((f"{hi}r/floor", backends[args.rails.index(hi)], "floor"))
     if len(args.rails) > 1:
         hi, lo = max(args.rails), min(args.rails)
         ratio_pairs.append((f"{hi}r/{lo}r", backends[args.rails.index(hi)],
@@ -531,7 +472,6 @@ def main(argv: list[str] | None = None) -> int:
             if tail:
                 stderr_tail.append({"node": i, "lines": tail})
 
-    ref = link_reference(args.link_json)
     meta = {
         "command": cmd, "started": started.isoformat(timespec="seconds"),
         "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -556,8 +496,6 @@ def main(argv: list[str] | None = None) -> int:
                    "(> 1 = first is faster). '!' after GB/s = result check failed."),
     }
     print("\n".join(_header(meta, meta["ranks"])))
-    for line in reference_lines(ref, args.link_json):
-        print(line)
     titles = {"pingpong": "pingpong: send/recv round trip rank 0 -> 1 -> 0; time_us per round "
                           "trip ('busbw' = 2 x bytes / time)",
               "p2p": "p2p: rank 0 send -> rank 1 recv (one direction); time_us per message",
@@ -571,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(op, rows, backends, ratio_pairs))
     summ = summarize(rows, backends, ratio_pairs, large=64 << 20)
     print("#\n# summary (large sizes)")
-    for line in summary_lines(summ, ref):
+    for line in summary_lines(summ):
         print(line)
     for e in errors:
         print(f"# error: {e}")
@@ -582,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
 
     if args.json:
-        doc = {"meta": meta, "results": rows, "summary": summ, "reference": ref,
+        doc = {"meta": meta, "results": rows, "summary": summ,
                "errors": errors, "stderr_tail": stderr_tail}
         d = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(d, exist_ok=True)

@@ -67,7 +67,7 @@ from . import floor_pg
 from .sweep import ops_per_sample, time_iterations
 
 TAG = "INTERNODE "
-FLOOR_OPS = ("pingpong", "all_reduce")  # what the floor backend measures (small sizes)
+FLOOR_OPS = ("pingpong", "p2p", "all_reduce")  # what the floor backend measures
 
 
 _PROGRESS = None  # file the parent tails for progress lines (--progress)
@@ -297,8 +297,8 @@ def main(argv=None) -> int:
     p.add_argument("--rails", type=_ints, default=[1, 4])
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--floor", action="store_true",
-                   help="also measure neuron_floor (bench/floor_pg.py) on small ping-pongs and "
-                        "all_reduces")
+                   help="also measure neuron_floor (bench/floor_pg.py: raw TCP, as many "
+                        "streams as the most rails) on ping-pongs, p2p and all_reduces")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
@@ -334,10 +334,12 @@ def main(argv=None) -> int:
         groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
         infos["gloo"] = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME")}
     if args.floor:
-        floor_pg.register()
+        streams = max(args.rails)
+        floor_pg.register(streams)
         try:
             groups["floor"] = dist.new_group(backend=floor_pg.BACKEND_NAME, timeout=timeout)
-            infos["floor"] = {"what": "one TCP connection per pair, no protocol"}
+            infos["floor"] = {"what": f"raw TCP: {streams} connection(s) per pair, no protocol",
+                              "streams": streams}
         except Exception as exc:  # noqa: BLE001
             infos["floor"] = {"error": _err(exc)}
             traceback.print_exc(file=sys.stderr)
@@ -385,8 +387,8 @@ def main(argv=None) -> int:
             k = i % len(backends) if backends else 0
             order = backends[k:] + backends[:k]
             for b in order:
-                if b == "floor" and (op not in FLOOR_OPS or count * 4 > floor_pg.MAX_BYTES):
-                    continue  # (it runs small messages only)
+                if b == "floor" and op not in FLOOR_OPS:
+                    continue
                 if b in dead:
                     row = {"kind": "row", "op": op, "bytes": count * 4, "backend": b,
                            "world": world, "status": "skipped", "error": dead[b]}

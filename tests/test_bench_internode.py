@@ -113,9 +113,11 @@ def test_internode_tiny(tmp_path):
         assert r["iters"] == 1 and len(r["iter_s"]) == 1, (key, r)
         assert r["time_us"] > 0 and r["busbw_gbs"] > 0, (key, r)
         assert r["busbw_gbs"] < 100, (key, r)  # a veth on one machine: sane bound
+        assert len(r["cpu_us"]) == 2 and all(0 < c < 1e6 for c in r["cpu_us"]), (key, r)
         if r["op"] == "p2p":
             assert r["window"] == max(1, min(64, (16 << 20) // r["bytes"]))
 
+    assert "all_reduce: CPU us per operation" in stdout
     for label in ("4r/gloo", "4r/1r", "floor/gloo", "4r/floor"):
         assert label in stdout, label
     assert stdout.startswith("# python -m neuron_dist.bench.internode ")

@@ -314,6 +314,23 @@ def table(op: str, rows: list[dict], backends: list[str], ratio_pairs) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(op: str, rows: list[dict], backends: list[str]) -> str:
+    """CPU per operation (max over ranks; every thread of the process, user + system)."""
+    by = {(r["bytes"], r["backend"]): r for r in rows if r["op"] == op}
+    sizes = sorted({b for b, _ in by})
+    w = max(13, max((len(b) for b in backends), default=0) + 1)
+    head = f"{'size':>12} " + " ".join(f"{b:>{w}}" for b in backends)
+    lines = [head, "-" * len(head)]
+    for size in sizes:
+        parts = [f"{size:>12}"]
+        for b in backends:
+            cpu = (by.get((size, b)) or {}).get("cpu_us") or []
+            cpu = [c for c in cpu if c is not None]
+            parts.append(f"{(f'{max(cpu):.1f}' if cpu else '-'):>{w}}")
+        lines.append(" ".join(parts))
+    return "\n".join(lines)
+
+
 def summarize(rows: list[dict], backends: list[str], ratio_pairs, large: int) -> dict:
     """Per op: busbw per backend at the largest size and the median over sizes >= large."""
     out = {}
@@ -507,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"#\n# {titles[op]}")
         print(table(op, rows, backends, ratio_pairs))
+        print(f"# {op}: CPU us per {'message' if op == 'p2p' else 'operation'} (the whole "
+              f"process, every thread, barriers included; max over ranks)")
+        print(cpu_table(op, rows, backends))
     summ = summarize(rows, backends, ratio_pairs, large=64 << 20)
     print("#\n# summary (large sizes)")
     for line in summary_lines(summ):

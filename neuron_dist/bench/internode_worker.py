@@ -37,7 +37,10 @@ all_gather (``all_gather_into_tensor``; size = the gathered buffer) and reduce_s
 (``reduce_scatter_tensor``, SUM; size = the input): timed like all_reduce; busbw =
 algbw x (n-1)/n.
 
-All: time = median over iterations (min also kept). Before timing, warm-up iterations,
+All: time = median over iterations (min also kept). ``cpu_us``: per rank, the CPU time of the
+whole process (every thread, user and system) over the timed iterations, per operation
+(p2p: per message), barriers included: on a busy machine, where wall times swing, it
+says how much work each backend does. Before timing, warm-up iterations,
 after which the result is checked once (p2p: the received bytes; all_reduce: the sum).
 A backend that fails (any rank raised) gets an error row and is skipped for the rest of
 the run; the others go on.
@@ -52,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -71,6 +75,12 @@ FLOOR_OPS = ("pingpong", "p2p", "all_reduce")  # what the floor backend measures
 
 
 _PROGRESS = None  # file the parent tails for progress lines (--progress)
+
+
+def _cpu() -> float:
+    """CPU seconds of this whole process so far (every thread, user and system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _emit(obj: dict) -> None:
@@ -189,6 +199,7 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
     barrier = lambda: dist.barrier(group=group)  # noqa: E731
     err = bad = None
     samples: list[float] = []
+    cpu0 = 0.0
     t_cell = time.monotonic()
     try:
         if op == "p2p":
@@ -200,6 +211,7 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
             time_iterations(run, barrier, warmup)
             if rank == 1 and not bool((flat == 7.0).all()):
                 bad = f"rank 1 received wrong data (first value {flat[0].item()})"
+            cpu0 = _cpu()
             samples = time_iterations(run, barrier, iters)
         elif op == "pingpong":
             x = bufs["pingpong"]
@@ -218,6 +230,7 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
             batch = row["batch"] = ops_per_sample(nbytes)
             if warmup > 1:
                 time_iterations(run, barrier, warmup - 1, None, batch)
+            cpu0 = _cpu()
             samples = time_iterations(run, barrier, iters, None, batch)
         elif op in ("all_gather", "reduce_scatter"):
             inp, outp = bufs[op]
@@ -236,6 +249,7 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
             batch = row["batch"] = ops_per_sample(nbytes)
             if warmup > 1:
                 time_iterations(run, barrier, warmup - 1, None, batch)
+            cpu0 = _cpu()
             samples = time_iterations(run, barrier, iters, None, batch)
         else:
             buf = bufs["all_reduce"]
@@ -249,13 +263,15 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
             refill = lambda: buf.fill_(1.0)  # noqa: E731 - doubles per op: exact in float32
             if warmup > 1:
                 time_iterations(run, barrier, warmup - 1, refill, batch)
+            cpu0 = _cpu()
             samples = time_iterations(run, barrier, iters, refill, batch)
     except Exception as exc:  # noqa: BLE001 - a failing backend must not stop the others
         err = _err(exc)
         if args.verbose:
             traceback.print_exc(file=sys.stderr)
+    cpu_s = _cpu() - cpu0 if samples else None
     row["cell_s"] = round(time.monotonic() - t_cell, 3)
-    shared = ctl.all([samples, err, bad])
+    shared = ctl.all([samples, err, bad, cpu_s])
     errors = [(r, s[1]) for r, s in enumerate(shared) if s[1]]
     if errors:
         row.update(status="error", error=f"rank {errors[0][0]}: {errors[0][1]}",
@@ -273,6 +289,8 @@ def measure(op: str, size: int, backend: str, group, rank: int, world: int, ctl:
         moved = nbytes
     med = statistics.median(per_iter)
     fastest = min(per_iter)
+    ops = len(per_iter) * row.get("batch", 1) * (row["window"] if op == "p2p" else 1)
+    row["cpu_us"] = [round(s[3] / ops * 1e6, 2) if s[3] is not None else None for s in shared]
     row.update(status="ok", check="FAIL" if bads else "OK", time_us=round(med / (moved / nbytes) * 1e6, 3),
                min_us=round(fastest / (moved / nbytes) * 1e6, 3),
                iter_s=[round(x, 6) for x in per_iter])

@@ -13,7 +13,9 @@
 3. If the group spans nodes, every rank also opens an inter-node transport (the MPI one
    with ``NEURON_DIST_TRANSPORT=mpi``, else rdm): it listens on the
    chosen interface (topology.choose_address), publishes ``host:port``, and connects
-   ``NEURON_DIST_RAILS`` authenticated rails to every other rank. The job key is
+   ``NEURON_DIST_RAILS`` authenticated rails to every other rank. First it makes room for
+   those connections within its file-descriptor limit (transport/rdm/fd_budget.py); a
+   rank that cannot publishes why instead of an address, and every rank fails naming it. The job key is
    ``NEURON_DIST_AUTH_KEY`` or 32 random bytes group rank 0 puts in the store. With
    ``NEURON_DIST_AUTH_KEY`` (or ``NEURON_DIST_NET_MAC=1``) every frame on a rail is
    authenticated with the rail's session key (transport/rdm/railmac.py).
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from .collectives.twolevel import Topology
+from .transport.errors import DescriptorLimit
+from .transport.rdm import fd_budget
 from .transport.rdm.driver import RdmTransport
 from .transport.rdm.handshake import derive_key
 from .transport.shm import cma
@@ -164,6 +168,7 @@ def _open_mpi(auth: StoreAuth, key: str, rank: int, size: int, timeout: timedelt
 
 
 _REFUSED = 1 << 40  # added to the attach count by a rank that refused the segment
+_REFUSED_ADDRESS = "!"  # published instead of an address by a rank that cannot connect
 
 
 def _open_node_channel(auth: StoreAuth, key: str, rank: int, size: int, settings,
@@ -230,8 +235,22 @@ def _open_network(auth: StoreAuth, key: str, rank: int, size: int, settings,
                        max_unexpected_bytes=settings.net_max_unexpected_bytes,
                        label=label or f"rank {rank}")
     try:
+        try:  # room for this group's connections, or every rank is told why not
+            fd_budget.reserve(settings.rails * (size - 1),
+                              f"{settings.rails} rail(s) to each of {size - 1} peer(s)",
+                              f"NEURON_DIST_RAILS=1 needs {size - 1}")
+        except DescriptorLimit as e:
+            why = f"rank {rank}: {e}"
+            auth.set(f"{key}/addr/{rank}", _REFUSED_ADDRESS + why)
+            raise DescriptorLimit(why) from None
         auth.set(f"{key}/addr/{rank}", net.address)
-        peers = {k: auth.get(f"{key}/addr/{k}", k).decode() for k in range(size) if k != rank}
+        peers = {}
+        for k in range(size):
+            if k != rank:
+                peers[k] = auth.get(f"{key}/addr/{k}", k).decode()
+                if peers[k].startswith(_REFUSED_ADDRESS):
+                    raise DescriptorLimit(f"a peer cannot open this group's connections: "
+                                          f"{peers[k][len(_REFUSED_ADDRESS):]}")
         net.connect(peers, time.monotonic() + timeout.total_seconds())
     except BaseException:
         net.close()

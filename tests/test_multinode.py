@@ -316,3 +316,43 @@ def _unwaited_network_p2p(rank, world):
 def test_network_send_recv_complete_without_a_wait():
     results = run_ranks(_unwaited_network_p2p, 2, env=_env(["a", "b"]), timeout=40)
     assert results[1] == {"polled": True, "data": True, "future": True}, results
+
+
+def _init_at_a_descriptor_limit(rank, world, port, limited):
+    import resource
+    from datetime import timedelta
+    from neuron_dist.transport.rdm import fd_budget
+    if rank == limited:  # room for what is open now and a little more: not for the rails
+        held = fd_budget.open_descriptors()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (held + 64, held + 64))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=30))
+    start = time.monotonic()
+    try:
+        dist.init_process_group("neuron", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        dist.barrier()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {"error": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_without_descriptors_for_its_rails_fails_every_rank_at_once_naming_it():
+    """A group whose rails one rank cannot open within its file-descriptor limit fails at
+    creation on every rank, at once, with an error naming that rank and the way out, instead
+    of an EMFILE somewhere later or the other ranks waiting out their timeout."""
+    from datetime import timedelta
+    store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)
+    results = run_ranks(_init_at_a_descriptor_limit, 3, store.port, 2, init=False,
+                        env=_env(["a", "b", "c"], NEURON_DIST_RAILS="64"), timeout=60)
+    for rank, res in results.items():
+        assert res["error"] is not None, (rank, res)
+        assert "rank 2" in res["error"] and "ulimit -n" in res["error"], (rank, res)
+        assert "NEURON_DIST_RAILS=1 needs 2" in res["error"], (rank, res)
+        assert res["seconds"] < 30, (rank, res)  # not the 60 s timeout
+    del store

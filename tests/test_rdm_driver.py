@@ -693,3 +693,45 @@ def test_a_message_that_landed_in_a_withdrawn_receive_goes_to_nobody(pair):
     pair[0].isend(1, 6, np.full(4, 3, np.uint8))
     anyone.wait(time.monotonic() + 5)
     assert anyone.buf.tolist() == [3] * 4
+
+
+_FD_PROBE = r"""
+import json, resource, sys
+from neuron_dist.transport.errors import DescriptorLimit
+from neuron_dist.transport.rdm import fd_budget
+soft, hard = (int(x) for x in sys.argv[1:3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+try:
+    fd_budget.reserve(int(sys.argv[3]), "3 rails to each of 100 peers", "NEURON_DIST_RAILS=1 needs 100")
+    error = None
+except DescriptorLimit as e:
+    error = str(e)
+print(json.dumps({"error": error, "limits": resource.getrlimit(resource.RLIMIT_NOFILE),
+                  "held": fd_budget.open_descriptors()}))
+"""
+
+
+def _fd_probe(soft, hard, n):
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FD_PROBE, str(soft), str(hard), str(n)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_descriptor_budget_raises_the_soft_limit_when_the_hard_one_allows():
+    from neuron_dist.transport.rdm.fd_budget import MARGIN
+    got = _fd_probe(256, 4096, 300)
+    assert got["error"] is None
+    soft, hard = got["limits"]
+    assert hard == 4096 and soft >= got["held"] + 300 + MARGIN, got
+
+
+def test_descriptor_budget_beyond_the_hard_limit_is_a_clear_error():
+    got = _fd_probe(256, 256, 300)
+    assert got["limits"] == [256, 256], got  # nothing changed
+    e = got["error"]
+    assert e is not None and "300 file descriptors" in e and "limit is 256" in e, e
+    assert "ulimit -n" in e and "NEURON_DIST_RAILS=1 needs 100" in e, e

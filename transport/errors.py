@@ -84,3 +84,8 @@ class MessageSizeMismatch(TransportError, ValueError):
         self.message = message
         super().__init__(f"rank {src} sent {sent} bytes, the receive expects {expected} "
                          f"(tag {tag})")
+
+
+class DescriptorLimit(TransportError):
+    """A rank cannot open the connections a group needs within its file-descriptor limit
+    (``transport/rdm/fd_budget.py``); the message names the numbers and the ways out."""

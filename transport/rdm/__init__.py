@@ -1,8 +1,11 @@
 """Inter-node "EFA-style" transport: reliable, message-oriented, tagged datagrams over N rails.
 
 ``frames`` is the wire format, ``protocol`` the sans-I/O protocol core (segmentation,
-per-segment acks, retransmission, reassembly, per-(src, tag) ordering). A driver that moves
-frames over sockets is layered on top and keeps no protocol logic of its own.
+per-segment acks, retransmission, reassembly, per-(src, tag) ordering). ``driver`` moves
+frames over TCP rails and keeps no protocol logic of its own; ``progress`` is the process's
+one progress engine, ``listener`` and ``handshake`` accept and authenticate rails,
+``railmac`` authenticates frames, ``fd_budget`` makes room for a group's rails within the
+file-descriptor limit.
 Nothing here imports torch or torch.distributed.
 """
 

@@ -7,12 +7,14 @@
   other file happens to have put its folder on ``sys.path``. Scripts launched by path
   (``python tests/across_nodes/mpi_job_init.py``) import their neighbours bare, as
   scripts do, and are exempt;
-* the units fork no rank and start no process or socket: they must stay seconds.
+* the units fork no rank and start no process or socket: they must stay seconds;
+* every ``tests/....py`` that the code, the docs or the tests name exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,9 @@ TESTS = Path(__file__).resolve().parents[1]
 LAYERS = {"units", "one_node", "across_nodes", "stack", "tools"}
 SHARED = "helpers"
 NOT_IN_UNITS = {"subprocess", "multiprocessing", "socket", "helpers.harness"}
+REPO = TESTS.parent
+NAMING = ["README.md", "pyproject.toml", ".ci/run", "docs", "scripts", "launch", "neuron_dist",
+          "collectives", "transport", "tests"]
 
 
 def tree_modules() -> dict[str, Path]:
@@ -72,3 +77,15 @@ def test_units_fork_nothing():
              for p in sorted((TESTS / "units").glob("test_*.py"))
              for line, name in imports(p) if name in NOT_IN_UNITS]
     assert not wrong, "units start no process and open no socket:\n" + "\n".join(wrong)
+
+
+def test_paths_named_in_the_repository_exist():
+    files = []
+    for name in NAMING:
+        path = REPO / name
+        files += [path] if path.is_file() else \
+            [f for f in path.rglob("*") if f.suffix in (".py", ".md", ".sh", ".toml")]
+    missing = [f"{f.relative_to(REPO)}: {m.group()}" for f in sorted(files)
+               for m in re.finditer(r"\btests/[\w/]+\.py\b", f.read_text())
+               if not (REPO / m.group()).exists()]
+    assert not missing, "these name files that do not exist:\n" + "\n".join(missing)

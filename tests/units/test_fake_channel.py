@@ -66,8 +66,10 @@ def test_a_rank_taking_fewer_steps_fails_its_peers_at_once():
 
 def test_a_late_rank_makes_its_peers_time_out_naming_it():
     def body(ch):
-        if ch.rank == 2:
-            time.sleep(0.5)
+        if ch.rank == 2:  # arrives only once the others have given up
+            until = time.monotonic() + 20
+            while len(ch.group.gone) < 2 and time.monotonic() < until:
+                time.sleep(0.01)
         ch.step(time.monotonic() + 0.1)
 
     with pytest.raises(PeerTimeout) as info:

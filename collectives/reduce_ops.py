@@ -105,7 +105,7 @@ def reduce_into(out: torch.Tensor, inputs: list, spec: ReduceSpec, nranks: int,
     op = _binary(spec.kind, out.dtype)
     accumulate = out.dtype in _LOW_PRECISION and spec.kind in (SUM, AVG, PREMUL_SUM, PRODUCT)
     if accumulate:
-        acc = scratch.get(n)
+        acc = scratch.get(n).view(out.shape)
         acc.copy_(inputs[0])  # widen first, so even the first pair adds in float32
         rest = inputs[1:]
     else:

@@ -9,7 +9,7 @@ Two kinds:
   recorder is one ring per process).
 
 ``environment()`` returns the variables that are set, for benchmark records. The README's
-settings table lists every variable with its meaning and default; tests/test_config.py
+settings table lists every variable with its meaning and default; tests/units/test_config.py
 checks that it lists exactly the ones read here, with the same defaults, that no other
 module reads one, and that every ``Settings`` field is used.
 """

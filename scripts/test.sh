@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the tests need, then run the whole suite, or the test files and pytest
-# options given as arguments (e.g. tests/test_p2p.py -k order).
+# options given as arguments (e.g. tests/one_node/test_p2p.py -k order).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/setup_env.sh"

@@ -1,3 +1,19 @@
+"""The test tree, by layer (each folder's ``__init__.py`` says what it holds):
+
+    units/         one process, no ranks forked, no network: seconds
+    one_node/      ranks forked on this machine, joined by shared memory
+    across_nodes/  transports between nodes, virtual nodes, network namespaces
+    stack/         torch above the backend (DDP, FSDP, DTensor, ...) and launchers
+    tools/         the benchmarks and the cost model
+    helpers/       what several layers share (harness, cases, relay, fake step channel)
+
+Each folder is a package and tests/ is on ``sys.path``, so a test imports what it shares by
+its place: ``from helpers.harness import run_ranks``, ``from one_node.test_collectives import
+SMALL_SLOTS``. Scripts that tests launch by path sit beside their tests.
+
+Every test must leave nothing behind (``no_leftovers`` below), and in CI nothing may skip.
+"""
+
 import os
 import shutil
 import sys

@@ -134,7 +134,7 @@ SLOT_BYTES = _DEFAULTS.slot_bytes        # NEURON_DIST_SHM_SLOT_BYTES
 SMALL_BYTES = _DEFAULTS.small_bytes      # NEURON_DIST_SMALL_BYTES
 # twolevel.all_reduce runs the hierarchical algorithm when numel >= 64 x (ranks on the
 # node), else leader. That 64 is a literal inside twolevel.all_reduce, not a name this
-# module can import; tests/test_costmodel.py runs twolevel.all_reduce's own selection on
+# module can import; tests/tools/test_costmodel.py runs twolevel.all_reduce's own selection on
 # a range of sizes and checks that ``neuron_choice`` picks the same, so the two cannot drift.
 HIER_MIN_ELEMS_PER_RANK = 64
 ELEM = 4                      # float32, as benchmarked

@@ -2,7 +2,7 @@
 
 The parent forks one process per rank *before* any TCPStore exists (it never starts one:
 forking a process that runs threads can copy a lock some thread holds into the child, see
-tests/harness.py), so the parent stays thread-free across several world sizes. Rank 0
+tests/helpers/harness.py), so the parent stays thread-free across several world sizes. Rank 0
 binds a TCPStore on 127.0.0.1 port 0 and sends the port up its pipe; the parent relays it
 to the other ranks. The world group is ``init_process_group("neuron")``; gloo is
 ``dist.new_group(backend="gloo")`` and null (``null_pg``: a group that does nothing, the

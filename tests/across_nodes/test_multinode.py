@@ -1,0 +1,359 @@
+"""Groups that span virtual nodes: every collective across nodes, even and uneven layouts.
+
+Ranks get ``NEURON_DIST_NODE_NAME`` per rank, so one machine holds several "nodes": shared
+memory joins the ranks of a node only, everything between nodes goes over the rdm transport
+(TCP rails on loopback). The same matrices as test_collectives run, so multi-node results
+are checked against the same exact references. Network-namespace isolation (where shared
+memory *cannot* cross nodes) is tested with the virtual-node launcher (test_vnodes.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers.harness import run_ranks
+from one_node.test_collectives import (SMALL_SLOTS, all_reduce_matrix, alltoall_matrix,
+                                       big_all_reduce, gather_family_matrix,
+                                       reduce_family_matrix)
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "2+1": ["a", "a", "b"],
+    "3-nodes-interleaved": ["a", "b", "c", "a", "b"],
+}
+
+
+def _env(names, **extra):
+    def env(rank):
+        return {**SMALL_SLOTS, "NEURON_DIST_NODE_NAME": names[rank],
+                "NEURON_DIST_NET_SEGMENT_BYTES": "64K", **extra}
+    return env
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("matrix", [all_reduce_matrix, gather_family_matrix,
+                                    reduce_family_matrix, alltoall_matrix],
+                         ids=["all_reduce", "gather_family", "reduce_family", "alltoall"])
+def test_matrix_across_nodes(layout, matrix):
+    names = LAYOUTS[layout]
+    results = run_ranks(matrix, len(names), env=_env(names), timeout=240)
+    fails = {r: f for r, f in results.items() if f}
+    assert not fails, fails
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("names", [["a", "b", "c"], ["a", "b"]], ids=["3x1", "2x1"])
+@pytest.mark.parametrize("matrix", [reduce_family_matrix, gather_family_matrix],
+                         ids=["reduce_family", "gather_family"])
+def test_columns_with_one_rank_per_node(names, matrix):
+    """Nodes of one rank each: reduce_scatter's and all_gather's columns are single ranks
+    (the inputs go to the network as they are, nothing is gathered inside a node)."""
+    results = run_ranks(matrix, len(names), env=_env(names), timeout=180)
+    assert not any(results.values()), results
+
+
+def _in_place_reduce_scatter(rank, world):
+    """reduce_scatter whose output is one of the inputs (its own block, or another rank's
+    block), and all_gather whose input is its own block of the output."""
+    fails = []
+    for shift in (0, 1):
+        ins = [torch.full((1000,), float(rank * 10 + k)) for k in range(world)]
+        out = ins[(rank + shift) % world]
+        dist.reduce_scatter(out, ins)
+        want = float(sum(r * 10 + rank for r in range(world)))
+        if not bool((out == want).all()):
+            fails.append(f"shift {shift}: got {out[:3].tolist()}, want {want}")
+    full = torch.zeros(world * 1000)  # all_gather in place: the input is my output block
+    mine = full[rank * 1000:(rank + 1) * 1000]
+    mine.fill_(float(rank + 1))
+    dist.all_gather_into_tensor(full, mine)
+    if not torch.equal(full, torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(1000)):
+        fails.append(f"in-place all_gather: got {full[::1000].tolist()}")
+    return fails
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("names", [["a", "b"], ["a", "a", "b", "b"]], ids=["2x1", "2x2"])
+def test_in_place_reduce_scatter_across_nodes(names):
+    results = run_ranks(_in_place_reduce_scatter, len(names), env=_env(names), timeout=100)
+    assert not any(results.values()), results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo,names", [
+    ("hierarchical", LAYOUTS["2x2"]), ("leader", LAYOUTS["2x2"]),
+    ("hierarchical", ["a", "b", "c"]),  # 12 MB among 3 nodes: the ring among nodes
+    ("leader", ["a", "b", "a", "c"]),  # leaders 0, 1, 3 in a ring, uneven nodes
+], ids=["hierarchical-2x2", "leader-2x2", "ring-3x1", "ring-leaders-2+1+1"])
+def test_big_all_reduce_across_nodes(algo, names):
+    results = run_ranks(big_all_reduce, len(names),
+                        env=_env(names, NEURON_DIST_ALGO=algo, NEURON_DIST_RAILS="3"),
+                        timeout=100)
+    assert not any(results.values()), results
+
+
+def _halves(rank, world):
+    # Between two ranks, buffers of twolevel.HALVES_BYTES and more are reduced in halves:
+    # an odd length (halves of unequal size), each op, bf16, then a size mismatch between
+    # the two calls.
+    from neuron_dist.collectives import twolevel
+    out = {}
+    n = twolevel.HALVES_BYTES // 4 + 3  # float32
+    base = torch.arange(n, dtype=torch.float32).remainder_(89) - 44
+    mine = base * (rank + 1) + 0.25 * rank
+    cases = {"sum": (dist.ReduceOp.SUM, mine * 2 - 1), "max": (dist.ReduceOp.MAX, mine),
+             "avg": (dist.ReduceOp.AVG, mine), "product": (dist.ReduceOp.PRODUCT, mine / 7)}
+    for name, (op, t) in cases.items():
+        t = t.clone()
+        dist.all_reduce(t, op=op)
+        others = [(base * (r + 1) + 0.25 * r) for r in range(world)]
+        inputs = {"sum": [x * 2 - 1 for x in others], "max": others, "avg": others,
+                  "product": [x / 7 for x in others]}[name]
+        combine = {"sum": torch.add, "max": torch.maximum, "avg": torch.add,
+                   "product": torch.mul}[name]
+        ref = functools.reduce(combine, inputs) / (world if name == "avg" else 1)
+        # (small integers and quarters: sums and maxima are exact in any order)
+        out[name] = torch.equal(t, ref) if name in ("sum", "max") else torch.allclose(t, ref)
+    t = (base * (rank + 1)).to(torch.bfloat16).repeat(2)  # 2n bf16: the same byte size x2
+    dist.all_reduce(t)
+    ref = (base * (world * (world + 1) // 2)).to(torch.bfloat16).float().repeat(2)
+    out["bf16"] = torch.allclose(t.float(), ref, rtol=1e-2)
+    try:
+        dist.all_reduce(torch.ones(n + 1000 * rank))
+        out["mismatch"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("names,algo", [(["a", "b"], "auto"), (["a", "a", "b", "b"], "leader")],
+                         ids=["1+1", "leaders-2x2"])
+def test_all_reduce_in_halves_between_two_nodes(names, algo):
+    results = run_ranks(_halves, len(names),
+                        env=_env(names, NEURON_DIST_ALGO=algo,
+                                 NEURON_DIST_NET_SEGMENT_BYTES="1M"),
+                        timeout=150, pg_timeout=30)
+    for rank, out in results.items():
+        assert all(out[k] for k in ("sum", "max", "avg", "product", "bf16")), (rank, out)
+        assert "collective mismatch" in out["mismatch"], (rank, out)
+
+
+def _p2p_and_mismatch(rank, world):
+    out = {}
+    # send/recv across and within nodes, several tags, sizes that need many segments
+    peer = (rank + 2) % world
+    big = torch.arange(300_000, dtype=torch.float32) + rank
+    got = torch.empty_like(big)
+    reqs = [dist.isend(big, peer, tag=5), dist.irecv(got, (rank - 2) % world, tag=5)]
+    small_in = torch.empty(3)
+    reqs += [dist.isend(torch.full((3,), float(rank)), (rank + 1) % world, tag=9),
+             dist.irecv(small_in, (rank - 1) % world, tag=9)]
+    for r in reqs:
+        r.wait()
+    out["p2p"] = torch.equal(got, torch.arange(300_000, dtype=torch.float32) + (rank - 2) % world) \
+        and small_in[0].item() == (rank - 1) % world
+    # receive from any source: rank 0 collects one message from each other rank, whichever
+    # node it is on, and learns who sent each
+    if rank == 0:
+        sources = []
+        for _ in range(world - 1):
+            buf = torch.empty(2)
+            w = dist.irecv(buf)
+            w.wait()
+            sources.append((w._source_rank(), buf[0].item()))
+        out["any"] = sorted(sources) == [(k, float(k)) for k in range(1, world)]
+    else:
+        dist.send(torch.full((2,), float(rank)), 0)
+        out["any"] = True
+    # ranks on node b call a different collective than node a
+    try:
+        if rank < 2:
+            dist.all_reduce(torch.ones(10))
+        else:
+            dist.broadcast(torch.ones(10), 0)
+        out["mismatch"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_p2p_and_mismatch_across_nodes():
+    results = run_ranks(_p2p_and_mismatch, 4, env=_env(LAYOUTS["2x2"]), timeout=100,
+                        pg_timeout=20)
+    for rank, out in results.items():
+        assert out["p2p"] and out["any"], (rank, out)
+        assert "CollectiveMismatchError" in out["mismatch"], (rank, out)
+        assert "collective mismatch" in out["mismatch"], (rank, out)
+        assert "all_reduce" in out["mismatch"] and "broadcast" in out["mismatch"], out
+
+
+def _cut_a_rail_mid_all_reduce(rank, world):
+    import socket
+    import threading
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    peer = (rank + 2) % world  # same local index on the other node: the hierarchical partner
+    n = 8_000_000
+    t = torch.arange(n, dtype=torch.float32).remainder_(101) * (rank + 1)
+    cut_at = []  # rail 0's unacked bytes when it was cut
+    if rank == 0:
+        def cut():  # as soon as rail 0 (which every transfer starts on) carries data
+            end = time.monotonic() + 10
+            while pg._net.ep.inflight_bytes(peer, 0) < (1 << 20) and time.monotonic() < end:
+                time.sleep(0.0002)
+            cut_at.append(pg._net.ep.inflight_bytes(peer, 0))
+            pg._net._rails[peer][0].sock.shutdown(socket.SHUT_RDWR)
+        cutter = threading.Thread(target=cut, daemon=True)
+        cutter.start()
+    import time as _t
+    started = _t.monotonic()
+    dist.all_reduce(t)
+    ref = torch.arange(n, dtype=torch.float32).remainder_(101) * (world * (world + 1) / 2)
+    if rank == 0:
+        cutter.join()
+    dist.all_reduce(torch.ones(1000))  # the group goes on
+    alive = [r.alive for r in pg._net._rails[peer]]
+    return {"ok": torch.equal(t, ref), "alive": alive, "seconds": _t.monotonic() - started,
+            "retransmits": pg._net.stats()["retransmits"], "cut_at": cut_at}
+
+
+@pytest.mark.timeout(120)
+def test_losing_a_rail_mid_collective_loses_nothing():
+    results = run_ranks(_cut_a_rail_mid_all_reduce, 4,
+                        env=lambda r: {"NEURON_DIST_NODE_NAME": "ab"[r // 2]}, timeout=100)
+    for rank, out in results.items():
+        assert out["ok"], (rank, out)
+    assert results[0]["cut_at"][0] >= 1 << 20, results[0]  # cut mid-transfer
+    assert results[0]["alive"] == [False, True, True, True], results[0]
+    assert results[0]["retransmits"] + results[2]["retransmits"] >= 1, results
+    assert results[2]["alive"][0] is False, results[2]
+
+
+def _cycles(rank, world):
+    # Every operation's objects are freed by reference counting alone: a reference cycle
+    # per message wakes Python's cyclic collector, whose full passes over torch's objects
+    # cost tens of milliseconds. Returns the garbage the collector found, by type.
+    import collections
+    import gc
+    t, peer = torch.ones(16), rank ^ 1
+    bufs = [torch.ones(16384) for _ in range(4)]
+
+    def ops():
+        if rank % 2 == 0:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+            works = [dist.isend(b, peer) for b in bufs]
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+            time.sleep(0.01)  # the messages arrive before their receives: "early"
+            works = [dist.irecv(b, peer) for b in bufs]
+        for w in works:
+            w.wait()
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        dist.all_reduce(torch.ones(1 << 20))
+        dist.broadcast(t, 0)
+        dist.all_gather_into_tensor(torch.empty(16 * world), t)
+        dist.reduce_scatter_tensor(t, torch.ones(16 * world))
+        dist.barrier()
+
+    ops()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(5):
+            ops()
+        gc.collect()
+        found = collections.Counter(type(o).__name__ for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    return dict(found)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("names", [["a", "a"], ["a", "b"], ["a", "b", "a", "b"]],
+                         ids=["one-node", "1+1", "2x2"])
+def test_operations_leave_no_reference_cycles(names):
+    results = run_ranks(_cycles, len(names), env=_env(names), timeout=100)
+    assert not any(results.values()), results
+
+
+
+def _unwaited_network_p2p(rank, world):
+    # A send/recv between nodes completes for whoever looks: is_completed() polled without
+    # a wait (with the copy back into a non-contiguous tensor), and a future that completes
+    # by itself and runs its callbacks while nobody waits on (or even keeps) the Work.
+    peer = 1 - rank
+    if rank == 0:
+        dist.send(torch.arange(12.0), peer)
+        dist.send(torch.full((1000,), 3.0), peer)
+        dist.barrier()
+        return {}
+    buf = torch.zeros(2, 6).t()  # a non-contiguous 6x2 view: received through a flat copy
+    work = dist.irecv(buf, peer)
+    deadline = time.monotonic() + 10
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    seen = []
+    fut = dist.irecv(torch.zeros(1000), peer).get_future()
+    fut = fut.then(lambda f: seen.append(f.value()[0].sum().item()))
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    dist.barrier()
+    return {"polled": work.is_completed() and work.is_success() and work.exception() is None,
+            "data": buf.reshape(-1).tolist() == list(range(12)), "future": seen == [3000.0]}
+
+
+@pytest.mark.timeout(60)
+def test_network_send_recv_complete_without_a_wait():
+    results = run_ranks(_unwaited_network_p2p, 2, env=_env(["a", "b"]), timeout=40)
+    assert results[1] == {"polled": True, "data": True, "future": True}, results
+
+
+def _init_at_a_descriptor_limit(rank, world, port, limited):
+    import resource
+    from datetime import timedelta
+    from neuron_dist.transport.rdm import fd_budget
+    if rank == limited:  # room for what is open now and a little more: not for the rails
+        held = fd_budget.open_descriptors()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (held + 64, held + 64))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=30))
+    start = time.monotonic()
+    try:
+        dist.init_process_group("neuron", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        dist.barrier()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {"error": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_without_descriptors_for_its_rails_fails_every_rank_at_once_naming_it():
+    """A group whose rails one rank cannot open within its file-descriptor limit fails at
+    creation on every rank, at once, with an error naming that rank and the way out, instead
+    of an EMFILE somewhere later or the other ranks waiting out their timeout."""
+    from datetime import timedelta
+    store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)
+    results = run_ranks(_init_at_a_descriptor_limit, 3, store.port, 2, init=False,
+                        env=_env(["a", "b", "c"], NEURON_DIST_RAILS="64"), timeout=60)
+    for rank, res in results.items():
+        assert res["error"] is not None, (rank, res)
+        assert "rank 2" in res["error"] and "ulimit -n" in res["error"], (rank, res)
+        assert "NEURON_DIST_RAILS=1 needs 2" in res["error"], (rank, res)
+        assert res["seconds"] < 30, (rank, res)  # not the 60 s timeout
+    del store

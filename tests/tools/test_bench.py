@@ -1,0 +1,197 @@
+"""The collectives benchmark (``python -m neuron_dist.bench``) runs end to end on a tiny sweep.
+
+One run of the real command line (-b 8 -e 64K -f 8, 2 ranks, 3 iterations, --check) over
+neuron, gloo and null (the do-nothing group: the dispatch floor), plus MPI when mpi4py and
+mpiexec are there; its JSON, CSV and PNG must exist and hold a row for every op and backend,
+checked for every backend but null, with neuron's time as a multiple of null's. The plot is only asserted when
+matplotlib is installed (it belongs to the ``bench`` extra, not to ``test``). A few unit
+tests pin the nccl-tests conventions (sizes, rounding, bus bandwidth factors).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from neuron_dist.bench import mpi_runner
+from neuron_dist.bench.sweep import (OPS, bandwidths, element_count, ops_per_sample,
+                                     parse_size, plan, size_range, time_iterations)
+
+OP_NAMES = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"]
+
+
+def test_sweep_conventions():
+    assert parse_size("256M") == 256 << 20 and parse_size("64K") == 65536 and parse_size("8") == 8
+    assert size_range(8, 65536, 8) == [8, 64, 512, 4096, 32768]
+    assert size_range(8, 64, 2) == [8, 16, 32, 64]
+    # chunked ops round to whole chunks, never below one element per rank
+    assert element_count("all_gather", 8, 4, 4) == 4 and element_count("all_gather", 100, 4, 4) == 24
+    assert element_count("all_reduce", 8, 4, 4) == 2
+    assert plan("all_to_all", [8, 16], 4, 4) == [4]          # both sizes round to 16 bytes
+    alg, bus = bandwidths("all_reduce", 10**9, 1.0, 4)
+    assert alg == 1.0 and bus == pytest.approx(1.5)
+    assert OPS["all_gather"].bus_factor(4) == pytest.approx(0.75)
+    assert OPS["broadcast"].bus_factor(8) == OPS["send_recv"].bus_factor(2) == 1.0
+
+
+def test_samples_time_batches_of_operations():
+    """Small sizes time several operations per barrier (the same count on every rank: it
+    depends on the size only); a sample is their mean."""
+    assert ops_per_sample(8) == 16 and ops_per_sample(256 << 10) == 16
+    assert ops_per_sample(1 << 20) == 4 and ops_per_sample(4 << 20) == 1
+    assert ops_per_sample(1 << 30) == 1 and ops_per_sample(8, max_batch=1) == 1
+    calls = {"run": 0, "barrier": 0, "prepare": 0}
+
+    def count(name):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+    samples = time_iterations(count("run"), count("barrier"), 3, count("prepare"), batch=4)
+    assert len(samples) == 3 and calls == {"run": 12, "barrier": 3, "prepare": 3}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One run of the command line shared by the tests below."""
+    tmp_path = tmp_path_factory.mktemp("bench")
+    backends = ["neuron", "gloo", "null"]
+    if mpi_runner.unavailable_reason() is None:
+        backends.append("mpi")
+    files = {k: tmp_path / f"bench.{k}" for k in ("json", "csv", "png")}
+    cmd = [sys.executable, "-m", "neuron_dist.bench", "-b", "8", "-e", "64K", "-f", "8",
+           "-n", "2", "--iters", "3", "--warmup", "1", "--check", "--ops", ",".join(OP_NAMES),
+           "--backends", ",".join(backends), "--json", str(files["json"]),
+           "--csv", str(files["csv"]), "--plot", str(files["png"]),
+           "--timeout", "90", "--stall-timeout", "60", "--pg-timeout", "30"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    return proc, files, backends
+
+
+def test_bench_tiny_sweep(bench_run):
+    proc, files, backends = bench_run
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+    # stdout: the table; stderr: one progress line per (op, size)
+    assert "busbw GB/s" in proc.stdout and "# check:" in proc.stdout
+    assert "0 FAIL" in proc.stdout, proc.stdout
+    assert "[all_reduce 8 B n=2] neuron" in proc.stderr, proc.stderr
+
+    doc = json.loads(files["json"].read_text())
+    rows = doc["results"]
+    assert not doc["errors"], doc["errors"]
+    for op in OP_NAMES:
+        for b in backends:
+            mine = [r for r in rows if r["op"] == op and r["backend"] == b]
+            assert len(mine) == 5, (op, b, mine)   # 8, 64, 512, 4K, 32K bytes
+            for r in mine:  # (in-place ops repeat on their results: checked apart)
+                assert r["status"] == "ok" and r["check"] == ("-" if b == "null" else "OK"), r
+                assert r["time_us"] > 0 and r["busbw_gbs"] >= 0 and r["world"] == 2
+                assert r["batch"] == 16, r
+            if b == "gloo":
+                assert all(r["vs_gloo"] == pytest.approx(1.0) for r in mine)
+            if b == "null":
+                assert all(r["x_null"] is None and r["vs_gloo"] is None for r in mine)
+            else:  # every table shows the floor: the other backends as multiples of it
+                assert all(r["x_null"] > 0 for r in mine), mine
+    assert " x null " in proc.stdout and " null " in proc.stdout
+
+    with open(files["csv"], newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows) == len(OP_NAMES) * len(backends) * 5
+    assert {(r["op"], r["backend"]) for r in csv_rows} == {(o, b) for o in OP_NAMES for b in backends}
+    assert all(r["check"] == ("-" if r["backend"] == "null" else "OK") for r in csv_rows)
+    assert all(r["x_null"] for r in csv_rows if r["backend"] == "neuron")
+
+    from neuron_dist.bench.summary import summarise
+    text = summarise([("bench.json", doc)])
+    assert "smallest: neuron over the null floor" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| all_reduce | 2 |"))
+    assert "null" in line and "x (" in line.split("|")[-2], line
+
+
+def test_bench_plot(bench_run):
+    proc, files, _ = bench_run
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in proc.stderr, proc.stderr
+        pytest.skip("matplotlib not installed: plot not checked (pip install 'neuron-dist[bench]')")
+    assert proc.returncode == 0, proc.stderr
+    png = files["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.timeout(120)
+def test_hotloop_runs_and_summarises(tmp_path):
+    for nodes in (1, 2):  # 2: virtual nodes, so the inter-node transport on loopback
+        out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",
+                              "--nodes", str(nodes), "--seconds", "0.3", "--thread-cpu"],
+                             capture_output=True, text=True, timeout=100)
+        assert out.returncode == 0, out.stderr
+        assert f"neuron all_reduce 8 B, 2 rank(s) on {nodes} node(s):" in out.stdout
+        assert "us per operation" in out.stdout
+        for rank in (0, 1):
+            lines = [x for x in out.stdout.splitlines()
+                     if x.startswith(f"rank {rank} CPU per operation")]
+            assert len(lines) == 1, out.stdout
+            line = lines[0]
+            assert "MainThread " in line, line
+            if nodes == 2:  # the waiting thread reads the rails itself: no reader threads
+                assert "neuron-rdm-r" not in line, line
+    from neuron_dist.bench.hotloop import _cpu_line, thread_cpu
+    assert "MainThread" in thread_cpu()
+    line = _cpu_line(3, {"a": (1.0, 0.5)}, {"a": (1.2, 0.6), "b": (0.0, 0.1), "c": (0, 0)}, 1000)
+    assert line == "rank 3 CPU per operation, user+system us by thread: a 200+100, b 0+100"
+    raw = tmp_path / "prof.txt"
+    raw.write_text("main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);f (a.py:3) 3\n"
+                   "main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);g (b.py:4) 1\n"
+                   "main (x.py:1);import (z.py:9) 5\n")  # outside the loop: not counted
+    from neuron_dist.bench.hotloop import summarise
+    text = summarise(str(raw))
+    assert text.startswith("4 samples in the loop")
+    assert " 75.0%  f (a.py:3)" in text and " 25.0%  g (b.py:4)" in text
+
+
+def test_null_floor_ratios_and_summary_without_null():
+    """x_null is a row's time over null's for the same (op, world, bytes); a run without
+    null (the committed results) summarises as before, with no floor column."""
+    from neuron_dist.bench import report
+    from neuron_dist.bench.summary import summarise
+
+    def row(backend, t):
+        return {"op": "all_reduce", "world": 2, "bytes": 8, "backend": backend, "status": "ok",
+                "time_us": t, "busbw_gbs": 0.001}
+    rows = [row("neuron", 12.0), row("gloo", 240.0), row("null", 3.0)]
+    report.add_ratios(rows)
+    ratios = {r["backend"]: (r["vs_gloo"], r["x_null"]) for r in rows}
+    assert ratios == {"neuron": (20.0, 4.0), "gloo": (1.0, 80.0), "null": (None, None)}
+    meta = {"command": "c", "cores": 2, "torch": "t", "mpi": None}
+    with_null = summarise([("r.json", {"meta": meta, "results": rows})])
+    assert "4.0x (12 us = null 3.0 us + 9 us)" in with_null
+    without = summarise([("r.json", {"meta": meta, "results": rows[:2]})])
+    assert "null" not in without and without.splitlines()[2].count("|") == 6
+
+
+def test_summary_into_docs_performance_matches_results(tmp_path):
+    """docs/performance.md's tables are what ``summary --into`` makes from the committed
+    results (the command that file quotes), and a file without the markers is refused."""
+    from pathlib import Path
+
+    from neuron_dist.bench import summary
+    root = Path(__file__).resolve().parents[2]
+    doc = root / "docs" / "performance.md"
+    command = ("python -m neuron_dist.bench.summary --into docs/performance.md "
+               "results/bench-n2.json results/bench-n4.json")
+    assert command in doc.read_text(), "docs/performance.md no longer quotes its command"
+    copy = tmp_path / "performance.md"
+    copy.write_text(doc.read_text())
+    summary.main(["--into", str(copy), str(root / "results/bench-n2.json"),
+                  str(root / "results/bench-n4.json")])
+    # the tables name the result files as passed: compare with the repository-relative names
+    assert copy.read_text().replace(f"{root}/", "") == doc.read_text(), \
+        "docs/performance.md's tables differ from the committed results: rerun the command"
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers here\n")
+    with pytest.raises(SystemExit, match="has no <!-- perf:start -->"):
+        summary.main(["--into", str(bare), str(root / "results/bench-n2.json")])

@@ -1,0 +1,47 @@
+"""The main-job benchmark (``python -m neuron_dist.bench.mainjob``): its arithmetic, and one
+tiny real run (network namespaces: root needed, else skipped; required in CI)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from neuron_dist.bench import mainjob
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
+import vnodes  # noqa: E402
+
+needs_netns = pytest.mark.skipif(not vnodes.netns_available(),
+                                 reason="needs root and working ip netns/veth/bridge")
+
+
+def test_report_compares_with_gloo_and_counts_communication_above_the_floor():
+    args = SimpleNamespace(argv=[], nodes=2, nproc_per_node=2, steps=(6, 30), reps=1,
+                           train_args="--dim 128")
+    res = {"neuron": {"tokens_s": 1800, "cpu_per_step_s": 1.25},
+           "gloo": {"tokens_s": 1500, "cpu_per_step_s": 1.5},
+           "null": {"tokens_s": 3000, "cpu_per_step_s": 1.0}}
+    text = mainjob.report(res, args)
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.split() and line.split()[0] in res}
+    assert rows["neuron"][2] == "1.20x" and rows["null"][2] == "2.00x"
+    assert rows["neuron"][4] == "0.250" and rows["gloo"][4] == "0.500"
+    assert rows["null"][4] == "-"
+    assert "null (no communication at all) reaches 2.00x gloo's tokens/s" in text
+
+
+@needs_netns
+def test_mainjob_tiny_run(tmp_path):
+    out = tmp_path / "mainjob.json"
+    assert mainjob.main(["--backends", "null", "--steps", "1,2", "--timeout", "240",
+                         "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    null = doc["results"]["null"]
+    assert null["tokens_s"] > 0 and math.isfinite(null["cpu_per_step_s"])
+    (r,) = null["rounds"]
+    assert r["short"]["cpu_s"] > 0 and r["long"]["cpu_s"] > 0  # every process was counted

@@ -1,0 +1,441 @@
+"""The one-node collective algorithms, run by threads over the fake step channel.
+
+Every algorithm a one-node group runs (collectives/allreduce.py, allgather.py,
+reduce_scatter.py, broadcast.py, rooted.py, alltoall.py, barrier.py, and single_copy.py's
+when ranks may read each other's memory) runs on N ranks as threads of this process
+(helpers/fake_channel.py: no processes, no shared memory), for world sizes 1 to 8, dtypes,
+reduce ops, roots and sizes on both sides of the slot and chunk boundaries, against
+references computed in plain torch from every rank's input (helpers/cases.py: small
+integers, so every sum is exact; results must also be bit-identical on every rank). Slots
+are small (``SLOT`` bytes) so that modest tensors take the multi-step paths, and each world
+runs its whole matrix as consecutive calls on one group, as a process group does, so slots
+and descriptors are reused from call to call.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from neuron_dist.collectives import (allgather, allreduce, alltoall, barrier, broadcast,
+                                     reduce_scatter, rooted, single_copy)
+from neuron_dist.collectives.descriptor import Call, CollectiveMismatch, digest
+from neuron_dist.collectives.reduce_ops import ReduceSpec
+
+from helpers.cases import close, make, ops_for, premul_factor, reduce_ref
+from helpers.fake_channel import FakeGroup
+
+pytestmark = pytest.mark.timeout(240)
+
+SLOT = 1024  # bytes per slot: 256 float32
+SMALL = 256  # all_reduce up to this many bytes takes the one-step path
+WORLDS = [1, 2, 3, 5, 8]
+REDUCE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+                 torch.uint8, torch.int32, torch.int64, torch.bool]
+FEW_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+
+
+def spec(op: str) -> ReduceSpec:
+    return ReduceSpec(op, premul_factor() if op == "PREMUL_SUM" else None)
+
+
+def random_bytes(n: int, *seed) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(seed) & 0x7FFFFFFF)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def run(world: int, body, cma: bool = False) -> tuple[FakeGroup, list]:
+    group = FakeGroup(world, SLOT, cma=cma, small_bytes=SMALL)
+    return group, group.run(body, timeout=180)
+
+
+def check_reduced(failures: list, label: str, results: list, ref, dtype) -> None:
+    """Every rank's result equals ``ref`` and rank 0's, bit for bit."""
+    for r, got in enumerate(results):
+        if not close(got, ref, dtype):
+            failures.append(f"{label}: rank {r} {first_difference(got, ref)}")
+        elif not torch.equal(got, results[0]):
+            failures.append(f"{label}: rank {r}'s result differs from rank 0's")
+
+
+def first_difference(got, ref) -> str:
+    """Where ``got`` first differs from ``ref``, for a failure message."""
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return f"got {got.dtype} {tuple(got.shape)}, expected {ref.dtype} {tuple(ref.shape)}"
+    g, e = got.flatten().double(), ref.flatten().double()
+    bad = (~torch.isclose(g, e, rtol=1e-2, atol=1e-2)).nonzero()
+    i = int(bad[0]) if len(bad) else 0
+    return f"got {g[i].item()} at [{i}] of {g.numel()}, expected {e[i].item()}"
+
+
+def report(failures: list) -> None:
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:30])
+
+
+# --------------------------------------------------------------------------- all_reduce
+def all_reduce_cases():
+    for dtype in REDUCE_DTYPES:
+        cap, small = SLOT // dtype.itemsize, SMALL // dtype.itemsize
+        shapes = [(0,), (1,), (2, 3), (small,), (small + 1,), (cap - 1,), (cap,), (cap + 1,),
+                  (3, cap // 2 + 1), (2 * cap + 3,)]
+        for op in ops_for(dtype):
+            for shape in shapes:
+                yield dtype, op, shape
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce(world):
+    cases = list(all_reduce_cases())
+
+    def body(ch):
+        outs = []
+        for i, (dtype, op, shape) in enumerate(cases):
+            n = math.prod(shape)
+            inp = make(ch.rank, n, dtype, salt=i, op=op).view(shape)
+            out = inp if i % 2 else torch.zeros_like(inp)  # in place, and not
+            allreduce.all_reduce(ch.context(Call("all_reduce", dtype, n, reduce=op)),
+                                 out, inp, spec(op))
+            outs.append(out)
+        return outs
+
+    _, results = run(world, body)
+    failures = []
+    for i, (dtype, op, shape) in enumerate(cases):
+        n = math.prod(shape)
+        ref = reduce_ref([make(r, n, dtype, salt=i, op=op) for r in range(world)], op, dtype)
+        check_reduced(failures, f"all_reduce {dtype} {op} {shape}",
+                      [res[i] for res in results], ref.view(shape), dtype)
+    report(failures)
+
+
+# ---------------------------------------------------------------------- reduce_scatter
+def per_block(world: int, es: int = 1, header: int = 0) -> int:
+    """Elements of one rank's block in a slot cut into ``world`` 64-byte aligned blocks."""
+    return ((SLOT - header) // world) // 64 * 64 // es
+
+
+def split_patterns(world: int, per: int) -> list[list[int]]:
+    return [[0] * world, [1] * world, [per - 1] * world, [per] * world, [per + 1] * world,
+            [2 * per + 3] * world, [k * per // 2 + k for k in range(world)]]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter(world):
+    cases = [(dtype, op, sizes) for dtype in FEW_DTYPES + [torch.int8]
+             for op in ops_for(dtype)
+             for sizes in split_patterns(world, per_block(world, dtype.itemsize))]
+
+    def inputs(rank, i, dtype, op, sizes):
+        return [make(rank, m, dtype, salt=64 * i + k, op=op) for k, m in enumerate(sizes)]
+
+    def body(ch):
+        outs = []
+        for i, (dtype, op, sizes) in enumerate(cases):
+            out = torch.zeros(sizes[ch.rank], dtype=dtype)
+            call = Call("reduce_scatter", dtype, sum(sizes), reduce=op, extra=digest(sizes))
+            reduce_scatter.reduce_scatter(ch.context(call), out,
+                                          inputs(ch.rank, i, dtype, op, sizes), spec(op))
+            outs.append(out)
+        return outs
+
+    _, results = run(world, body)
+    failures = []
+    for i, (dtype, op, sizes) in enumerate(cases):
+        ins = [inputs(j, i, dtype, op, sizes) for j in range(world)]
+        for r in range(world):
+            ref = reduce_ref([ins[j][r] for j in range(world)], op, dtype)
+            if not close(results[r][i], ref, dtype):
+                failures.append(f"reduce_scatter {dtype} {op} {sizes}: rank {r} "
+                                f"{first_difference(results[r][i], ref)}")
+    report(failures)
+
+
+# --------------------------------------------------------------------------- all_gather
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather(world):
+    cases = split_patterns(world, SLOT) + [
+        [2 * SLOT + 5 if k == world - 1 else 0 for k in range(world)],
+        [3 * SLOT + 7 if k == 0 else 1 for k in range(world)]]
+
+    def body(ch):
+        outs = []
+        for i, sizes in enumerate(cases):
+            outs.append([torch.full((m,), 0x5A, dtype=torch.uint8) for m in sizes])
+            call = Call("all_gather", torch.uint8, sum(sizes), extra=digest(sizes))
+            allgather.all_gather(ch.context(call), outs[-1],
+                                 random_bytes(sizes[ch.rank], ch.rank, i))
+        return outs
+
+    _, results = run(world, body)
+    failures = [f"all_gather {sizes}: rank {r}'s block from rank {k} is wrong"
+                for i, sizes in enumerate(cases) for r in range(world) for k in range(world)
+                if not torch.equal(results[r][i][k], random_bytes(sizes[k], k, i))]
+    report(failures)
+
+
+# ---------------------------------------------------------------------------- broadcast
+@pytest.mark.parametrize("world", WORLDS)
+def test_broadcast(world):
+    cases = [(n, root) for n in (0, 1, SLOT - 1, SLOT, SLOT + 1, 3 * SLOT + 7)
+             for root in range(world)]
+
+    def body(ch):
+        outs = []
+        for i, (n, root) in enumerate(cases):
+            buf = random_bytes(n, ch.rank, i)  # the root's is the one that counts
+            broadcast.broadcast(ch.context(Call("broadcast", torch.uint8, n, root)), buf, root)
+            outs.append(buf)
+        return outs
+
+    _, results = run(world, body)
+    failures = [f"broadcast of {n} bytes from {root}: rank {r} differs"
+                for i, (n, root) in enumerate(cases) for r in range(world)
+                if not torch.equal(results[r][i], random_bytes(n, root, i))]
+    report(failures)
+
+
+# ------------------------------------------------------------- rooted: reduce, gather, scatter
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce(world):
+    cases = [(dtype, op, n, root) for dtype in FEW_DTYPES for op in ops_for(dtype)
+             for n in (0, 1, SLOT // dtype.itemsize - 1, SLOT // dtype.itemsize,
+                       SLOT // dtype.itemsize + 1, 2 * SLOT // dtype.itemsize + 3)
+             for root in sorted({0, world - 1})]
+    untouched = 7
+
+    def body(ch):
+        outs = []
+        for i, (dtype, op, n, root) in enumerate(cases):
+            out = torch.full((n,), untouched, dtype=dtype)
+            rooted.reduce(ch.context(Call("reduce", dtype, n, root, reduce=op)), out,
+                          make(ch.rank, n, dtype, salt=i, op=op), spec(op), root)
+            outs.append(out)
+        return outs
+
+    _, results = run(world, body)
+    failures = []
+    for i, (dtype, op, n, root) in enumerate(cases):
+        ref = reduce_ref([make(r, n, dtype, salt=i, op=op) for r in range(world)], op, dtype)
+        label = f"reduce {dtype} {op} {n} to {root}"
+        if not close(results[root][i], ref, dtype):
+            failures.append(f"{label}: the root {first_difference(results[root][i], ref)}")
+        unchanged = torch.full((n,), untouched, dtype=dtype)
+        failures += [f"{label}: rank {r}'s output was written" for r in range(world)
+                     if r != root and not torch.equal(results[r][i], unchanged)]
+    report(failures)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gather(world):
+    cases = [(n, root) for n in (0, 1, SLOT - 1, SLOT, SLOT + 1, 2 * SLOT + 3)
+             for root in range(world)]
+
+    def body(ch):
+        outs = []
+        for i, (n, root) in enumerate(cases):
+            mine = [torch.full((n,), 0x5A, dtype=torch.uint8) for _ in range(world)] \
+                if ch.rank == root else []
+            rooted.gather(ch.context(Call("gather", torch.uint8, n, root)), mine,
+                          random_bytes(n, ch.rank, i), root)
+            outs.append(mine)
+        return outs
+
+    _, results = run(world, body)
+    failures = [f"gather of {n} bytes to {root}: block of rank {k} is wrong"
+                for i, (n, root) in enumerate(cases) for k in range(world)
+                if not torch.equal(results[root][i][k], random_bytes(n, k, i))]
+    report(failures)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_scatter(world):
+    per = per_block(world)
+    cases = [(n, root) for n in (0, 1, per - 1, per, per + 1, 2 * per + 3)
+             for root in range(world)]
+
+    def body(ch):
+        outs = []
+        for i, (n, root) in enumerate(cases):
+            ins = [random_bytes(n, root, k, i) for k in range(world)] if ch.rank == root else []
+            out = torch.full((n,), 0x5A, dtype=torch.uint8)
+            rooted.scatter(ch.context(Call("scatter", torch.uint8, n, root)), out, ins, root)
+            outs.append(out)
+        return outs
+
+    _, results = run(world, body)
+    failures = [f"scatter of {n} bytes from {root}: rank {r}'s block is wrong"
+                for i, (n, root) in enumerate(cases) for r in range(world)
+                if not torch.equal(results[r][i], random_bytes(n, root, r, i))]
+    report(failures)
+
+
+# --------------------------------------------------------------------------- all_to_all
+def a2a_patterns(world: int) -> list[list[list[int]]]:
+    """Split matrices: ``S[i][j]`` bytes go from rank i to rank j."""
+    header = -(-16 * world // 64) * 64
+    per = per_block(world, header=header)
+    rng = random.Random(world)
+    fixed = [[[m] * world for _ in range(world)] for m in (0, 1, per, per + 1)]
+    uneven = [[rng.randrange(3 * per) for _ in range(world)] for _ in range(world)]
+    one_big = [[4 * per + 5 if (i, j) == (0, world - 1) else 0 for j in range(world)]
+               for i in range(world)]
+    return fixed + [uneven, one_big]
+
+
+def run_all_to_all(ch, i: int, splits) -> list:
+    ins = [random_bytes(splits[ch.rank][j], ch.rank, j, i) for j in range(ch.size)]
+    outs = [torch.full((splits[j][ch.rank],), 0x5A, dtype=torch.uint8) for j in range(ch.size)]
+    alltoall.all_to_all(ch.context(Call("all_to_all", torch.uint8, 0)), outs, ins, 1)
+    return outs
+
+
+def check_all_to_all(results, cases, world, failures, label="all_to_all") -> None:
+    for i, splits in enumerate(cases):
+        for j in range(world):
+            for k in range(world):
+                if not torch.equal(results[j][i][k], random_bytes(splits[k][j], k, j, i)):
+                    failures.append(f"{label} {splits}: rank {j}'s block from rank {k} is wrong")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_to_all(world):
+    cases = a2a_patterns(world)
+    _, results = run(world, lambda ch: [run_all_to_all(ch, i, s) for i, s in enumerate(cases)])
+    failures = []
+    check_all_to_all(results, cases, world, failures)
+    report(failures)
+
+
+def test_all_to_all_sizes_that_disagree_fail_on_every_rank_and_the_group_goes_on():
+    world = 3
+
+    def body(ch):
+        ins = [torch.zeros(4, dtype=torch.uint8) for _ in range(world)]
+        outs = [torch.zeros(5 if (ch.rank, j) == (2, 0) else 4, dtype=torch.uint8)
+                for j in range(world)]  # rank 2 expects 5 bytes from rank 0, which sends 4
+        try:
+            alltoall.all_to_all(ch.context(Call("all_to_all", torch.uint8, 0)), outs, ins, 1)
+            error = None
+        except CollectiveMismatch as exc:
+            error = str(exc)
+        return error, run_all_to_all(ch, 0, a2a_patterns(world)[-2])
+
+    _, results = run(world, body)
+    errors = {e for e, _ in results}
+    assert len(errors) == 1 and None not in errors, errors
+    assert "rank 0 sends 4 elements to rank 2 but rank 2 expects 5" in errors.pop()
+    failures = []
+    check_all_to_all([[outs] for _, outs in results], [a2a_patterns(world)[-2]], world,
+                     failures, "the all_to_all after the failed one")
+    report(failures)
+
+
+# ------------------------------------------------------------------------------ barrier
+@pytest.mark.parametrize("world", WORLDS)
+def test_barrier_lets_no_rank_through_before_all_arrived(world):
+    arrived, lock = [], threading.Lock()
+
+    def body(ch):
+        seen = []
+        for i in range(3):
+            time.sleep(0.002 * ((ch.rank + i) % world))
+            with lock:
+                arrived.append((i, ch.rank))
+            barrier.barrier(ch.context(Call("barrier")))
+            with lock:
+                seen.append(sum(1 for j, _ in arrived if j == i))
+        return seen
+
+    _, results = run(world, body)
+    assert all(seen == [world] * 3 for seen in results), results
+
+
+def test_ranks_calling_different_collectives_fail_together_and_the_group_goes_on():
+    world = 3
+
+    def body(ch):
+        n = 5 if ch.rank == 1 else 4
+        x = torch.ones(n)
+        try:
+            allreduce.all_reduce(ch.context(Call("all_reduce", torch.float32, n, reduce="SUM")),
+                                 x, x, spec("SUM"))
+            error = None
+        except CollectiveMismatch as exc:
+            error = str(exc)
+        y = torch.full((3,), float(ch.rank))
+        allreduce.all_reduce(ch.context(Call("all_reduce", torch.float32, 3, reduce="SUM")),
+                             y, y, spec("SUM"))
+        return error, y
+
+    _, results = run(world, body)
+    assert all(e and "collective mismatch" in e and "5 elements" in e for e, _ in results), results
+    assert all(torch.equal(y, torch.full((3,), 3.0)) for _, y in results), results
+
+
+# -------------------------------------------------------------------- single copy (CMA)
+BIG = single_copy.MIN_BYTES  # from here the single-copy algorithms run
+CHUNK = single_copy.CHUNK_BYTES
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_single_copy_algorithms(world):
+    reduces = [(torch.float32, op) for op in ("SUM", "AVG", "MAX", "PREMUL_SUM")] + \
+        [(torch.bfloat16, "SUM"), (torch.int64, "PRODUCT")]
+    ar_cases = [(dtype, op, n) for dtype, op in reduces
+                for n in (BIG // dtype.itemsize, world * (CHUNK // dtype.itemsize) + 37)]
+    rs_cases = [(dtype, op, [BIG // dtype.itemsize + 3 * k for k in range(world)])
+                for dtype, op in reduces]
+    ag_cases = [[BIG + 5 * k for k in range(world)], [BIG if k == 0 else 0 for k in range(world)]]
+    a2a_cases = [[[0 if (i + j) % 3 == 0 else BIG + 100 * i + j for j in range(world)]
+                  for i in range(world)]]
+
+    def body(ch):
+        r = ch.rank
+        ar = []
+        for i, (dtype, op, n) in enumerate(ar_cases):
+            inp = make(r, n, dtype, salt=i, op=op)
+            out = inp if i % 2 else torch.zeros_like(inp)
+            allreduce.all_reduce(ch.context(Call("all_reduce", dtype, n, reduce=op)),
+                                 out, inp, spec(op))
+            ar.append(out)
+        rs = []
+        for i, (dtype, op, sizes) in enumerate(rs_cases):
+            out = torch.zeros(sizes[r], dtype=dtype)
+            ins = [make(r, m, dtype, salt=64 * i + k, op=op) for k, m in enumerate(sizes)]
+            call = Call("reduce_scatter", dtype, sum(sizes), reduce=op, extra=digest(sizes))
+            reduce_scatter.reduce_scatter(ch.context(call), out, ins, spec(op))
+            rs.append(out)
+        ag = []
+        for i, sizes in enumerate(ag_cases):
+            ag.append([torch.zeros(m, dtype=torch.uint8) for m in sizes])
+            call = Call("all_gather", torch.uint8, sum(sizes), extra=digest(sizes))
+            allgather.all_gather(ch.context(call), ag[-1], random_bytes(sizes[r], r, i))
+        a2a = [run_all_to_all(ch, i, s) for i, s in enumerate(a2a_cases)]
+        return ar, rs, ag, a2a
+
+    group, results = run(world, body, cma=True)
+    assert group.reads > 0, "the single-copy algorithms did not run"
+    failures = []
+    for i, (dtype, op, n) in enumerate(ar_cases):
+        ref = reduce_ref([make(r, n, dtype, salt=i, op=op) for r in range(world)], op, dtype)
+        check_reduced(failures, f"single-copy all_reduce {dtype} {op} {n}",
+                      [res[0][i] for res in results], ref, dtype)
+    for i, (dtype, op, sizes) in enumerate(rs_cases):
+        for r in range(world):
+            ref = reduce_ref([make(j, sizes[r], dtype, salt=64 * i + r, op=op)
+                              for j in range(world)], op, dtype)
+            if not close(results[r][1][i], ref, dtype):
+                failures.append(f"single-copy reduce_scatter {dtype} {op}: rank {r} "
+                                f"{first_difference(results[r][1][i], ref)}")
+    for i, sizes in enumerate(ag_cases):
+        failures += [f"single-copy all_gather {sizes}: rank {r}'s block from {k} is wrong"
+                     for r in range(world) for k in range(world)
+                     if not torch.equal(results[r][2][i][k], random_bytes(sizes[k], k, i))]
+    check_all_to_all([res[3] for res in results], a2a_cases, world, failures,
+                     "single-copy all_to_all")
+    report(failures)

@@ -58,34 +58,36 @@ def reduce(ctx: Context, out, inp, spec, root: int) -> None:
 def gather(ctx: Context, outs: list, inp, root: int) -> None:
     """The root gets every rank's uint8 ``inp`` in ``outs[rank]``."""
     net_call = ctx.net_call
-    topo = net_call.topo
-    if topo.node_of(root) != topo.my_node:
-        net_call.send(root, inp)
-        ctx.finish()
+    if _direct(ctx, root, net_call.send, inp, net_call.recv, outs):
+        topo = net_call.topo
+        rooted.gather(ctx, [outs[g] for g in topo.local] if topo.rank == root else [], inp,
+                      topo.local.index(root))
         net_call.wait()
-        return
-    if topo.rank == root:
-        for g in range(topo.size):
-            if topo.node_of(g) != topo.my_node:
-                net_call.recv(g, outs[g])
-    rooted.gather(ctx, [outs[g] for g in topo.local] if topo.rank == root else [], inp,
-                  topo.local.index(root))
-    net_call.wait()
 
 
 def scatter(ctx: Context, out, ins: list, root: int) -> None:
     """Rank k gets the root's uint8 ``ins[k]`` in ``out``."""
     net_call = ctx.net_call
-    topo = net_call.topo
-    if topo.node_of(root) != topo.my_node:
-        net_call.recv(root, out)
-        ctx.finish()
+    if _direct(ctx, root, net_call.recv, out, net_call.send, ins):
+        topo = net_call.topo
+        rooted.scatter(ctx, out, [ins[g] for g in topo.local] if topo.rank == root else [],
+                       topo.local.index(root))
         net_call.wait()
-        return
+
+
+def _direct(ctx: Context, root: int, post_mine, mine, post_root, blocks) -> bool:
+    """The network part of a gather or scatter. A rank on another node than the root posts
+    its block (``post_mine(root, mine)``), takes the call's local step and waits: it is
+    done (False). The root posts one message per rank on another node (``post_root(g,
+    blocks[g])``); the ranks of the root's node go on with the local phase (True)."""
+    topo = ctx.net_call.topo
+    if topo.node_of(root) != topo.my_node:
+        post_mine(root, mine)
+        ctx.finish()
+        ctx.net_call.wait()
+        return False
     if topo.rank == root:
         for g in range(topo.size):
             if topo.node_of(g) != topo.my_node:
-                net_call.send(g, ins[g])
-    rooted.scatter(ctx, out, [ins[g] for g in topo.local] if topo.rank == root else [],
-                   topo.local.index(root))
-    net_call.wait()
+                post_root(g, blocks[g])
+    return True

@@ -64,7 +64,7 @@ Models (n = bytes per rank, N nodes, L ranks per node, P = N L; x_L = n / L)
                          + max(bytes of the rank x beta_rank, bytes of its node x beta_link)
     (one direction; a direct exchange is one phase with 2(N-1) messages: a call descriptor
     and the payload per peer, or N-1 when the payload carries the descriptor, up to
-    net.PIGGYBACK_BYTES; a ring step is one phase with one message). beta_rank = beta_link = the fitted beta_net by default (one rank drives the
+    collectives.net.PIGGYBACK_BYTES; a ring step is one phase with one message). beta_rank = beta_link = the fitted beta_net by default (one rank drives the
     veth link as fast as it goes); ``--link-gbs`` makes the node link faster than one rank.
     Reductions after the network cost gamma per byte, like the local ones.
 
@@ -297,7 +297,7 @@ class Machine:
     net: Net
     slot: int = SLOT_BYTES
     small: int = SMALL_BYTES
-    # data up to this size carries the call descriptor itself (net.PIGGYBACK_BYTES)
+    # data up to this size carries the call descriptor itself (collectives.net.PIGGYBACK_BYTES)
     piggyback: int = PIGGYBACK_BYTES
 
 

@@ -111,7 +111,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._channel, self._topo, self._net = links.channel, links.topo, links.net
         self._store_key = links.key  # this generation's keys in the store (shrink.py)
         self._store_auth = links.auth  # checks what the store says (store_auth.py)
-        self._net_scratch: dict = {}  # network collectives' buffers, kept across calls
+        self._net_call_scratch: dict = {}  # NetCall's buffers, kept across calls
         self._algos = FLAT if self._net is None else ACROSS_NODES
         self._scratch = Scratch()
         self._calls = {}
@@ -239,7 +239,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             ctx = Context(channel, call, seq, deadline, scratch, small)
             if net is not None:
                 ctx.net_call = NetCall(net, topo, call, seq, deadline, algo_name,
-                                       self._net_scratch)
+                                       self._net_call_scratch)
             algo(ctx)
             for f in flats:
                 f.finish()

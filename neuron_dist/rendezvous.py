@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from .transport.base import NetTransport
 from .transport.rdm.driver import RdmTransport
 from .transport.rdm.handshake import derive_key
 from .transport.shm import cma
@@ -58,7 +59,7 @@ class GroupLinks:
 
     channel: ShmChannel
     topo: Topology
-    net: object  # RdmTransport, MpiTransport (same interface), or None on one node
+    net: NetTransport | None  # RdmTransport or MpiTransport; None on one node
     key: str = ""  # prefix of this generation's keys in the store
     auth: StoreAuth | None = None  # the group's store values, checked with the job key
 

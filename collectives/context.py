@@ -29,11 +29,12 @@ class Context:
         Messages up to this size take single-step algorithms.
 
     In a group that spans nodes, ``channel`` joins this node's ranks only (``rank`` and
-    ``size`` are local) and ``net`` carries the inter-node part (see twolevel.py).
+    ``size`` are local) and ``net_call`` carries the network part (net.py, used by the
+    ``*_net.py`` algorithms).
     """
 
     __slots__ = ("channel", "call", "seq", "deadline", "scratch", "small_bytes", "_checked",
-                 "rank", "size", "net")
+                 "rank", "size", "net_call")
 
     def __init__(self, channel, call: Call, seq: int, deadline: float, scratch: Scratch,
                  small_bytes: int):
@@ -46,7 +47,7 @@ class Context:
         self.rank = channel.rank
         self.size = channel.size
         self._checked = False
-        self.net = None  # twolevel.Net when the group spans nodes (channel = this node only)
+        self.net_call = None  # net.NetCall when the group spans nodes (channel: this node)
 
     def step(self, extra: tuple = ()) -> None:
         """One channel step. The call's first also posts its descriptor, followed by

@@ -8,6 +8,9 @@ Rules kept here:
   semantics; it also keeps bf16 gradients from overflowing in the sum).
 * Bitwise ops take integers and bool; on bool, SUM/MAX act as OR and PRODUCT/MIN as AND.
 * AVG on integers divides the sum and truncates toward zero; AVG/PREMUL_SUM on bool are errors.
+* A reduction in phases (across nodes: ``phase_specs``) applies PREMUL_SUM's factor in the
+  first phase only and sums afterwards; AVG sums in every phase and divides by the group
+  size once, at the end (``finish_phases``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,24 @@ def reduce_into(out: torch.Tensor, inputs: list, spec: ReduceSpec, nranks: int,
         _finish_avg(acc, nranks)
     if accumulate:
         out.copy_(acc)
+
+
+_SUM = ReduceSpec(SUM)
+
+
+def phase_specs(spec: ReduceSpec) -> tuple:
+    """(spec of the first phase, spec of the later phases) of a reduction in phases."""
+    if spec.kind == AVG:
+        return _SUM, _SUM
+    if spec.kind == PREMUL_SUM:
+        return spec, _SUM
+    return spec, spec
+
+
+def finish_phases(out: torch.Tensor, spec: ReduceSpec, nranks: int) -> None:
+    """End a reduction in phases of ``nranks`` ranks' inputs (AVG divides here)."""
+    if spec.kind == AVG:
+        _finish_avg(out, nranks)
 
 
 def _finish_avg(t: torch.Tensor, nranks: int) -> None:

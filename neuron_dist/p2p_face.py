@@ -9,7 +9,7 @@ How it works
   shared-memory send/recv engine (``p2p_engine.py``, its own progress); its callback
   completes the Work (a non-contiguous receive is copied back first).
 * **A group that spans nodes**: straight over the inter-node transport, tags offset by
-  ``P2P_TAG_BASE`` (collectives use ``twolevel.COLLECTIVE_TAG``). A small send completes
+  ``P2P_TAG_BASE`` (collectives use ``collectives.net.COLLECTIVE_TAG``). A small send completes
   as it is posted; everything else completes for whoever looks at its Work (``wait``,
   ``is_completed``, ...), so no thread hand-off is on a message's path, and a future or a
   hook arms a completion callback. A receive that times out is withdrawn from the
@@ -26,7 +26,7 @@ import time
 from torch.autograd import profiler as _profiler
 
 from . import stats
-from .collectives import twolevel
+from .collectives.net import as_bytes
 from .collectives.p2p import P2P, Request
 from .errors import GroupAbortedError, PeerTimeoutError
 from .flat import Flat
@@ -35,7 +35,7 @@ from .transport.errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
 from .work import NeuronWork
 
 EXPRESS_SEND_BYTES = 1 << 20  # sends up to this size are written into the ring at once if they fit
-P2P_TAG_BASE = 1 << 32  # network tags of send/recv (collectives use twolevel.COLLECTIVE_TAG)
+P2P_TAG_BASE = 1 << 32  # network tags of send/recv (collectives use net.COLLECTIVE_TAG)
 
 
 class PointToPoint:
@@ -47,8 +47,8 @@ class PointToPoint:
         This rank and the group size.
     channel : ShmChannel
         The node's shared-memory channel (mailboxes and rings).
-    net : transport or None
-        The inter-node transport when the group spans nodes.
+    net : transport.base.NetTransport or None
+        The group's between-nodes transport when the group spans nodes.
     label : callable
         ``label()``: the group's name for messages.
     on_error : callable
@@ -143,10 +143,10 @@ class PointToPoint:
             raise ValueError(f"{name}: tag must be >= 0, not {tag}")
         f = None
         if t.is_contiguous():
-            buf = twolevel.as_bytes(t)
+            buf = as_bytes(t)
         else:
             f = Flat(t, read=is_send)
-            buf = twolevel.as_bytes(f.bytes)
+            buf = as_bytes(f.bytes)
         nbytes = buf.nbytes
 
         def describe():

@@ -20,8 +20,10 @@ from torch.autograd import profiler as _profiler
 
 from types import SimpleNamespace
 
-from .collectives import (alltoall, allgather, allreduce, barrier, broadcast, reduce_scatter,
-                          rooted, twolevel)
+from .collectives import (allgather, allgather_net, allreduce, allreduce_net, alltoall,
+                          alltoall_net, barrier, barrier_net, broadcast, broadcast_net,
+                          reduce_scatter, reduce_scatter_net, rooted, rooted_net)
+from .collectives.net import NetCall
 from .collectives.descriptor import Call, CollectiveMismatch, digest
 from .collectives.p2p import P2PError
 from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
@@ -42,13 +44,18 @@ from .work import NeuronWork
 
 log = logging.getLogger("neuron_dist")
 
-# The algorithms of a group on one node; a group spanning nodes uses twolevel's, which have
+# The algorithms of a group on one node, and of a group that spans nodes (collectives/*_net.py):
 # the same names and signatures.
 FLAT = SimpleNamespace(
     all_reduce=allreduce.all_reduce, all_gather=allgather.all_gather,
     reduce_scatter=reduce_scatter.reduce_scatter, broadcast=broadcast.broadcast,
     reduce=rooted.reduce, gather=rooted.gather, scatter=rooted.scatter,
     all_to_all=alltoall.all_to_all, barrier=barrier.barrier)
+ACROSS_NODES = SimpleNamespace(
+    all_reduce=allreduce_net.all_reduce, all_gather=allgather_net.all_gather,
+    reduce_scatter=reduce_scatter_net.reduce_scatter, broadcast=broadcast_net.broadcast,
+    reduce=rooted_net.reduce, gather=rooted_net.gather, scatter=rooted_net.scatter,
+    all_to_all=alltoall_net.all_to_all, barrier=barrier_net.barrier)
 _UNSET = timedelta(milliseconds=-1)
 
 
@@ -104,8 +111,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._channel, self._topo, self._net = links.channel, links.topo, links.net
         self._store_key = links.key  # this generation's keys in the store (shrink.py)
         self._store_auth = links.auth  # checks what the store says (store_auth.py)
-        self._net_scratch: dict = {}  # network collectives' buffers, kept across calls
-        self._algos = FLAT if self._net is None else twolevel
+        self._net_call_scratch: dict = {}  # NetCall's buffers, kept across calls
+        self._algos = FLAT if self._net is None else ACROSS_NODES
         self._scratch = Scratch()
         self._calls = {}
         self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size)
@@ -231,8 +238,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             deadline = time.monotonic() + seconds
             ctx = Context(channel, call, seq, deadline, scratch, small)
             if net is not None:
-                ctx.net = twolevel.Net(net, topo, call, seq, deadline, algo_name,
-                                       self._net_scratch)
+                ctx.net_call = NetCall(net, topo, call, seq, deadline, algo_name,
+                                       self._net_call_scratch)
             algo(ctx)
             for f in flats:
                 f.finish()

@@ -1,7 +1,7 @@
 """Set-up of a group through the c10d store: who shares a node, shared memory, network rails.
 
 1. Every rank publishes its node identity (topology.node_identity) and its CPU
-   architecture; ranks with equal identities form a node (collectives.twolevel.Topology).
+   architecture; ranks with equal identities form a node (topology.Topology).
    A node of several ranks on a CPU that is not x86-64 is refused on every rank (the
    shared-memory protocol relies on x86-64's store ordering: transport/shm/ordering.py).
 2. Per node, the node's first rank sweeps leftover segments of dead jobs, creates the
@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from .collectives.twolevel import Topology
+from .transport.base import NetTransport
 from .transport.errors import DescriptorLimit
 from .transport.rdm import fd_budget
 from .transport.rdm.driver import RdmTransport
@@ -52,7 +52,7 @@ from .transport.shm.ordering import machine, shares_memory_safely
 from .transport.shm.segment import (Segment, ShmSetupError, new_segment_name,
                                      sweep_leftovers)
 from .store_auth import StoreAuth, StoreAuthError
-from .topology import choose_addresses, node_identity
+from .topology import Topology, choose_addresses, node_identity
 
 log = logging.getLogger("neuron_dist")
 
@@ -63,7 +63,7 @@ class GroupLinks:
 
     channel: ShmChannel
     topo: Topology
-    net: object  # RdmTransport, MpiTransport (same interface), or None on one node
+    net: NetTransport | None  # RdmTransport or MpiTransport; None on one node
     key: str = ""  # prefix of this generation's keys in the store
     auth: StoreAuth | None = None  # the group's store values, checked with the job key
 

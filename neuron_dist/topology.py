@@ -1,11 +1,70 @@
-"""Which ranks share a node (and so may share memory)."""
+"""Which ranks share a node (and so may share memory), and where traffic between nodes goes.
+
+``node_identity`` names this process's node; ``Topology`` is how a group's ranks sit on
+nodes (built at set-up by rendezvous.py from every rank's identity, then handed to the
+between-nodes algorithms); ``choose_addresses`` picks the local addresses for the network.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 
 from .transport.shm.procid import pid_namespace
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How a group's ranks sit on nodes.
+
+    Attributes
+    ----------
+    rank : int
+        This process's group rank.
+    nodes : tuple of tuple of int
+        Group ranks of each node, nodes ordered by their lowest rank.
+    """
+
+    rank: int
+    nodes: tuple
+
+    @classmethod
+    def from_names(cls, rank: int, names: list) -> "Topology":
+        """The topology of ranks whose node identities are ``names`` (one per group rank)."""
+        order: dict = {}
+        for k, name in enumerate(names):
+            order.setdefault(name, []).append(k)
+        return cls(rank, tuple(tuple(v) for v in order.values()))
+
+    @property
+    def size(self) -> int:
+        return sum(len(n) for n in self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        for i, ranks in enumerate(self.nodes):
+            if rank in ranks:
+                return i
+        raise ValueError(f"rank {rank} is in no node")
+
+    @property
+    def my_node(self) -> int:
+        return self.node_of(self.rank)
+
+    @property
+    def local(self) -> tuple:
+        """Group ranks of this node, in local-index order."""
+        return self.nodes[self.my_node]
+
+    @property
+    def even(self) -> bool:
+        return len({len(n) for n in self.nodes}) == 1
+
+    def leader(self, node: int) -> int:
+        return self.nodes[node][0]
+
+    def describe(self) -> str:
+        return " | ".join(f"node {i}: ranks {list(r)}" for i, r in enumerate(self.nodes))
 
 
 def node_identity(settings) -> str:

@@ -39,7 +39,7 @@ constrained >= 0; a parameter that would go negative is pinned at 0 and reported
 
 Models (n = bytes per rank, N nodes, L ranks per node, P = N L; x_L = n / L)
     single-node   neuron on one node: one step (n <= 64 KiB) or two steps per 1 MiB chunk.
-    hier+direct   neuron, nodes of equal size (collectives/twolevel.py): local
+    hier+direct   neuron, nodes of equal size (collectives/allreduce_net.py): local
                   reduce-scatter -> each local rank exchanges its slice x_L *directly* with
                   the same local rank of the N-1 other nodes (N-1 sends and N-1 receives of
                   x_L, plus a call descriptor per peer; reduce N slices) -> local all-gather.
@@ -56,15 +56,15 @@ Models (n = bytes per rank, N nodes, L ranks per node, P = N L; x_L = n / L)
                   network, 2(P-1) alpha_net + 2(P-1)/P n beta_net + (P-1)/P n gamma. Ranks
                   in node order, so one ring edge leaves each node: the node link carries
                   n/P per step, like every rank.
-    neuron        what twolevel.all_reduce runs (``neuron_choice``), from the code's own
+    neuron        what allreduce_net.all_reduce runs (``neuron_choice``), from the code's own
                   thresholds (imported, not copied): leader below 64 L elements, else
-                  hierarchical; among the nodes, a ring from twolevel.RING_BYTES per slice
-                  (3+ nodes), halves from twolevel.HALVES_BYTES (2 nodes), else direct.
+                  hierarchical; among the nodes, a ring from allreduce_net.RING_BYTES per slice
+                  (3+ nodes), halves from allreduce_net.HALVES_BYTES (2 nodes), else direct.
     A network phase costs  lat + (messages the rank sends) x alpha_net
                          + max(bytes of the rank x beta_rank, bytes of its node x beta_link)
     (one direction; a direct exchange is one phase with 2(N-1) messages: a call descriptor
     and the payload per peer, or N-1 when the payload carries the descriptor, up to
-    twolevel.PIGGYBACK_BYTES; a ring step is one phase with one message). beta_rank = beta_link = the fitted beta_net by default (one rank drives the
+    collectives.net.PIGGYBACK_BYTES; a ring step is one phase with one message). beta_rank = beta_link = the fitted beta_net by default (one rank drives the
     veth link as fast as it goes); ``--link-gbs`` makes the node link faster than one rank.
     Reductions after the network cost gamma per byte, like the local ones.
 
@@ -124,7 +124,8 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from ..collectives.context import ALIGN_BYTES
-from ..collectives.twolevel import HALVES_BYTES, PIGGYBACK_BYTES, RING_BYTES
+from ..collectives.allreduce_net import HALVES_BYTES, RING_BYTES
+from ..collectives.net import PIGGYBACK_BYTES
 from ..config import Settings
 from .sweep import human_size, parse_size
 
@@ -132,9 +133,9 @@ from .sweep import human_size, parse_size
 _DEFAULTS = Settings.from_env({})
 SLOT_BYTES = _DEFAULTS.slot_bytes        # NEURON_DIST_SHM_SLOT_BYTES
 SMALL_BYTES = _DEFAULTS.small_bytes      # NEURON_DIST_SMALL_BYTES
-# twolevel.all_reduce runs the hierarchical algorithm when numel >= 64 x (ranks on the
-# node), else leader. That 64 is a literal inside twolevel.all_reduce, not a name this
-# module can import; tests/tools/test_costmodel.py runs twolevel.all_reduce's own selection on
+# allreduce_net.all_reduce runs the hierarchical algorithm when numel >= 64 x (ranks on
+# the node), else leader. That 64 is a literal inside allreduce_net.all_reduce, not a name
+# this module can import; tests/tools/test_costmodel.py runs allreduce_net.all_reduce's own selection on
 # a range of sizes and checks that ``neuron_choice`` picks the same, so the two cannot drift.
 HIER_MIN_ELEMS_PER_RANK = 64
 ELEM = 4                      # float32, as benchmarked
@@ -328,7 +329,7 @@ class Machine:
     net: Net
     slot: int = SLOT_BYTES
     small: int = SMALL_BYTES
-    # data up to this size carries the call descriptor itself (twolevel.PIGGYBACK_BYTES)
+    # data up to this size carries the call descriptor itself (collectives.net.PIGGYBACK_BYTES)
     piggyback: int = PIGGYBACK_BYTES
 
 
@@ -409,7 +410,7 @@ def net_phase(x: float, peers: int, sharers: int, m: Machine, msgs: int | None =
 
 
 def exchange_choice(x: float, N: int) -> str:
-    """What ``twolevel._exchange_reduce`` runs for x bytes (float32) among N ranks: a ring
+    """What ``allreduce_net._exchange_reduce`` runs for x bytes (float32) among N ranks: a ring
     among 3+ ranks from RING_BYTES, halves (a two-rank ring) between two from HALVES_BYTES,
     else the direct exchange."""
     if N >= 3 and x >= RING_BYTES and x // ELEM >= N:
@@ -420,14 +421,14 @@ def exchange_choice(x: float, N: int) -> str:
 
 
 def exchange_reduce(x: float, N: int, sharers: int, m: Machine) -> float:
-    """``twolevel._exchange_reduce`` as the code runs it (``exchange_choice``)."""
+    """``allreduce_net._exchange_reduce`` as the code runs it (``exchange_choice``)."""
     if exchange_choice(x, N) == "direct":
         return direct_exchange(x, N, sharers, m)
     return ring_among(x, N, sharers, m)
 
 
 def direct_exchange(x: float, N: int, sharers: int, m: Machine) -> float:
-    """The direct exchange of ``twolevel._exchange_reduce`` among N ranks: descriptor +
+    """The direct exchange of ``allreduce_net._exchange_reduce`` among N ranks: descriptor +
     payload to each of N-1 peers (one message if the payload is small enough to carry the
     descriptor), then reduce N buffers of x (in place for N = 2, else into a scratch and
     copied back)."""
@@ -444,7 +445,7 @@ def direct_exchange(x: float, N: int, sharers: int, m: Machine) -> float:
 def ring_among(x: float, N: int, sharers: int, m: Machine, descriptors: bool = True) -> float:
     """Ring all-reduce of x bytes among N ranks (one per node), ``sharers`` such rings
     running at once through each node link: 2(N-1) dependent steps of x / N
-    (``twolevel._ring_all_reduce``; for N = 2 the same cost as ``twolevel._halves``)."""
+    (``allreduce_net._ring_all_reduce``; for N = 2 the same cost as ``allreduce_net._halves``)."""
     if N <= 1:
         return 0.0
     chunk = x / N
@@ -470,7 +471,7 @@ def _local_rs_ag(n: int, L: int, m: Machine) -> tuple[float, int]:
 
 
 def _hierarchical(n: int, N: int, L: int, m: Machine, exchange) -> float:
-    """twolevel._hierarchical with ``exchange`` among the nodes; a rank alone on its node
+    """allreduce_net._hierarchical with ``exchange`` among the nodes; a rank alone on its node
     (L = 1) goes straight to the network with the whole buffer, in place."""
     if N <= 1:
         return t_single(n, L, m)
@@ -522,7 +523,7 @@ MODELS = {"hier+direct": t_hier_direct, "hier+ring": t_hier_ring, "leader": t_le
 
 
 def neuron_choice(n: int, N: int, L: int) -> str:
-    """What twolevel.all_reduce runs for n bytes (float32) on N equal nodes of L ranks with
+    """What allreduce_net.all_reduce runs for n bytes (float32) on N equal nodes of L ranks with
     NEURON_DIST_ALGO=auto, named as in ``MODELS`` (or "single-node"): leader below 64 L
     elements, else hierarchical, whose exchange among the nodes (of rank 0's slice) is
     ``exchange_choice``'s (halves between two nodes cost as a two-rank ring)."""
@@ -763,10 +764,10 @@ def _header(r: _Run) -> None:
                     "slot_bytes": SLOT_BYTES, "small_bytes": SMALL_BYTES,
                     "dtype": "float32", "cores_of_measuring_machine": r.cores,
                     "descriptor_piggyback_bytes": PIGGYBACK_BYTES,
-                    "twolevel_thresholds": {"RING_BYTES": RING_BYTES, "HALVES_BYTES": HALVES_BYTES,
-                                            "PIGGYBACK_BYTES": PIGGYBACK_BYTES,
-                                            "hierarchical_min_elements_per_rank":
-                                                HIER_MIN_ELEMS_PER_RANK}}
+                    "allreduce_net_thresholds": {
+                        "RING_BYTES": RING_BYTES, "HALVES_BYTES": HALVES_BYTES,
+                        "PIGGYBACK_BYTES": PIGGYBACK_BYTES,
+                        "hierarchical_min_elements_per_rank": HIER_MIN_ELEMS_PER_RANK}}
     out(f"# {args.command}")
     out(f"# all_reduce cost model, fitted to the {args.stat} times of:")
     for k, path in r.paths.items():
@@ -782,7 +783,7 @@ def _header(r: _Run) -> None:
                                             "started": meta.get("started")}
         else:
             out(f"#   {path}: not present")
-    out(f"# neuron's algorithm choice from collectives/twolevel.py: ring among 3+ nodes from "
+    out(f"# neuron's algorithm choice from collectives/allreduce_net.py: ring among 3+ nodes from "
         f"RING_BYTES = {human_size(RING_BYTES)} per slice, halves between two from HALVES_BYTES "
         f"= {human_size(HALVES_BYTES)}, descriptor inside the data up to PIGGYBACK_BYTES = "
         f"{human_size(PIGGYBACK_BYTES)}, hierarchical from {HIER_MIN_ELEMS_PER_RANK} L elements")
@@ -1116,7 +1117,7 @@ def _predictions_section(r: _Run) -> None:
     out("== 3. predictions: all_reduce time, float32, in place")
     out(f"intra: L=2 fit; inter: {args.transport} (alpha_net {net.alpha * 1e6:.0f} us, lat "
         f"{net.lat * 1e6:.0f} us, {_gbs(net.beta_rank):.2f} GB/s per rank), {link_txt}, full "
-        f"duplex. neuron = what twolevel.all_reduce runs (D = hier+direct, R = hier+ring, "
+        f"duplex. neuron = what allreduce_net.all_reduce runs (D = hier+direct, R = hier+ring, "
         f"l = leader); best over the four; direct/ring = hier+direct / hier+ring. '!' = direct "
         f"exchange needs > {MEM_FLAG_BYTES >> 30} GiB of receive buffers per node.")
     out("bytes through each node link per direction: hier+direct (N-1) n (L ranks x N-1 peers"
@@ -1124,7 +1125,7 @@ def _predictions_section(r: _Run) -> None:
         "(from one rank), flat ring 2(P-1)/P n (one ring edge leaves the node); network "
         "messages per rank: 2(N-1) in one phase, 2(N-1) + 1 and 2(P-1) in dependent steps"
         f" (call descriptors ride in the data's message up to {human_size(PIGGYBACK_BYTES)}: "
-        f"collectives/twolevel.py PIGGYBACK_BYTES; then N-1 and 2(N-1)).")
+        f"collectives/net.py PIGGYBACK_BYTES; then N-1 and 2(N-1)).")
     out()
     preds, winners = [], {}
     for L in ppns:

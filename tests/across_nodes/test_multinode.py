@@ -99,12 +99,12 @@ def test_big_all_reduce_across_nodes(algo, names):
 
 
 def _halves(rank, world):
-    # Between two ranks, buffers of twolevel.HALVES_BYTES and more are reduced in halves:
+    # Between two ranks, buffers of allreduce_net.HALVES_BYTES and more are reduced in halves:
     # an odd length (halves of unequal size), each op, bf16, then a size mismatch between
     # the two calls.
-    from neuron_dist.collectives import twolevel
+    from neuron_dist.collectives.allreduce_net import HALVES_BYTES
     out = {}
-    n = twolevel.HALVES_BYTES // 4 + 3  # float32
+    n = HALVES_BYTES // 4 + 3  # float32
     base = torch.arange(n, dtype=torch.float32).remainder_(89) - 44
     mine = base * (rank + 1) + 0.25 * rank
     cases = {"sum": (dist.ReduceOp.SUM, mine * 2 - 1), "max": (dist.ReduceOp.MAX, mine),

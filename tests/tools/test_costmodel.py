@@ -3,7 +3,7 @@
 Fast and pure: the fits must recover known parameters from synthetic data, the models must
 follow their documented formulas and behave sanely (monotone in size and in nodes, node
 link shared by its ranks, half duplex doubling the byte term), the model's algorithm choice
-must be the one ``collectives/twolevel.py`` makes (its selection code is run on a range of
+must be the one ``collectives/allreduce_net.py`` makes (its selection code is run on a range of
 sizes with the data movement stubbed out), and the command must run on the committed
 results and print every section. Nothing here moves data between processes.
 """
@@ -25,9 +25,11 @@ import pytest
 import torch
 
 from neuron_dist.bench import costmodel as cm
-from neuron_dist.collectives import twolevel
+from neuron_dist.collectives import allreduce_net
+from neuron_dist.collectives.allreduce_net import HALVES_BYTES, RING_BYTES
 from neuron_dist.collectives.context import ALIGN_BYTES
-from neuron_dist.collectives.twolevel import HALVES_BYTES, PIGGYBACK_BYTES, RING_BYTES
+from neuron_dist.collectives.net import PIGGYBACK_BYTES
+from neuron_dist.topology import Topology
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "results")
 def needs_results(fn):
@@ -203,7 +205,7 @@ def test_sanity_between_algorithms():
 
 
 @pytest.mark.timeout(60)
-def test_neuron_choice_follows_twolevel():
+def test_neuron_choice_follows_allreduce_net():
     assert cm.neuron_choice(1 << 20, 1, 8) == "single-node"
     assert cm.neuron_choice(8, 4, 1) == "hier+direct"            # alone on its node
     assert cm.neuron_choice(64 * 8 * 4 - 4, 4, 8) == "leader"    # < 64 L elements
@@ -215,7 +217,7 @@ def test_neuron_choice_follows_twolevel():
     assert cm.neuron_choice(RING_BYTES, 3, 1) == "hier+ring"           # alone: the whole buffer
 
 
-# (nodes, ranks per node) and sizes around every threshold of twolevel.all_reduce
+# (nodes, ranks per node) and sizes around every threshold of allreduce_net.all_reduce
 LAYOUTS = [(2, 1), (3, 1), (2, 2), (3, 2), (4, 8), (2, 8), (8, 4)]
 
 
@@ -233,7 +235,7 @@ class _Chosen(Exception):
 
 
 def _code_choice(n_bytes: int, N: int, L: int, monkeypatch) -> str:
-    """Run twolevel.all_reduce's own selection for group rank 0 (a node leader, local index
+    """Run allreduce_net.all_reduce's own selection for group rank 0 (a node leader, local index
     0) on a meta tensor, with every data-moving function stubbed; return its choice, named
     as the cost model names it."""
     from neuron_dist.collectives.reduce_ops import SUM, ReduceSpec
@@ -250,16 +252,16 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch) -> str:
             raise _Chosen(name)
         return stub
 
-    monkeypatch.setattr(twolevel.rs, "reduce_scatter", record("hierarchical"))
-    monkeypatch.setattr(twolevel.allreduce, "all_reduce", record("leader"))
-    monkeypatch.setattr(twolevel, "_ring_all_reduce", network("ring"))
-    monkeypatch.setattr(twolevel, "_halves", network("halves"))
-    topo = twolevel.Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
-    net = SimpleNamespace(topo=topo, algo="auto", buffer=network("direct"))
-    ctx = SimpleNamespace(net=net, rank=0, size=L, finish=lambda: None)
+    monkeypatch.setattr(allreduce_net.rs, "reduce_scatter", record("hierarchical"))
+    monkeypatch.setattr(allreduce_net.allreduce, "all_reduce", record("leader"))
+    monkeypatch.setattr(allreduce_net, "_ring_all_reduce", network("ring"))
+    monkeypatch.setattr(allreduce_net, "_halves", network("halves"))
+    topo = Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
+    net_call = SimpleNamespace(topo=topo, algo="auto", buffer=network("direct"))
+    ctx = SimpleNamespace(net_call=net_call, rank=0, size=L, finish=lambda: None)
     buf = torch.empty(n_bytes // 4, dtype=torch.float32, device="meta")
     with pytest.raises(_Chosen) as chosen:
-        twolevel.all_reduce(ctx, buf, buf, ReduceSpec(SUM))
+        allreduce_net.all_reduce(ctx, buf, buf, ReduceSpec(SUM))
     path = local[0] if local else "hierarchical"     # alone on its node: no local phase
     if path == "leader":
         return "leader"
@@ -268,7 +270,7 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch) -> str:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("N,L", LAYOUTS)
-def test_neuron_choice_is_what_twolevel_runs(N, L, monkeypatch):
+def test_neuron_choice_is_what_allreduce_net_runs(N, L, monkeypatch):
     """The cost model's "neuron" column is the algorithm the shipped code picks, for sizes
     from 4 B to 1 GiB and around each of its thresholds (RING_BYTES, HALVES_BYTES, 64 L
     elements): the model imports the thresholds and this runs the code's selection."""

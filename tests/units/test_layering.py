@@ -1,11 +1,16 @@
 """The layers import only downwards, and every module says what it is.
 
     neuron_dist/   c10d face (process_group, engine, work, ...)   may import everything
-    collectives/   algorithms, written against transport.base     no concrete transport,
+    collectives/   algorithms, written against transport.base     of transport only the
+                                                                   contract (base, errors),
                                                                    no torch.distributed,
                                                                    no c10d layer
     transport/     how bytes move                                 no torch.distributed,
                                                                    no c10d layer, no collectives
+
+Inside collectives/, ``x.py`` runs collective x on one node and ``x_net.py`` beside it runs
+it in a group that spans nodes, with the same signatures; every one of them says how it
+works at the top.
 
 Checked statically with ``ast`` (nothing is imported or executed). Imports are resolved to
 the installed names (``collectives/x.py`` is ``neuron_dist.collectives.x``; relative imports
@@ -96,6 +101,13 @@ def imported_names(source: str, module: str, is_pkg: bool):
             yield node.lineno, "torch.distributed", False, "torch.distributed (attribute use)"
 
 
+def _concrete_transport(name: str) -> bool:
+    """A name of the transport layer beyond its contract (``base``, ``errors``)."""
+    return _under(name, "neuron_dist.transport") and name != "neuron_dist.transport" \
+        and not _under(name, "neuron_dist.transport.base") \
+        and not _under(name, "neuron_dist.transport.errors")
+
+
 def _c10d(name: str) -> bool:
     """A name of the c10d layer: neuron_dist itself or anything of it outside the lower layers."""
     return _under(name, "neuron_dist") and not _under(name, "neuron_dist.transport") \
@@ -105,7 +117,7 @@ def _c10d(name: str) -> bool:
 RULES = {
     # layer package -> [(predicate on an imported name, why it is forbidden)]
     "neuron_dist.collectives": [
-        (lambda n: _under(n, "neuron_dist.transport.shm"),
+        (_concrete_transport,
          "collectives must not import a concrete transport (only transport.base / transport.errors)"),
         (lambda n: _under(n, "torch.distributed"), "collectives must not import torch.distributed"),
         (_c10d, "collectives must not import the c10d layer (neuron_dist.*)"),
@@ -190,6 +202,10 @@ BAD = [
     ("neuron_dist.collectives.x", "import importlib\nimportlib.import_module('neuron_dist.transport.shm')"),
     ("neuron_dist.collectives.x", "from ..process_group import ProcessGroupNeuron"),
     ("neuron_dist.collectives.x", "def f():\n    from .. import engine\n"),
+    ("neuron_dist.collectives.x", "from ..transport.rdm.driver import RdmTransport"),
+    ("neuron_dist.collectives.x", "from ..transport import mpi"),
+    ("neuron_dist.collectives.x", "from ..transport.requests import Completion"),
+    ("neuron_dist.collectives.x_net", "from ..topology import Topology"),
     ("neuron_dist.transport.shm.x", "import torch.distributed"),
     ("neuron_dist.transport.shm.x", "from ...process_group import ProcessGroupNeuron"),
     ("neuron_dist.transport.shm.x", "from ... import work"),
@@ -209,6 +225,44 @@ GOOD = [
     ("neuron_dist.transport.shm.x", "from .segment import Segment\nimport os, mmap"),
     ("neuron_dist.transport.x", "from typing import Protocol"),
 ]
+
+
+def _functions(path: Path) -> dict:
+    """Top-level public functions of a module: name -> parameter names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {f.name: [a.arg for a in f.args.posonlyargs + f.args.args + f.args.kwonlyargs]
+            for f in tree.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+
+
+NET_ALGORITHMS = sorted((REPO / "collectives").glob("*_net.py"))
+
+
+def test_every_algorithm_across_nodes_sits_beside_its_one_node_counterpart():
+    """``x_net.py`` has an ``x.py``, and the collectives both define take the same
+    parameters (the c10d face picks one table or the other per group)."""
+    assert len(NET_ALGORITHMS) >= 7, NET_ALGORITHMS
+    problems = []
+    for path in NET_ALGORITHMS:
+        one_node = path.with_name(path.name[:-len("_net.py")] + ".py")
+        if not one_node.exists():
+            problems.append(f"{_rel(path)}: no {_rel(one_node)} beside it")
+            continue
+        theirs = _functions(one_node)
+        shared = {name: params for name, params in _functions(path).items() if name in theirs}
+        if not shared:
+            problems.append(f"{_rel(path)}: defines none of {_rel(one_node)}'s collectives")
+        for name, params in shared.items():
+            if params != theirs[name]:
+                problems.append(f"{_rel(path)}: {name}{tuple(params)} but "
+                                f"{_rel(one_node)}: {name}{tuple(theirs[name])}")
+    assert not problems, "\n  ".join(["across-nodes algorithms out of step:", *problems])
+
+
+@pytest.mark.parametrize("path", NET_ALGORITHMS + [REPO / "collectives" / "net.py"],
+                         ids=lambda p: p.name)
+def test_between_nodes_modules_say_how_they_work(path):
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert "How it works" in doc, f"{_rel(path)}: no 'How it works' section in its docstring"
 
 
 @pytest.mark.parametrize("module,source", BAD)

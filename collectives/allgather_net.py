@@ -1,0 +1,87 @@
+"""All-gather in a group that spans nodes: shared memory inside a node, network between.
+
+How it works
+------------
+Local phases run allgather.py's and broadcast.py's algorithms over the node's step channel
+(``ctx``: ranks are local indices); network phases go through ``ctx.net_call`` (net.py,
+addressed by group rank).
+
+Nodes of equal size (columns)
+    each node all-gathers its own ranks' blocks -> each rank swaps its block with the ranks
+    of its column (the same local index) on the other nodes -> per other node, a local
+    all-gather of the blocks that node's ranks sent to this node's ranks. Every block
+    crosses the network once per other node, each local rank driving its own share.
+Uneven nodes, or ``NEURON_DIST_ALGO=leader`` (leader)
+    local all-gather -> node leaders exchange whole node blocks -> local broadcast of
+    what came in, packed into one buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import allgather, broadcast as bcast
+from .context import Context
+
+
+def all_gather(ctx: Context, outs: list, inp) -> None:
+    """Every rank gets every rank's uint8 ``inp`` in ``outs[rank]``."""
+    net_call = ctx.net_call
+    topo = net_call.topo
+    if topo.even and net_call.algo != "leader":
+        _columns_all_gather(ctx, outs, inp)
+        return
+    allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
+    remote = [g for b, node in enumerate(topo.nodes) if b != topo.my_node for g in node]
+    if ctx.rank == 0:
+        for b in range(len(topo.nodes)):
+            if b != topo.my_node:
+                for g in topo.local:
+                    net_call.send(topo.leader(b), outs[g])
+                for g in topo.nodes[b]:
+                    net_call.recv(topo.leader(b), outs[g])
+        net_call.wait()
+        packed = _pack([outs[g] for g in remote])
+    else:
+        packed = torch.empty(sum(outs[g].numel() for g in remote), dtype=torch.uint8)
+    bcast.broadcast(ctx, packed, 0)
+    if ctx.rank != 0:
+        _unpack(packed, [outs[g] for g in remote])
+
+
+def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
+    """Nodes of equal size (see the module docstring). ``inp`` is read only in the first
+    phase (it may be one of the outputs)."""
+    net_call = ctx.net_call
+    topo = net_call.topo
+    j, mine = ctx.rank, topo.my_node
+    me = topo.rank
+    if len(topo.local) > 1:
+        allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
+    elif outs[me].data_ptr() != inp.data_ptr():
+        outs[me].copy_(inp)
+    column = [node[j] for node in topo.nodes]
+    for b, g in enumerate(column):
+        if b != mine:
+            net_call.recv(g, outs[g])
+    for b, g in enumerate(column):
+        if b != mine:
+            net_call.send(g, outs[me])
+    net_call.wait()
+    if len(topo.local) == 1:
+        ctx.finish()
+        return
+    for b, node in enumerate(topo.nodes):
+        if b != mine:
+            allgather.all_gather(ctx, [outs[g] for g in node], outs[node[j]])
+
+
+def _pack(blocks) -> torch.Tensor:
+    return torch.cat([b.view(-1) for b in blocks]) if blocks else torch.empty(0, dtype=torch.uint8)
+
+
+def _unpack(flat, blocks) -> None:
+    o = 0
+    for b in blocks:
+        b.copy_(flat[o:o + b.numel()])
+        o += b.numel()

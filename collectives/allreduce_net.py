@@ -1,0 +1,157 @@
+"""All-reduce in a group that spans nodes: shared memory inside a node, network between.
+
+How it works
+------------
+Local phases run allreduce.py's, reduce_scatter.py's and allgather.py's algorithms over the
+node's step channel (``ctx``: ranks are local indices); network phases go through
+``ctx.net_call`` (net.py, addressed by group rank).
+
+Nodes of equal size (hierarchical), from 64 elements per local rank
+    local reduce-scatter (local rank j owns slice j) -> each local rank all-reduces its
+    slice with the ranks of the same local index on the other nodes -> local all-gather.
+    Every local rank drives its own share of the network traffic, in parallel.
+Uneven nodes, small buffers, or ``NEURON_DIST_ALGO=leader`` (leader)
+    local all-reduce -> node leaders (local index 0) exchange and reduce -> local broadcast.
+A rank alone on its node
+    straight to the network exchange.
+
+The network exchange among P ranks (``_exchange_reduce``) is direct (every rank sends its
+buffer to every other and reduces what came in) unless the buffer is large: among 3+
+ranks, buffers of RING_BYTES and more go around a ring (see bench/costmodel.py); between
+two, buffers of HALVES_BYTES and more are exchanged in halves (each rank reduces one half
+and sends it back: half the additions of the direct exchange, the same bytes on the link).
+Every receiver reduces in node order, so all ranks compute bit-identical results. AVG and
+PREMUL_SUM follow reduce_ops.phase_specs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs
+from .context import ALIGN_BYTES, Context, flat, partition
+from .reduce_ops import PREMUL_SUM, ReduceSpec, finish_phases, phase_specs, reduce_into
+
+RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
+HALVES_BYTES = 2 << 20  # network all-reduce between two peers: halves from here, else direct
+
+
+def all_reduce(ctx: Context, out, inp, spec) -> None:
+    """Reduce flat typed ``inp`` over the whole group into ``out`` (may alias)."""
+    topo = ctx.net_call.topo
+    first, later = phase_specs(spec)
+    n = inp.numel()
+    out, inp = flat(out), flat(inp)
+    if len(topo.local) == 1:  # alone on this node: straight to the network
+        if first.kind == PREMUL_SUM:
+            torch.mul(inp, first.factor, out=out)
+        elif out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        _exchange_reduce(ctx, out, [node[0] for node in topo.nodes], later)
+        ctx.finish()
+    elif topo.even and ctx.net_call.algo != "leader" and n >= ctx.size * 64:
+        _hierarchical(ctx, out, inp, first, later)
+    else:
+        allreduce.all_reduce(ctx, out, inp, first)
+        if ctx.rank == 0:
+            _exchange_reduce(ctx, out, [topo.leader(b) for b in range(len(topo.nodes))], later)
+        bcast.broadcast(ctx, out.view(torch.uint8), 0)
+    finish_phases(out, spec, topo.size)
+
+
+def _hierarchical(ctx, out, inp, first, later) -> None:
+    net_call = ctx.net_call
+    align = max(1, ALIGN_BYTES // inp.element_size())
+    slices = partition(inp.numel(), ctx.size, align)
+    rs.reduce_scatter(ctx, out[slices[ctx.rank][0]:sum(slices[ctx.rank])],
+                      [inp[s:s + m] for s, m in slices], first)
+    s, m = slices[ctx.rank]
+    column = [node[ctx.rank] for node in net_call.topo.nodes]
+    if m:
+        _exchange_reduce(ctx, out[s:s + m], column, later)
+    else:
+        net_call.wait()
+    b = out.view(torch.uint8)
+    es = out.element_size()
+    mine = net_call.buffer("mine", m * es, torch.uint8)
+    mine.copy_(b[s * es:(s + m) * es])
+    allgather.all_gather(ctx, [b[s * es:(s + m) * es] for s, m in slices], mine)
+
+
+def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+    """All-reduce typed ``buf`` among ``peers`` (group ranks, node order) over the network."""
+    net_call = ctx.net_call
+    me = net_call.topo.rank
+    others = [p for p in peers if p != me]
+    if not others:
+        return
+    nbytes = buf.numel() * buf.element_size()
+    if len(peers) >= 3 and nbytes >= RING_BYTES and buf.numel() >= len(peers):
+        _ring_all_reduce(ctx, buf, peers, spec)
+        return
+    if len(peers) == 2 and nbytes >= HALVES_BYTES:
+        _halves(ctx, buf, peers, spec)
+        return
+    got = {p: net_call.buffer(f"got{i}", buf.numel(), buf.dtype) for i, p in enumerate(others)}
+    for p in others:
+        net_call.recv(p, got[p])
+    for p in others:
+        net_call.send(p, buf)
+    net_call.wait()
+    views = [buf if p == me else got[p] for p in peers]
+    if len(views) == 2:  # elementwise, so buf may be the output while being an input
+        reduce_into(buf, views, spec, 2, ctx.scratch)
+        return
+    acc = net_call.buffer("acc", buf.numel(), buf.dtype)
+    reduce_into(acc, views, spec, len(peers), ctx.scratch)
+    buf.copy_(acc)
+
+
+def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+    """All-reduce of a large ``buf`` between two ranks: each rank reduces one half and
+    sends it back (a two-rank ring). The same bytes cross the link as in the direct
+    exchange, but each rank adds half as much.
+
+    The other half comes back into the memory its send read from, so that receive is
+    posted only once the send has completed (been acknowledged): a resend can never
+    read the answer."""
+    net_call = ctx.net_call
+    i = peers.index(net_call.topo.rank)
+    peer = peers[1 - i]
+    halves = partition(buf.numel(), 2, max(1, ALIGN_BYTES // buf.element_size()))
+    (ms, mm), (ts, tm) = halves[i], halves[1 - i]
+    got = net_call.buffer("half", mm, buf.dtype)
+    arrived = net_call.recv(peer, got)
+    sent = net_call.send(peer, buf[ts:ts + tm])
+    net_call.check()  # (halves are large: neither travels inside the descriptor)
+    sent.wait(net_call.deadline)
+    net_call.recv(peer, buf[ts:ts + tm])
+    arrived.wait(net_call.deadline)
+    ours = buf[ms:ms + mm]
+    reduce_into(ours, [ours, got] if i == 0 else [got, ours], spec, 2, ctx.scratch)
+    net_call.send(peer, ours)
+    net_call.wait()
+
+
+def _ring_all_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+    """Ring reduce-scatter then ring all-gather among ``peers``: each rank's link carries
+    2 (P-1)/P of the buffer whatever P is, where the direct exchange carries (P-1) times
+    it (the cost model, bench/costmodel.py, puts the crossover near 4-8 MiB at 4+ nodes).
+    Each chunk is reduced along the ring and then copied everywhere, so every rank gets
+    the same bits."""
+    net_call = ctx.net_call
+    n, i = len(peers), peers.index(net_call.topo.rank)
+    nxt, prv = peers[(i + 1) % n], peers[(i - 1) % n]
+    chunks = partition(buf.numel(), n, max(1, ALIGN_BYTES // buf.element_size()))
+    tmp = net_call.buffer("ring", max(m for _, m in chunks), buf.dtype)
+    for k in range(n - 1):  # after step k, chunk (i-k-1) holds k+2 ranks' contributions
+        (so, sm), (ro, rm) = chunks[(i - k) % n], chunks[(i - k - 1) % n]
+        net_call.recv(prv, tmp[:rm])
+        net_call.send(nxt, buf[so:so + sm])
+        net_call.wait()
+        reduce_into(buf[ro:ro + rm], [tmp[:rm], buf[ro:ro + rm]], spec, 2, ctx.scratch)
+    for k in range(n - 1):  # chunk (i+1) is complete here: pass the results around
+        (so, sm), (ro, rm) = chunks[(i + 1 - k) % n], chunks[(i - k) % n]
+        net_call.recv(prv, buf[ro:ro + rm])
+        net_call.send(nxt, buf[so:so + sm])
+        net_call.wait()

@@ -1,0 +1,111 @@
+"""Reduce-scatter in a group that spans nodes: shared memory inside a node, network between.
+
+How it works
+------------
+Local phases run reduce_scatter.py's, rooted.py's and broadcast.py's algorithms over the
+node's step channel (``ctx``: ranks are local indices); network phases go through
+``ctx.net_call`` (net.py, addressed by group rank).
+
+Nodes of equal size (columns)
+    local rank j of every node forms column j, which owns the blocks of the ranks (b, j)
+    on every node b. Per node b, a local reduce-scatter of this node's contributions to
+    node b's blocks (local rank j gets the node's partial sum of block (b, j)) -> each
+    rank sends those partials to the ranks of its column on the other nodes and reduces
+    the partials of its own block they send back, in node order. Only each block's share
+    crosses the network, once per other node (gloo runs a whole all-reduce), and every
+    local rank drives its own part of it.
+Uneven nodes, or ``NEURON_DIST_ALGO=leader`` (leader)
+    local reduce to the leader -> leaders exchange each node's share -> local broadcast.
+
+Every receiver reduces in node order, so all ranks compute bit-identical results. AVG and
+PREMUL_SUM follow reduce_ops.phase_specs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import broadcast as bcast, reduce_scatter as rs, rooted
+from .context import Context
+from .reduce_ops import PREMUL_SUM, finish_phases, phase_specs, reduce_into
+
+
+def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+    """``out`` = reduction over all ranks of their ``inputs[rank]`` (flat typed)."""
+    net_call = ctx.net_call
+    topo = net_call.topo
+    if topo.even and net_call.algo != "leader":
+        _columns_reduce_scatter(ctx, out, inputs, spec)
+        return
+    first, later = phase_specs(spec)
+    order = [g for node in topo.nodes for g in node]  # node-major
+    full = torch.cat([inputs[g] for g in order]) if order else out[:0]
+    part = torch.empty_like(full) if ctx.rank == 0 else full
+    rooted.reduce(ctx, part, full, first, 0)
+    sizes = [inputs[g].numel() for g in range(topo.size)]
+    starts, o = {}, 0
+    for b, node in enumerate(topo.nodes):
+        starts[b] = o
+        o += sum(sizes[g] for g in node)
+    mine_n = sum(sizes[g] for g in topo.local)
+    mine = part[starts[topo.my_node]:starts[topo.my_node] + mine_n]
+    if ctx.rank == 0:
+        got = {}
+        for b in range(len(topo.nodes)):
+            if b != topo.my_node:
+                n_b = sum(sizes[g] for g in topo.nodes[b])
+                net_call.send(topo.leader(b), part[starts[b]:starts[b] + n_b])
+                got[b] = torch.empty(mine_n, dtype=out.dtype)
+                net_call.recv(topo.leader(b), got[b])
+        net_call.wait()
+        result = torch.empty(mine_n, dtype=out.dtype)
+        views = [mine if b == topo.my_node else got[b] for b in range(len(topo.nodes))]
+        reduce_into(result, views, later, len(views), ctx.scratch)
+    else:
+        result = torch.empty(mine_n, dtype=out.dtype)
+    bcast.broadcast(ctx, result.view(torch.uint8), 0)
+    o = sum(sizes[g] for g in topo.local[:ctx.rank])
+    out.copy_(result[o:o + out.numel()])
+    finish_phases(out, spec, topo.size)
+
+
+def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+    """Nodes of equal size (see the module docstring)."""
+    net_call = ctx.net_call
+    topo = net_call.topo
+    first, later = phase_specs(spec)
+    j, mine = ctx.rank, topo.my_node
+    # ``out`` is written only once every input has been read and sent: it may alias one of
+    # the inputs (an in-place reduce_scatter).
+    partial = {}
+    for b, node in enumerate(topo.nodes):
+        blocks = [inputs[g] for g in node]
+        if len(node) > 1:
+            dest = net_call.buffer(f"rs{b}", blocks[j].numel(), out.dtype)
+            rs.reduce_scatter(ctx, dest, blocks, first)
+        elif first.kind == PREMUL_SUM:
+            dest = net_call.buffer(f"rs{b}", blocks[0].numel(), out.dtype)
+            torch.mul(blocks[0], first.factor, out=dest)
+        else:
+            dest = blocks[0]  # alone on the node: the input itself is the partial
+        partial[b] = dest
+    if len(topo.local) == 1:
+        ctx.finish()
+    column = [node[j] for node in topo.nodes]
+    got = {}
+    for b in range(len(topo.nodes)):
+        if b != mine:
+            got[b] = net_call.buffer(f"rsgot{b}", out.numel(), out.dtype)
+            net_call.recv(column[b], got[b])
+    for b in range(len(topo.nodes)):
+        if b != mine:
+            net_call.send(column[b], partial[b])
+    net_call.wait()
+    views = [partial[mine] if b == mine else got[b] for b in range(len(topo.nodes))]
+    if len(views) == 2:  # elementwise, so out may alias views[0] (an in-place call)
+        reduce_into(out, views, later, 2, ctx.scratch)
+    else:
+        acc = net_call.buffer("rsacc", out.numel(), out.dtype)
+        reduce_into(acc, views, later, len(views), ctx.scratch)
+        out.copy_(acc)
+    finish_phases(out, spec, topo.size)

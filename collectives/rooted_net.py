@@ -1,0 +1,93 @@
+"""Reduce, gather and scatter in a group that spans nodes: shared memory inside, network between.
+
+How it works
+------------
+Local phases run rooted.py's algorithms over the node's step channel (``ctx``: ranks are
+local indices); network phases go through ``ctx.net_call`` (net.py, addressed by group
+rank). In a rooted collective, each node has one rank that speaks for it (``node_root``):
+the root itself on the root's node, the leader (local index 0) elsewhere.
+
+reduce
+    local reduce to the node's speaker -> the speakers of the other nodes send their
+    node's partial to the root, which reduces the partials in node order (AVG and
+    PREMUL_SUM follow reduce_ops.phase_specs).
+gather, scatter
+    direct: ranks on other nodes send their block to / receive it from the root over the
+    network; the root's node uses the local algorithm among its ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import rooted
+from .context import Context
+from .reduce_ops import finish_phases, phase_specs, reduce_into
+
+
+def node_root(topo, root: int) -> int:
+    """Local index of the rank that speaks for this node in a collective rooted at ``root``."""
+    if topo.node_of(root) == topo.my_node:
+        return topo.local.index(root)
+    return 0
+
+
+def reduce(ctx: Context, out, inp, spec, root: int) -> None:
+    """Reduce flat typed ``inp`` into ``out`` on ``root`` only (others' ``out`` untouched)."""
+    net_call = ctx.net_call
+    topo = net_call.topo
+    first, later = phase_specs(spec)
+    here = node_root(topo, root)
+    part = torch.empty_like(inp) if ctx.rank == here else inp
+    rooted.reduce(ctx, part, inp, first, here)
+    root_node = topo.node_of(root)
+    if ctx.rank == here and topo.rank != root:
+        net_call.send(root, part)
+        net_call.wait()
+    elif topo.rank == root:
+        senders = {b: topo.leader(b) for b in range(len(topo.nodes)) if b != root_node}
+        got = {b: torch.empty_like(inp) for b in senders}
+        for b, p in senders.items():
+            net_call.recv(p, got[b])
+        net_call.wait()
+        views = [part if b == root_node else got[b] for b in range(len(topo.nodes))]
+        reduce_into(out, views, later, len(views), ctx.scratch)
+        finish_phases(out, spec, topo.size)
+
+
+def gather(ctx: Context, outs: list, inp, root: int) -> None:
+    """The root gets every rank's uint8 ``inp`` in ``outs[rank]``."""
+    net_call = ctx.net_call
+    if _direct(ctx, root, net_call.send, inp, net_call.recv, outs):
+        topo = net_call.topo
+        rooted.gather(ctx, [outs[g] for g in topo.local] if topo.rank == root else [], inp,
+                      topo.local.index(root))
+        net_call.wait()
+
+
+def scatter(ctx: Context, out, ins: list, root: int) -> None:
+    """Rank k gets the root's uint8 ``ins[k]`` in ``out``."""
+    net_call = ctx.net_call
+    if _direct(ctx, root, net_call.recv, out, net_call.send, ins):
+        topo = net_call.topo
+        rooted.scatter(ctx, out, [ins[g] for g in topo.local] if topo.rank == root else [],
+                       topo.local.index(root))
+        net_call.wait()
+
+
+def _direct(ctx: Context, root: int, post_mine, mine, post_root, blocks) -> bool:
+    """The network part of a gather or scatter. A rank on another node than the root posts
+    its block (``post_mine(root, mine)``), takes the call's local step and waits: it is
+    done (False). The root posts one message per rank on another node (``post_root(g,
+    blocks[g])``); the ranks of the root's node go on with the local phase (True)."""
+    topo = ctx.net_call.topo
+    if topo.node_of(root) != topo.my_node:
+        post_mine(root, mine)
+        ctx.finish()
+        ctx.net_call.wait()
+        return False
+    if topo.rank == root:
+        for g in range(topo.size):
+            if topo.node_of(g) != topo.my_node:
+                post_root(g, blocks[g])
+    return True

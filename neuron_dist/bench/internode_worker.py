@@ -39,8 +39,9 @@ algbw x (n-1)/n.
 
 All: time = median over iterations (min also kept). ``cpu_us``: per rank, the CPU time of the
 whole process (every thread, user and system) over the timed iterations, per operation
-(p2p: per message), barriers included: on a busy machine, where wall times swing, it
-says how much work each backend does. Before timing, warm-up iterations,
+(p2p: per message), barriers included. Wall time also counts waiting for the peer and for
+a core; CPU time says how much work each backend did (it too grows on a loaded machine:
+caches and cores are shared). Before timing, warm-up iterations,
 after which the result is checked once (p2p: the received bytes; all_reduce: the sum).
 A backend that fails (any rank raised) gets an error row and is skipped for the rest of
 the run; the others go on.

@@ -117,15 +117,18 @@ def reducing(rank, world, fails, dtype, op, n, paths=None, salt=0):
     calls = ["frontend", "backend"] if dtype.is_complex else ["frontend"]
     if dtype.is_complex and op == "PRODUCT":
         calls = ["backend"]
+    # all_reduce takes the single-copy path when each rank's block (1/world of the tensor)
+    # reaches the threshold: in the single-copy sweep it reduces the whole ``full``.
+    m = world * n if single else n
     for how in calls:
-        t = full[rank][:n].clone()
+        t = full[rank][:m].clone()
         if how == "frontend":
             dist.all_reduce(t, op=torch_op(op))
         else:
             opts = dist.AllreduceOptions()
             opts.reduceOp = torch_op(op)
             backend().allreduce([t], opts).wait()
-        if not same(t, ref([f[:n] for f in full], op, dtype), dtype):
+        if not same(t, want if single else ref([f[:n] for f in full], op, dtype), dtype):
             fails.append(f"all_reduce ({how}) {what}")
         if single and paths.take("all_reduce") != 1:
             fails.append(f"all_reduce ({how}) {what}: single-copy path not taken")
@@ -194,7 +197,7 @@ def moving(rank, world, fails, dtype, n, paths):
 
 def complex_and_big(rank, world, big):
     """complex64/128 with every op they support, in every reducing collective, small and
-    from 256 KiB; with ``big``, every dtype and op from 256 KiB too."""
+    from 1 MiB per rank; with ``big``, every dtype and op from 1 MiB too."""
     fails, paths = [], Paths()
     for dtype in COMPLEX:
         for op in COMPLEX_OPS:

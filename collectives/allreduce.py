@@ -30,7 +30,7 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
         _fits_one_slot(ctx, out, inp, spec)
         return
     out, inp = flat(out), flat(inp)
-    if single_copy.worth_it(ctx, n * es):
+    if single_copy.worth_it(ctx, -(-n // ctx.size) * es):  # each rank's block, as elsewhere
         single_copy.all_reduce(ctx, out, inp, spec)
         return
     if ctx.size == 1:

@@ -84,7 +84,7 @@ class Settings:
         spin = _env("NEURON_DIST_SPIN", "auto", env)
         settings = cls(
             slot_bytes=parse_bytes(_env("NEURON_DIST_SHM_SLOT_BYTES", "1M", env)),
-            mailbox_bytes=parse_bytes(_env("NEURON_DIST_SHM_MAILBOX_BYTES", "1M", env)),
+            mailbox_bytes=parse_bytes(_env("NEURON_DIST_SHM_MAILBOX_BYTES", "4M", env)),
             small_bytes=parse_bytes(_env("NEURON_DIST_SMALL_BYTES", "64K", env)),
             spin=None if spin == "auto" else int(spin),
             shm_dir=_env("NEURON_DIST_SHM_DIR", "/dev/shm", env),

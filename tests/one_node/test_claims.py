@@ -25,7 +25,7 @@ from across_nodes.test_multinode import _env
 
 COMPLEX = [torch.complex64, torch.complex128]
 COMPLEX_OPS = ["SUM", "AVG", "PRODUCT", "PREMUL_SUM"]
-SINGLE_COPY_BYTES = 256 << 10  # collectives/single_copy.MIN_BYTES, as the README states it
+SINGLE_COPY_BYTES = 1 << 20  # collectives/single_copy.MIN_BYTES, as the README states it
 
 
 def big_n(dtype) -> int:
@@ -117,15 +117,18 @@ def reducing(rank, world, fails, dtype, op, n, paths=None, salt=0):
     calls = ["frontend", "backend"] if dtype.is_complex else ["frontend"]
     if dtype.is_complex and op == "PRODUCT":
         calls = ["backend"]
+    # all_reduce takes the single-copy path when each rank's block (1/world of the tensor)
+    # reaches the threshold: in the single-copy sweep it reduces the whole ``full``.
+    m = world * n if single else n
     for how in calls:
-        t = full[rank][:n].clone()
+        t = full[rank][:m].clone()
         if how == "frontend":
             dist.all_reduce(t, op=torch_op(op))
         else:
             opts = dist.AllreduceOptions()
             opts.reduceOp = torch_op(op)
             backend().allreduce([t], opts).wait()
-        if not same(t, ref([f[:n] for f in full], op, dtype), dtype):
+        if not same(t, want if single else ref([f[:n] for f in full], op, dtype), dtype):
             fails.append(f"all_reduce ({how}) {what}")
         if single and paths.take("all_reduce") != 1:
             fails.append(f"all_reduce ({how}) {what}: single-copy path not taken")
@@ -194,7 +197,7 @@ def moving(rank, world, fails, dtype, n, paths):
 
 def complex_and_big(rank, world, big):
     """complex64/128 with every op they support, in every reducing collective, small and
-    from 256 KiB; with ``big``, every dtype and op from 256 KiB too."""
+    from 1 MiB per rank; with ``big``, every dtype and op from 1 MiB too."""
     fails, paths = [], Paths()
     for dtype in COMPLEX:
         for op in COMPLEX_OPS:
@@ -570,12 +573,12 @@ def check(results):
     assert not differ, f"results differ between ranks: {differ}"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(330)
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_node(world):
-    """Every rank on one node, with 64 KiB slots (sizes under 256 KiB take several chunks);
-    from 256 KiB every dtype and op (the single-copy path)."""
-    check(run_ranks(claims, world, True, True, env=SMALL_SLOTS, timeout=120))
+    """Every rank on one node, with 64 KiB slots (sizes under 1 MiB take several chunks);
+    from 1 MiB every dtype and op (the single-copy path)."""
+    check(run_ranks(claims, world, True, True, env=SMALL_SLOTS, timeout=300))
 
 
 @pytest.mark.timeout(150)

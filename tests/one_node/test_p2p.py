@@ -193,8 +193,8 @@ def test_requests_nobody_waits_on_still_progress():
 
 
 def big_messages(rank, world):
-    """Messages of hundreds of KiB: received late (unexpected), both ranks sending first,
-    from any source, a size mismatch, and a non-contiguous tensor."""
+    """Messages of hundreds of KiB and one larger than the ring: received late (unexpected),
+    both ranks sending first, from any source, a size mismatch, and a non-contiguous tensor."""
     n = 200_000  # 800 KB of float32
     peer = 1 - rank
     fails = []
@@ -204,6 +204,13 @@ def big_messages(rank, world):
     dist.recv(got, peer)
     if not torch.equal(got, torch.full((n,), float(peer))):
         fails.append("send-first exchange")
+    # More than the default 4 MiB ring holds, so it wraps and refills: every byte in place.
+    big = 2_600_000  # 10.4 MB of float32
+    dist.send(torch.arange(big, dtype=torch.float32) + rank, peer)
+    got = torch.empty(big)
+    dist.recv(got, peer)
+    if not torch.equal(got, torch.arange(big, dtype=torch.float32) + peer):
+        fails.append("message larger than the ring")
     if rank == 0:
         dist.send(torch.arange(n, dtype=torch.float32), 1, tag=5)
         dist.send(torch.arange(n, dtype=torch.float32).view(400, 500).t(), 1, tag=6)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import single_copy
-from .context import Context, steps_for
+from .context import Context, SlotViews, steps_for
 
 
 def all_gather(ctx: Context, outs: list, inp) -> None:
@@ -48,21 +48,12 @@ def all_gather_into(ctx: Context, out, inp) -> None:
     all_gather(ctx, [out[k * n:(k + 1) * n] for k in range(ctx.size)], inp)
 
 
-class OneSlot:
+class OneSlot(SlotViews):
     """The one-step all-gather of 1-D inputs with ``like``'s dtype and length (at most one
     slot): ``views[p]`` is every rank's slot of step parity ``p``, viewed like the input."""
 
-    __slots__ = ("views",)
-
-    def __init__(self, channel, like):
-        self.views = [[channel.slot_like(k, p, like) for k in range(channel.size)]
-                      for p in (0, 1)]
-
-    @classmethod
-    def prepared(cls, plans, channel, like):
-        """The group's plan for inputs like ``like`` (made on first use)."""
-        key = ("all_gather", like.dtype, like.shape)
-        return plans.get(key) or plans.add(key, cls(channel, like))
+    __slots__ = ()
+    NAME = "all_gather"
 
     def run(self, ctx, out, inp) -> None:
         """``out`` (1-D, detached) = every rank's ``inp`` (1-D), in rank order."""

@@ -17,7 +17,7 @@ take one step each instead of a ring's N-1: the data volume per rank is the ring
 from __future__ import annotations
 
 from . import single_copy
-from .context import ALIGN_BYTES, Context, flat, partition
+from .context import ALIGN_BYTES, Context, SlotViews, flat, partition
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
 
@@ -51,21 +51,12 @@ def fits_one_slot(channel, nbytes: int, small_bytes: int) -> bool:
     return nbytes <= small_bytes and nbytes <= channel.slot_bytes
 
 
-class OneSlot:
+class OneSlot(SlotViews):
     """The one-step all-reduce of tensors with ``like``'s dtype and shape: ``views[p]`` is
     every rank's slot of step parity ``p``, viewed like the tensor."""
 
-    __slots__ = ("views",)
-
-    def __init__(self, channel, like):
-        self.views = [[channel.slot_like(k, p, like) for k in range(channel.size)]
-                      for p in (0, 1)]
-
-    @classmethod
-    def prepared(cls, plans, channel, like):
-        """The group's plan for tensors like ``like`` (made on first use)."""
-        key = ("all_reduce", like.dtype, like.shape)
-        return plans.get(key) or plans.add(key, cls(channel, like))
+    __slots__ = ()
+    NAME = "all_reduce"
 
     def run(self, ctx, out, inp, spec) -> None:
         """``out`` = the reduction of every rank's ``inp`` (detached; ``out`` may be ``inp``)."""

@@ -75,6 +75,11 @@ class Context:
             if k != self.rank and channel.peer_descriptor(k, seq, NWORDS + 1) != mine:
                 check_all_match(channel, self.call, seq, epoch)  # raises
 
+    def begin(self, call: Call, seq: int, deadline: float) -> None:
+        """Make this context describe a new call (a driver running one call at a time may
+        keep one context for all of them)."""
+        self.call, self.seq, self.deadline, self._checked = call, seq, deadline, False
+
     @property
     def checked(self) -> bool:
         """Has the call made its first (descriptor-checking) step?"""
@@ -117,6 +122,25 @@ class Plans:
             self._plans.clear()
         self._plans[key] = plan
         return plan
+
+
+class SlotViews:
+    """Base of the plans that view every rank's slot like a tensor: ``views[p][k]`` is rank
+    k's slot of step parity ``p`` with ``like``'s dtype and shape. A subclass names its
+    collective (``NAME``) and defines ``run``."""
+
+    __slots__ = ("views",)
+    NAME = ""
+
+    def __init__(self, channel, like):
+        self.views = [[channel.slot_like(k, p, like) for k in range(channel.size)]
+                      for p in (0, 1)]
+
+    @classmethod
+    def prepared(cls, plans: Plans, channel, like):
+        """The group's plan for tensors like ``like`` (made on first use)."""
+        key = (cls.NAME, like.dtype, like.shape)
+        return plans.get(key) or plans.add(key, cls(channel, like))
 
 
 def steps_for(nbytes: int, per_step: int) -> int:

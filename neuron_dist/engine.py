@@ -94,8 +94,8 @@ class CollectiveEngine:
         started = time.monotonic()
         try:
             work.what = f"{name} #{seq} in group {self.label}"
-            rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call)
-            self._execute((fn, work, seq, rec), unseen=True)
+            rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True)
+            self._execute((fn, work, seq, rec), inline=True)
         finally:
             with self._mutex:
                 self._busy = False
@@ -125,8 +125,9 @@ class CollectiveEngine:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _execute(self, task, unseen: bool = False) -> None:
-        """Run ``task``; ``unseen``: its work has not been returned to anyone yet."""
+    def _execute(self, task, inline: bool = False) -> None:
+        """Run ``task``. ``inline`` (``run_now``): its record was issued running, and its
+        work has not been returned to anyone yet."""
         fn, work, seq, rec = task
         if self.broken is not None:
             error = GroupAbortedError(
@@ -135,7 +136,7 @@ class CollectiveEngine:
                 rec.finish(error)
             work._complete(error)
             return
-        if rec is not None:
+        if rec is not None and not inline:
             rec.start()
         trace = log.isEnabledFor(logging.DEBUG)
         if trace:
@@ -150,7 +151,7 @@ class CollectiveEngine:
                 rec.finish()
             if trace:
                 log.debug("neuron: done  %s in %.1f us", work.what, (time.monotonic() - started) * 1e6)
-            if unseen:
+            if inline:
                 work._complete_unseen()
             else:
                 work._complete()

@@ -70,6 +70,8 @@ class ExpressLane:
         self._small = settings.small_bytes
         self._reduce_spec = reduce_spec
         self._entries: dict = {}
+        # One Context for every call of the lane: the engine runs one call at a time
+        self._ctx = Context(channel, None, 0, 0.0, scratch, settings.small_bytes, plans)
 
     # ------------------------------------------------------------ entries
     def _remember(self, key, entry):
@@ -242,13 +244,11 @@ class ExpressLane:
             work._restart(outputs)
         else:
             work = entry.work = NeuronWork(outputs, entry.name)
-        channel, call, scratch, small, plans = (self._channel, entry.call, self._scratch,
-                                                self._small, self._plans)
-        plan_run = entry.plan.run
+        ctx, call, plan_run = self._ctx, entry.call, entry.plan.run
 
         def run(seq: int) -> None:
-            plan_run(Context(channel, call, seq, time.monotonic() + seconds, scratch, small,
-                             plans), *args)
+            ctx.begin(call, seq, time.monotonic() + seconds)
+            plan_run(ctx, *args)
 
         return work if self._engine.run_now(run, work, entry.name, call, entry.nbytes) else None
 

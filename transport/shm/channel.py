@@ -142,9 +142,10 @@ class ShmChannel:
     def _wait_step(self, e: int, deadline: float) -> None:
         w = self._w
         sw = self._step_word
-        pending = [k for k in self._others if w[sw[k]] < e]
-        if pending:
-            self._poll(pending, e, deadline)
+        for k in self._others:
+            if w[sw[k]] < e:  # someone is behind: wait (no list built when nobody is)
+                self._poll([k for k in self._others if w[sw[k]] < e], e, deadline)
+                break
         # A peer that gave up (timeout, error) may have published this step before it did:
         # its counter alone does not prove it is still with us.
         aw = self._abort_word

@@ -4,12 +4,18 @@ Each step moves up to one slot of every rank's contribution: a rank stages the n
 of its input in its slot; after the step every rank copies piece k of peer k's slot into
 output k. The number of steps follows the largest contribution, which every rank knows
 (the output sizes are part of the checked call), so all ranks step together.
+
+Into one tensor (``all_gather_into``: equal contributions, rank k's at block k) an input
+that fits one slot takes one step, with a plan (``OneSlot``: every rank's slot viewed like
+the input, both parities) made once per dtype and shape: one concatenation fills the output.
 """
 
 from __future__ import annotations
 
+import torch
+
 from . import single_copy
-from .context import Context, steps_for
+from .context import Context, SlotViews, steps_for
 
 
 def all_gather(ctx: Context, outs: list, inp) -> None:
@@ -30,3 +36,28 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
             if m:
                 out[o:o + m].copy_(ctx.peer_slot(k)[:m])
     ctx.finish()
+
+
+def all_gather_into(ctx: Context, out, inp) -> None:
+    """All-gather the 1-D ``inp`` of every rank into the 1-D ``out`` (rank k's at block k)."""
+    n = inp.numel()
+    nbytes = n * inp.element_size()
+    if nbytes <= ctx.channel.slot_bytes and not single_copy.worth_it(ctx, nbytes):
+        OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp)
+        return
+    all_gather(ctx, [out[k * n:(k + 1) * n] for k in range(ctx.size)], inp)
+
+
+class OneSlot(SlotViews):
+    """The one-step all-gather of 1-D inputs with ``like``'s dtype and length (at most one
+    slot): ``views[p]`` is every rank's slot of step parity ``p``, viewed like the input."""
+
+    __slots__ = ()
+    NAME = "all_gather"
+
+    def run(self, ctx, out, inp) -> None:
+        """``out`` (1-D, detached) = every rank's ``inp`` (1-D), in rank order."""
+        views = self.views[(ctx.channel.epoch + 1) & 1]
+        views[ctx.rank].copy_(inp)
+        ctx.step()
+        torch.cat(views, out=out)

@@ -2,7 +2,8 @@
 
 Small messages (<= small_bytes): one step. Every rank stages its whole input in its slot,
 then reduces all N slots itself (in rank order, so results are identical everywhere).
-One synchronisation, no second pass: the lowest latency.
+One synchronisation, no second pass: the lowest latency. Its plan (``OneSlot``: every
+rank's slot viewed like the tensor, both parities) is made once per dtype and shape.
 
 Large messages: reduce-scatter then all-gather, pipelined chunk by chunk (a chunk is one
 slot). Step 1 of a chunk: every rank stages the chunk; rank r reduces slice r of it from
@@ -16,7 +17,7 @@ take one step each instead of a ring's N-1: the data volume per rank is the ring
 from __future__ import annotations
 
 from . import single_copy
-from .context import ALIGN_BYTES, Context, flat, partition
+from .context import ALIGN_BYTES, Context, SlotViews, flat, partition
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
 
@@ -26,7 +27,7 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     n = inp.numel()
     es = inp.element_size()
     cap = ctx.channel.slot_bytes // es
-    if n * es <= ctx.small_bytes and n <= cap:
+    if fits_one_slot(ctx.channel, n * es, ctx.small_bytes):
         _fits_one_slot(ctx, out, inp, spec)
         return
     out, inp = flat(out), flat(inp)
@@ -41,11 +42,28 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
 
 
 def _fits_one_slot(ctx, out, inp, spec) -> None:
-    """The latency path: no flattening, slot views cached by shape, one step."""
-    stage(ctx.my_slot_like(inp), inp, spec)
-    ctx.step()
-    views = [ctx.peer_slot_like(k, inp) for k in range(ctx.size)]
-    reduce_into(out, views, spec, ctx.size, ctx.scratch)
+    """The latency path: no flattening, one step."""
+    OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp, spec)
+
+
+def fits_one_slot(channel, nbytes: int, small_bytes: int) -> bool:
+    """Does an all-reduce of ``nbytes`` take the one-step algorithm?"""
+    return nbytes <= small_bytes and nbytes <= channel.slot_bytes
+
+
+class OneSlot(SlotViews):
+    """The one-step all-reduce of tensors with ``like``'s dtype and shape: ``views[p]`` is
+    every rank's slot of step parity ``p``, viewed like the tensor."""
+
+    __slots__ = ()
+    NAME = "all_reduce"
+
+    def run(self, ctx, out, inp, spec) -> None:
+        """``out`` = the reduction of every rank's ``inp`` (detached; ``out`` may be ``inp``)."""
+        views = self.views[(ctx.channel.epoch + 1) & 1]
+        stage(views[ctx.rank], inp, spec)
+        ctx.step()
+        reduce_into(out, views, spec, ctx.size, ctx.scratch)
 
 
 def _one_step(ctx, out, inp, spec, cap) -> None:

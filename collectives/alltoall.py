@@ -15,6 +15,10 @@ the same on every rank) and the largest block is at least ``single_copy.MIN_BYTE
 rank reads the rest of its blocks (past the piece that came through the slots) straight
 out of the senders' inputs, and a last step keeps everyone until its peers are done
 reading.
+
+Even splits (every block the same size, at most a slot's block and below the single-copy
+size) take a plan (``EvenSplit``: slot addresses of both parities and the header words,
+made once per block size) that stages by memmove and checks the whole table at once.
 """
 
 from __future__ import annotations
@@ -27,12 +31,28 @@ from .descriptor import CollectiveMismatch
 
 
 
+def layout(n: int, slot_bytes: int) -> tuple[int, int]:
+    """(header bytes, bytes of each rank's block) of an ``n``-rank slot of ``slot_bytes``."""
+    header = -(-16 * n // ALIGN_BYTES) * ALIGN_BYTES
+    return header, ((slot_bytes - header) // n) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def even_block(channel, block: int) -> bool:
+    """Is ``block`` bytes to and from every rank served by ``EvenSplit`` (one step)?"""
+    return block <= layout(channel.size, channel.slot_bytes)[1] and block < single_copy.MIN_BYTES
+
+
 def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     """Send uint8 ``ins[k]`` to rank k and receive rank k's block into ``outs[k]``."""
     n = ctx.size
     r = ctx.rank
-    header = -(-16 * n // ALIGN_BYTES) * ALIGN_BYTES
-    per = ((ctx.channel.slot_bytes - header) // n) // ALIGN_BYTES * ALIGN_BYTES
+    block = ins[r].numel()
+    if (not ctx.checked and even_block(ctx.channel, block)
+            and all(t.numel() == block for t in ins) and all(t.numel() == block for t in outs)):
+        plan = EvenSplit.prepared(ctx.plans, ctx.channel, block)
+        plan.run(ctx, [t.data_ptr() for t in outs], [t.data_ptr() for t in ins], element_size)
+        return
+    header, per = layout(n, ctx.channel.slot_bytes)
     largest = per  # until the first step tells us the real sizes
     i = 0
     # Bytes move by memmove between data pointers: for the small blocks typical of
@@ -55,7 +75,7 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
         ctx.step(tuple(src_ptr) if cma and i == 0 else ())
         if i == 0:
             table = [list(words.from_address(ctx.peer_slot(k).data_ptr())) for k in range(n)]
-            _check_splits(table, n, element_size, ctx)
+            check_splits(table, n, element_size, ctx)
             if outs[r].numel():
                 outs[r].copy_(ins[r])
             largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
@@ -80,7 +100,63 @@ def _read_rest(ctx: Context, outs: list, dst_ptr: list, done: int) -> None:
     ctx.step()
 
 
-def _check_splits(table, n, element_size, ctx) -> None:
+def _steps_after_first(ctx: Context, table, n: int, per: int) -> int:
+    """Steps ``all_to_all`` takes after its first for the split ``table``, on a rank that
+    had nothing left to move after the first (its blocks all fit it)."""
+    largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
+    if ctx.channel.cma and 1 < n <= single_copy.MAX_ADDRESSES and largest >= single_copy.MIN_BYTES:
+        return 1  # _read_rest's
+    return steps_for(largest, per) - 1
+
+
+class EvenSplit:
+    """``all_to_all`` of ``block`` bytes to and from every rank, in one step: ``addr[p][k]``
+    is rank k's slot of step parity ``p``; ``words`` the header this rank posts, which
+    every rank's must equal (``expect``) unless the splits are uneven elsewhere."""
+
+    __slots__ = ("block", "header", "per", "addr", "words", "expect")
+
+    def __init__(self, channel, block: int):
+        n = channel.size
+        self.block = block
+        self.header, self.per = layout(n, channel.slot_bytes)
+        self.addr = [[channel.slot(k, p).data_ptr() for k in range(n)] for p in (0, 1)]
+        self.words = (ctypes.c_int64 * (2 * n))(*([block] * (2 * n)))
+        self.expect = list(self.words)
+
+    @classmethod
+    def prepared(cls, plans, channel, block: int):
+        """The group's plan for blocks of ``block`` bytes (made on first use)."""
+        key = ("all_to_all", block)
+        return plans.get(key) or plans.add(key, cls(channel, block))
+
+    def run(self, ctx: Context, dsts: list, srcs: list, element_size: int) -> None:
+        """Send ``block`` bytes at ``srcs[k]`` to rank k, receive rank k's at ``dsts[k]``
+        (addresses). Must be the call's first step."""
+        n, r, size, header, per = ctx.size, ctx.rank, self.block, self.header, self.per
+        slots = self.addr[(ctx.channel.epoch + 1) & 1]
+        mine = slots[r]
+        ctypes.memmove(mine, self.words, 16 * n)
+        for k in range(n):
+            if k != r:
+                ctypes.memmove(mine + header + k * per, srcs[k], size)
+        ctx.step()
+        table = [list((ctypes.c_int64 * (2 * n)).from_address(slots[k])) for k in range(n)]
+        uneven = any(row != self.expect for row in table)
+        if uneven:
+            check_splits(table, n, element_size, ctx)  # raises unless uneven among others
+        ctypes.memmove(dsts[r], srcs[r], size)
+        for k in range(n):
+            if k != r:
+                ctypes.memmove(dsts[k], slots[k] + header + r * per, size)
+        if uneven:  # the others may take more steps: keep step with them
+            for _ in range(_steps_after_first(ctx, table, n, per)):
+                ctx.step()
+
+
+def check_splits(table, n, element_size, ctx) -> None:
+    """Raise CollectiveMismatch unless what every rank sends to each matches what that one
+    expects (``table[k]``: rank k's header, bytes sent to then expected from each rank)."""
     problems = []
     for i in range(n):
         for j in range(n):

@@ -1,7 +1,14 @@
-"""What an algorithm needs for one collective call: the channel, a deadline, scratch space.
+"""What an algorithm needs for one collective call: the channel, a deadline, scratch space,
+and the group's prepared plans.
 
 ``Context.step()`` performs one channel step; the first step of a call also posts the call
 descriptor and checks that every rank called the same thing (see descriptor.py).
+
+A *plan* is what a collective's single-step case needs that depends only on (dtype, shapes,
+op, root): slot views of every rank for both step parities, slot offsets, header words.
+Each algorithm module defines its plan class and makes it on first use; ``Plans`` keeps them
+per group, and the engine thread and the caller's thread (the express lane) both execute
+them through a ``Context``.
 """
 
 from __future__ import annotations
@@ -27,23 +34,26 @@ class Context:
     scratch : Scratch
     small_bytes : int
         Messages up to this size take single-step algorithms.
+    plans : Plans
+        The group's prepared single-step plans.
 
     In a group that spans nodes, ``channel`` joins this node's ranks only (``rank`` and
     ``size`` are local) and ``net_call`` carries the network part (net.py, used by the
     ``*_net.py`` algorithms).
     """
 
-    __slots__ = ("channel", "call", "seq", "deadline", "scratch", "small_bytes", "_checked",
-                 "rank", "size", "net_call")
+    __slots__ = ("channel", "call", "seq", "deadline", "scratch", "small_bytes", "plans",
+                 "_checked", "rank", "size", "net_call")
 
     def __init__(self, channel, call: Call, seq: int, deadline: float, scratch: Scratch,
-                 small_bytes: int):
+                 small_bytes: int, plans: "Plans"):
         self.channel = channel
         self.call = call
         self.seq = seq
         self.deadline = deadline
         self.scratch = scratch
         self.small_bytes = small_bytes
+        self.plans = plans
         self.rank = channel.rank
         self.size = channel.size
         self._checked = False
@@ -55,10 +65,21 @@ class Context:
         if self._checked:
             self.channel.step(self.deadline)
             return
-        epoch = self.channel.epoch + 1
-        self.channel.step(self.deadline, self.call.words(self.seq) + (epoch,) + extra)
+        # The call's words (with the step it starts at) are compared with every peer's;
+        # only a difference takes the slow path, which names the calls.
         self._checked = True
-        check_all_match(self.channel, self.call, self.seq, epoch)
+        channel, seq = self.channel, self.seq
+        epoch = channel.epoch + 1
+        mine = (seq,) + self.call.tail + (epoch,)
+        channel.step(self.deadline, mine + extra if extra else mine)
+        for k in range(self.size):
+            if k != self.rank and channel.peer_descriptor(k, seq, NWORDS + 1) != mine:
+                check_all_match(channel, self.call, seq, epoch)  # raises
+
+    def begin(self, call: Call, seq: int, deadline: float) -> None:
+        """Make this context describe a new call (a driver running one call at a time may
+        keep one context for all of them)."""
+        self.call, self.seq, self.deadline, self._checked = call, seq, deadline, False
 
     @property
     def checked(self) -> bool:
@@ -80,11 +101,47 @@ class Context:
     def peer_slot(self, rank: int, dtype=None):
         return self.channel.peer_slot(rank, dtype)
 
-    def my_slot_like(self, like):
-        return self.channel.my_slot_like(like)
 
-    def peer_slot_like(self, rank: int, like):
-        return self.channel.peer_slot_like(rank, like)
+class Plans:
+    """A group's prepared plans by key (the collective's name, dtype, shapes, op or root),
+    made on first use. Bounded: training loops repeat a few calls, but a program that
+    varies shapes without end must not grow it. A plan is read-only once made, and the
+    group runs one collective at a time, so the engine thread and the caller share them."""
+
+    LIMIT = 256
+
+    def __init__(self):
+        self._plans: dict = {}
+
+    def get(self, key):
+        """The plan for ``key``, or None if not made yet."""
+        return self._plans.get(key)
+
+    def add(self, key, plan):
+        """Remember ``plan`` for ``key``; returns it."""
+        if len(self._plans) >= self.LIMIT:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+
+class SlotViews:
+    """Base of the plans that view every rank's slot like a tensor: ``views[p][k]`` is rank
+    k's slot of step parity ``p`` with ``like``'s dtype and shape. A subclass names its
+    collective (``NAME``) and defines ``run``."""
+
+    __slots__ = ("views",)
+    NAME = ""
+
+    def __init__(self, channel, like):
+        self.views = [[channel.slot_like(k, p, like) for k in range(channel.size)]
+                      for p in (0, 1)]
+
+    @classmethod
+    def prepared(cls, plans: Plans, channel, like):
+        """The group's plan for tensors like ``like`` (made on first use)."""
+        key = (cls.NAME, like.dtype, like.shape)
+        return plans.get(key) or plans.add(key, cls(channel, like))
 
 
 def steps_for(nbytes: int, per_step: int) -> int:

@@ -10,7 +10,7 @@ exactly one step of the failed call, the group stays aligned and usable afterwar
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,10 +60,15 @@ class Call:
     root: int = -1
     reduce: str | None = None
     extra: int = 0
+    tail: tuple = field(init=False, repr=False, compare=False)  # words(seq)[1:], computed once
+
+    def __post_init__(self):
+        object.__setattr__(self, "tail", (
+            _OP_CODE[self.op], dtype_code(self.dtype), self.count, self.root,
+            REDUCE_CODES[self.reduce] if self.reduce else 0, self.extra))
 
     def words(self, seq: int) -> tuple[int, ...]:
-        return (seq, _OP_CODE[self.op], dtype_code(self.dtype), self.count, self.root,
-                REDUCE_CODES[self.reduce] if self.reduce else 0, self.extra)
+        return (seq,) + self.tail
 
     @classmethod
     def from_words(cls, words) -> tuple[int, "Call"]:

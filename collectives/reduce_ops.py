@@ -61,15 +61,18 @@ def stage(dst: torch.Tensor, src: torch.Tensor, spec: ReduceSpec) -> None:
         dst.copy_(src)
 
 
+_KERNELS = {
+    SUM: torch.add, AVG: torch.add, PREMUL_SUM: torch.add, PRODUCT: torch.mul,
+    MIN: torch.minimum, MAX: torch.maximum,
+    BAND: torch.bitwise_and, BOR: torch.bitwise_or, BXOR: torch.bitwise_xor,
+}
+_BOOL_KERNELS = {BOR: torch.logical_or, BAND: torch.logical_and, BXOR: torch.logical_xor}
+
+
 def _binary(kind: str, dtype: torch.dtype):
     if dtype is torch.bool:
-        kind = _BOOL_KIND[kind]
-        return {BOR: torch.logical_or, BAND: torch.logical_and, BXOR: torch.logical_xor}[kind]
-    return {
-        SUM: torch.add, AVG: torch.add, PREMUL_SUM: torch.add, PRODUCT: torch.mul,
-        MIN: torch.minimum, MAX: torch.maximum,
-        BAND: torch.bitwise_and, BOR: torch.bitwise_or, BXOR: torch.bitwise_xor,
-    }[kind]
+        return _BOOL_KERNELS[_BOOL_KIND[kind]]
+    return _KERNELS[kind]
 
 
 class Scratch:

@@ -6,10 +6,10 @@ a group's collectives in the same order, as with every c10d backend). Execution:
 * async_op=True: the task is queued and the call returns at once; the engine's progress
   thread runs queued tasks one by one, so the caller's compute overlaps communication
   (data movement happens in torch kernels, which release the GIL).
-* synchronous, with nothing queued or running: the caller runs the task itself ("inline").
-  Waking a thread costs 25-55 µs here, more than a whole small collective, so the inline
-  path is what makes small synchronous collectives fast. Otherwise the task is queued
-  behind the others and the caller waits for it.
+* synchronous, with nothing queued or running: the caller runs the task itself ("inline",
+  ``run_now``; the express lane calls it directly). Waking a thread costs 25-55 µs here,
+  more than a whole small collective, so the inline path is what makes small synchronous
+  collectives fast. Otherwise the task is queued behind the others and the caller waits.
 * A ``Work.wait`` issued from the progress thread itself (a future callback that waits on a
   later collective) runs the queue inline instead of deadlocking.
 
@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 
+from . import stats
 from .errors import GroupAbortedError
 from .flight_recorder import recorder
 
@@ -49,7 +50,7 @@ class CollectiveEngine:
         self.rank = rank
         self.size = size
         self._on_error = on_error
-        self._mutex = threading.Lock()  # taken directly on the express lane: cheaper
+        self._mutex = threading.Lock()  # taken directly by run_now: cheaper than the cv
         self._cv = threading.Condition(self._mutex)
         self._queue: deque = deque()
         self._busy = False
@@ -58,31 +59,50 @@ class CollectiveEngine:
         self.seq = 0
         self.broken = None
 
-    def submit(self, fn, work, async_op: bool, name: str, call=None) -> None:
+    def submit(self, fn, work, async_op: bool, name: str, call=None, nbytes: int = 0) -> None:
         """Issue ``fn(seq)`` as the group's next collective, completing ``work``.
 
-        ``call`` (its descriptor) goes into the flight recorder.
+        ``call`` (its descriptor) goes into the flight recorder, ``nbytes`` into the stats.
         """
+        if not async_op and self.run_now(fn, work, name, call, nbytes):
+            return
+        stats.add_call(nbytes)
         with self._cv:
             if self._stopped:
                 raise GroupAbortedError(f"{name} in group {self.label}: the group was destroyed")
             self.seq += 1
             work.what = f"{name} #{self.seq} in group {self.label}"
             rec = recorder.issue(self.group_name, self.rank, self.size, self.seq, name, call)
-            task = (fn, work, self.seq, rec)
-            inline = not async_op and not self._queue and not self._busy
-            if inline:
-                self._busy = True
-            else:
-                work.engine = self
-                self._queue.append(task)
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._loop, name=f"neuron-engine[{self.label}]", daemon=True)
-                    self._thread.start()
-                self._cv.notify_all()
-        if inline:
-            self._run_busy(task)
+            work.engine = self
+            self._queue.append((fn, work, self.seq, rec))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"neuron-engine[{self.label}]", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def run_now(self, fn, work, name: str, call=None, nbytes: int = 0) -> bool:
+        """Run ``fn(seq)`` as the group's next collective now, in the caller's thread, if
+        the engine is idle (nothing queued or running, not stopped): True once ``work`` is
+        complete; False, with nothing done, otherwise."""
+        with self._mutex:
+            if self._busy or self._queue or self._stopped:
+                return False
+            self._busy = True
+            self.seq += 1
+            seq = self.seq
+        started = time.monotonic()
+        try:
+            work.what = f"{name} #{seq} in group {self.label}"
+            rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True)
+            self._execute((fn, work, seq, rec), inline=True)
+        finally:
+            with self._mutex:
+                self._busy = False
+                if self._queue:
+                    self._cv.notify_all()
+            stats.add_call(nbytes, time.monotonic() - started)
+        return True
 
     def _loop(self) -> None:
         set_background_thread()
@@ -105,7 +125,9 @@ class CollectiveEngine:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _execute(self, task) -> None:
+    def _execute(self, task, inline: bool = False) -> None:
+        """Run ``task``. ``inline`` (``run_now``): its record was issued running, and its
+        work has not been returned to anyone yet."""
         fn, work, seq, rec = task
         if self.broken is not None:
             error = GroupAbortedError(
@@ -114,7 +136,7 @@ class CollectiveEngine:
                 rec.finish(error)
             work._complete(error)
             return
-        if rec is not None:
+        if rec is not None and not inline:
             rec.start()
         trace = log.isEnabledFor(logging.DEBUG)
         if trace:
@@ -129,7 +151,10 @@ class CollectiveEngine:
                 rec.finish()
             if trace:
                 log.debug("neuron: done  %s in %.1f us", work.what, (time.monotonic() - started) * 1e6)
-            work._complete()
+            if inline:
+                work._complete_unseen()
+            else:
+                work._complete()
 
     def fail(self, exc: BaseException, work, rec) -> None:
         """Complete ``work`` with the user-facing form of ``exc``; break the group if fatal."""
@@ -143,23 +168,6 @@ class CollectiveEngine:
             if path:
                 log.warning("neuron: flight recorder written to %s", path)
         work._complete(error)
-
-    # The express lane (express.py) runs a call in the caller's thread without a task.
-    def claim_inline(self) -> int:
-        """Reserve the engine for a call run by the caller: its sequence number, or 0 if the
-        engine is not idle (work queued or running, stopped, broken)."""
-        with self._mutex:
-            if self._busy or self._queue or self._stopped or self.broken is not None:
-                return 0
-            self._busy = True
-            self.seq += 1
-            return self.seq
-
-    def release_inline(self) -> None:
-        with self._mutex:
-            self._busy = False
-            if self._queue:
-                self._cv.notify_all()
 
     def is_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread

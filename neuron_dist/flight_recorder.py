@@ -33,12 +33,13 @@ class Record:
     __slots__ = ("group", "rank", "size", "seq", "op", "call", "state", "t_issue", "t_start",
                  "t_end", "error")
 
-    def __init__(self, group, rank, size, seq, op, call):
+    def __init__(self, group, rank, size, seq, op, call, running: bool = False):
         self.group, self.rank, self.size = group, rank, size
         self.seq, self.op, self.call = seq, op, call
-        self.state = QUEUED
+        self.state = RUNNING if running else QUEUED
         self.t_issue = time.time()
-        self.t_start = self.t_end = None
+        self.t_start = self.t_issue if running else None
+        self.t_end = None
         self.error = None
 
     def start(self) -> None:
@@ -73,10 +74,12 @@ class FlightRecorder:
         self._lock = threading.Lock()
         self.dumps = 0
 
-    def issue(self, group: str, rank: int, size: int, seq: int, op: str, call) -> Record | None:
+    def issue(self, group: str, rank: int, size: int, seq: int, op: str, call,
+              running: bool = False) -> Record | None:
+        """Record a collective issued now (``running``: and started at once)."""
         if not self.size:
             return None
-        rec = Record(group, rank, size, seq, op, call)
+        rec = Record(group, rank, size, seq, op, call, running)
         self._ring.append(rec)
         return rec
 

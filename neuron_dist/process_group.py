@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from .collectives import (allgather, allgather_net, allreduce, allreduce_net, alltoall,
                           alltoall_net, barrier, barrier_net, broadcast, broadcast_net,
                           reduce_scatter, reduce_scatter_net, rooted, rooted_net)
+from .collectives.context import Context, Plans
 from .collectives.net import NetCall
 from .collectives.descriptor import Call, CollectiveMismatch, digest
 from .collectives.p2p import P2PError
@@ -30,7 +31,7 @@ from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
 from .transport.shm.futex import available as futex_available
 from .transport.errors import (ABORTED, ABORTED_MISMATCH, ABORTED_PEER_DIED, ABORTED_TIMEOUT,
                                ChannelClosed, PeerAborted, PeerDied, PeerTimeout)
-from . import checks, sparse, stats
+from . import checks, sparse
 from .config import Settings
 from .engine import CollectiveEngine
 from .flat import Flat
@@ -114,12 +115,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._net_call_scratch: dict = {}  # NetCall's buffers, kept across calls
         self._algos = FLAT if self._net is None else ACROSS_NODES
         self._scratch = Scratch()
+        self._plans = Plans()  # single-step plans, shared with the express lane
         self._calls = {}
         self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size)
         install_signal_handler()
         self._p2p = PointToPoint(rank, size, self._channel, self._net, self._label,
                                  self._on_error, lambda: self._timeout_s, self._timeout_text)
-        self._express = ExpressLane(self, reduce_spec)
+        self._express = None if self._net is not None else ExpressLane(
+            self._channel, self._engine, self._scratch, self._plans, self.settings, reduce_spec)
         self._closed = False
         log.info("neuron: group rank %d/%d ready on node %r: shared memory %.1f MiB reserved "
                  "(slot %d KiB x2 per rank; %d KiB per send/recv pair on first use), one-step "
@@ -233,10 +236,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         net, topo, algo_name = self._net, self._topo, self.settings.algo
 
+        plans = self._plans
+
         def run(seq: int) -> None:
-            from .collectives.context import Context
             deadline = time.monotonic() + seconds
-            ctx = Context(channel, call, seq, deadline, scratch, small)
+            ctx = Context(channel, call, seq, deadline, scratch, small, plans)
             if net is not None:
                 ctx.net_call = NetCall(net, topo, call, seq, deadline, algo_name,
                                        self._net_call_scratch)
@@ -244,11 +248,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             for f in flats:
                 f.finish()
 
-        stats.add_call(nbytes)
-        started = time.monotonic()
-        self._engine.submit(run, work, bool(getattr(opts, "asyncOp", False)), name, call)
-        if work.is_completed():
-            stats.add_blocked(time.monotonic() - started)
+        self._engine.submit(run, work, bool(getattr(opts, "asyncOp", False)), name, call, nbytes)
         return work
 
     def _on_error(self, exc: BaseException, what: str):
@@ -318,7 +318,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # ------------------------------------------------------------- all-reduce
     def allreduce(self, tensors, opts=None):
-        if opts is not None and not opts.asyncOp and len(tensors) == 1:
+        if self._express and opts is not None and not opts.asyncOp and len(tensors) == 1:
             work = self._express.all_reduce(tensors[0], opts, self._deadline_seconds(opts))
             if work is not None:
                 return work
@@ -429,7 +429,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                             total * dtype.itemsize)
 
     def all_gather_single(self, output, input, opts=None):
-        if opts is not None and not opts.asyncOp:
+        if self._express and opts is not None and not opts.asyncOp:
             work = self._express.all_gather(output, input, self._deadline_seconds(opts))
             if work is not None:
                 return work
@@ -443,6 +443,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         n = input.numel() * input.element_size()
 
         def algo(ctx):
+            if self._algos is FLAT:
+                allgather.all_gather_into(ctx, fo.bytes, fi.bytes)
+                return
             ob = fo.bytes
             self._algos.all_gather(ctx, [ob[k * n:(k + 1) * n] for k in range(self._size)], fi.bytes)
 
@@ -477,7 +480,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             [out], opts, sum(sizes) * out.element_size(), [fo])
 
     def reduce_scatter_single(self, output, input, opts=None):
-        if opts is not None and not opts.asyncOp:
+        if self._express and opts is not None and not opts.asyncOp:
             work = self._express.reduce_scatter(output, input, opts, self._deadline_seconds(opts))
             if work is not None:
                 return work
@@ -512,7 +515,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # ------------------------------------------------------------ broadcast &c
     def broadcast(self, tensors, opts=None):
-        if opts is not None and not opts.asyncOp and len(tensors) == 1:
+        if self._express and opts is not None and not opts.asyncOp and len(tensors) == 1:
             work = self._express.broadcast(tensors[0], opts, self._deadline_seconds(opts))
             if work is not None:
                 return work
@@ -603,7 +606,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             list(output_tensors), opts, sum(t.numel() * es for t in input_tensors), fo)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        if (opts is not None and not opts.asyncOp and not output_split_sizes
+        if (self._express and opts is not None and not opts.asyncOp and not output_split_sizes
                 and not input_split_sizes):
             work = self._express.all_to_all(output, input, self._deadline_seconds(opts))
             if work is not None:

@@ -10,9 +10,12 @@ _stats = {"calls": 0, "bytes": 0, "blocked_seconds": 0.0}
 
 # Updates are not locked: they come almost only from the caller's thread, and a lock
 # would cost more than a small collective's bookkeeping is worth.
-def add_call(nbytes: int) -> None:
+def add_call(nbytes: int, blocked: float = 0.0) -> None:
+    """One operation of ``nbytes``; ``blocked``: seconds its caller spent running it."""
     _stats["calls"] += 1
     _stats["bytes"] += nbytes
+    if blocked:
+        _stats["blocked_seconds"] += blocked
 
 
 def add_blocked(seconds: float) -> None:

@@ -26,7 +26,10 @@ import torch.distributed as dist
 from . import stats
 from .errors import PeerTimeoutError
 
-_state = threading.Condition()  # guards completion state; blocking waiters sleep on it
+# Guards completion state; blocking waiters sleep on ``_state``. Taken as ``_lock`` (the
+# condition's own lock): entering a Condition is a Python-level call, the lock's is not.
+_lock = threading.RLock()
+_state = threading.Condition(_lock)
 
 
 class NeuronWork(dist.Work):
@@ -73,6 +76,17 @@ class NeuronWork(dist.Work):
         self._what = value
 
     # ------------------------------------------------------------- completion
+    def _complete_unseen(self) -> None:
+        """Complete successfully a work no other thread can have seen yet (a collective run
+        by the caller before its work is returned): no future, hooks or waiters exist."""
+        self._finished = True
+
+    def _restart(self, outputs) -> None:
+        """Make this completed work pending again for a new call with ``outputs``. Only for
+        a work nobody else can reach: its maker has checked that it holds the only
+        reference (``sys.getrefcount``) and that no future was made from it."""
+        self._outputs, self._finished, self._exception, self._source = outputs, False, None, -1
+
     def _look(self) -> None:
         """Complete a lazily completed work whose operation has finished."""
         poll = self.poll
@@ -87,7 +101,7 @@ class NeuronWork(dist.Work):
     def add_done_hook(self, hook) -> None:
         """Call ``hook()`` once this work is complete (now, if it already is)."""
         self._arm()
-        with _state:
+        with _lock:
             if not self._finished:
                 if self._hooks is None:
                     self._hooks = []
@@ -98,7 +112,7 @@ class NeuronWork(dist.Work):
     def _complete(self, exception=None, source: int = -1) -> None:
         # The state is final first (so a future callback that waits on this work returns at
         # once), then the future runs its callbacks, then hooks and blocked waiters run.
-        with _state:
+        with _lock:
             if self._finished:
                 return
             self._exception = exception
@@ -115,7 +129,7 @@ class NeuronWork(dist.Work):
                 _settle(future, self._outputs, exception)
         finally:
             if self._waiters:
-                with _state:
+                with _lock:
                     _state.notify_all()
             for hook in hooks or ():
                 hook()
@@ -144,7 +158,7 @@ class NeuronWork(dist.Work):
         return True
 
     def _block(self, deadline: float, seconds: float) -> None:
-        with _state:
+        with _lock:
             self._waiters += 1
             try:
                 while not self._finished:
@@ -174,7 +188,7 @@ class NeuronWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         self._arm()
-        with _state:
+        with _lock:
             if self._future is None:
                 self._future = torch.futures.Future()
                 if self._finished:

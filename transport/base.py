@@ -28,11 +28,12 @@ class StepChannel(Protocol):
     def my_slot(self, dtype=None):
         """Tensor (uint8, or viewed as ``dtype``) this rank fills before the next ``step``."""
 
-    def my_slot_like(self, like):
-        """My next slot viewed with the dtype and shape of tensor ``like`` (fits one slot)."""
+    def slot(self, rank: int, parity: int, dtype=None):
+        """``rank``'s slot of step parity ``parity`` (a step ``e`` fills slots of parity
+        ``e & 1``), uint8 or viewed as ``dtype``: for plans prepared once and reused."""
 
-    def peer_slot_like(self, rank: int, like):
-        """``rank``'s current slot viewed with the dtype and shape of ``like``."""
+    def slot_like(self, rank: int, parity: int, like):
+        """``slot(rank, parity)`` viewed with the dtype and shape of tensor ``like``."""
 
     def step(self, deadline: float, descriptor: Sequence[int] | None = None) -> None:
         """Publish my slot and wait for every rank to publish the same step.

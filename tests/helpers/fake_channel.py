@@ -36,7 +36,7 @@ import zlib
 
 import torch
 
-from neuron_dist.collectives.context import Context
+from neuron_dist.collectives.context import Context, Plans
 from neuron_dist.collectives.reduce_ops import Scratch
 from neuron_dist.transport.errors import ChannelClosed, PeerAborted, PeerTimeout
 from neuron_dist.transport.shm.layout import DESC_WORDS
@@ -128,6 +128,7 @@ class FakeChannel:
         self.slot_bytes = group.slot_bytes
         self.cma = group.cma
         self.scratch = Scratch()
+        self.plans = Plans()  # kept across calls, as a process group keeps its plans
         self._epoch = 0
         self._seq = 0
 
@@ -141,24 +142,21 @@ class FakeChannel:
         process group gives them), with its scratch and the group's ``small_bytes``."""
         self._seq += 1
         return Context(self, call, self._seq, time.monotonic() + timeout, self.scratch,
-                       self.group.small_bytes)
+                       self.group.small_bytes, self.plans)
 
     # ----------------------------------------------------------------- slots
-    def _slot(self, rank: int, parity: int, dtype):
+    def slot(self, rank: int, parity: int, dtype=None):
         s = self.group.slots[rank][parity]
         return s if dtype is None else s.view(dtype)
 
+    def slot_like(self, rank: int, parity: int, like):
+        return self.slot(rank, parity, like.dtype)[:like.numel()].view(like.shape)
+
     def my_slot(self, dtype=None):
-        return self._slot(self.rank, (self._epoch + 1) & 1, dtype)
+        return self.slot(self.rank, (self._epoch + 1) & 1, dtype)
 
     def peer_slot(self, rank: int, dtype=None):
-        return self._slot(rank, self._epoch & 1, dtype)
-
-    def my_slot_like(self, like):
-        return self.my_slot(like.dtype)[:like.numel()].view(like.shape)
-
-    def peer_slot_like(self, rank: int, like):
-        return self.peer_slot(rank, like.dtype)[:like.numel()].view(like.shape)
+        return self.slot(rank, self._epoch & 1, dtype)
 
     # ----------------------------------------------------------------- steps
     def step(self, deadline: float, descriptor=None) -> None:

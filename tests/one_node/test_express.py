@@ -141,7 +141,7 @@ def broadcast_mixed_paths(rank, world):
                 dist.broadcast(t, root)
             if not torch.equal(t, torch.full(shape, value, dtype=dtype)):
                 fails.append((i, root, str(dtype), t.tolist(), value))
-    plans = [k for k, plan in _pg()._express._plans.items()
+    plans = [k for k, plan in _pg()._express._entries.items()
              if k[0] == "broadcast" and plan is not None]
     records = [r for r in recorder._ring if r.op == "broadcast"]
     return fails, len(plans), len(records), {r.state for r in records}
@@ -208,7 +208,7 @@ def all_gather_mixed_paths(rank, world):
     dist.all_gather_into_tensor(out, mine)
     if not torch.equal(out, torch.arange(1, world + 1).float().repeat_interleave(4)):
         fails.append(("in place", out.tolist()))
-    plans = [k for k, plan in _pg()._express._plans.items()
+    plans = [k for k, plan in _pg()._express._entries.items()
              if k[0] == "all_gather" and plan is not None]
     return fails, len(plans)
 
@@ -268,9 +268,9 @@ def all_to_all_mixed_paths(rank, world):
     expect = torch.cat([torch.arange(rank * 3, rank * 3 + 3).float() + 10 * k for k in range(world)])
     if not torch.equal(t, expect):
         fails.append(("in place", t.tolist()))
-    plans = [k for k, plan in _pg()._express._plans.items()
+    plans = [k for k, plan in _pg()._express._entries.items()
              if k[0] == "all_to_all" and plan is not None]
-    records = [r for r in recorder._ring if r.op == "all_to_all"]
+    records = [r for r in recorder._ring if r.op == "all_to_all_single"]
     return fails, len(plans), {r.state for r in records}
 
 
@@ -338,7 +338,7 @@ def reduce_scatter_mixed_paths(rank, world):
             expect = _expected(op, fold, [j + 1 + rank + i % 2 for j in range(world)])
             if not torch.equal(out, torch.full(shape, expect, dtype=dtype)):
                 fails.append((i, str(op), str(dtype), out.tolist(), expect))
-    plans = [k for k, plan in _pg()._express._plans.items()
+    plans = [k for k, plan in _pg()._express._entries.items()
              if k[0] == "reduce_scatter" and plan is not None]
     return fails, sorted({len(k[3]) for k in plans}), len(plans)
 
@@ -360,3 +360,49 @@ def test_express_reduce_scatter_mismatch_names_both_calls():
     for msg in results.values():
         _mismatch_naming(msg, "reduce_scatter(float32, 4 elements, SUM)",
                          "reduce_scatter(float32, 6 elements, SUM)")
+
+
+def all_to_all_uneven_elsewhere(rank, world):
+    """Rank 0 calls the even form (the lane: one step); ranks 1 and 2 spell out splits that
+    agree with rank 0's but exchange more than a slot's block between themselves, so they
+    take more steps: rank 0 must keep step with them (the next call checks it)."""
+    small, big = 4, 100_000  # floats: 16 B each way with rank 0; 400 KB between 1 and 2
+    sizes = {0: [small] * 3, 1: [small, small, big], 2: [small, big, small]}[rank]
+    inp = torch.cat([torch.full((m,), float(10 * rank + k)) for k, m in enumerate(sizes)])
+    out = torch.full((sum(sizes),), -1.0)
+    if rank == 0:
+        dist.all_to_all_single(out, inp)
+    else:
+        dist.all_to_all_single(out, inp, sizes, sizes)
+    expect = torch.cat([torch.full((m,), float(10 * k + rank)) for k, m in enumerate(sizes)])
+    after = torch.ones(1)
+    dist.all_reduce(after)  # the group is still in step
+    lane = [k for k, e in _pg()._express._entries.items() if k[0] == "all_to_all" and e]
+    return torch.equal(out, expect), after.item(), len(lane)
+
+
+def test_express_all_to_all_keeps_step_when_others_split_unevenly():
+    for cma in ("1", "0"):  # (the others' extra step: single copy, or a second slot step)
+        results = run_ranks(all_to_all_uneven_elsewhere, 3, timeout=120,
+                            env={"NEURON_DIST_CMA": cma})
+        assert results[0][2] == 1, results  # rank 0 took the lane
+        for rank, (ok, after, _) in results.items():
+            assert ok and after == 3.0, (cma, rank, ok, after)
+
+
+def one_plan(rank, world):
+    """A call signature served by the lane and by the engine thread (async) runs one plan."""
+    t = torch.ones(5)
+    dist.all_reduce(t)
+    dist.all_reduce(t, async_op=True).wait()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    pg = _pg()
+    entries = [e for k, e in pg._express._entries.items() if k[0] == "all_reduce"]
+    plans = [p for k, p in pg._plans._plans.items() if k[0] == "all_reduce"]
+    return len(plans), all(e.plan is plans[0] for e in entries), len(entries), t.tolist()
+
+
+def test_the_lane_and_the_engine_run_the_same_plan():
+    for nplans, same, entries, t in run_ranks(one_plan, 2, timeout=60).values():
+        assert nplans == 1 and same and entries == 2, (nplans, same, entries)
+        assert t == [4.0] * 5

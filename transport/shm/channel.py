@@ -80,7 +80,6 @@ class ShmChannel:
         self._slots = [[self._view(layout.slot(k, p), layout.slot_bytes) for p in (0, 1)]
                        for k in range(n)]
         self._typed_views = {}
-        self._shaped_views = {}
         self._others = [k for k in range(n) if k != rank]
         self._pids = {}
         self._starts = {}  # rank -> its process's start time (procid.start_time)
@@ -96,31 +95,15 @@ class ShmChannel:
     # ----------------------------------------------------------------- steps
     def my_slot(self, dtype=None):
         """My slot for the next step, as uint8 or (cached view) as ``dtype``."""
-        return self._typed(self.rank, (self._epoch + 1) & 1, dtype)
+        return self.slot(self.rank, (self._epoch + 1) & 1, dtype)
 
     def peer_slot(self, rank: int, dtype=None):
         """``rank``'s slot of the step just completed, as uint8 or ``dtype``."""
-        return self._typed(rank, self._epoch & 1, dtype)
+        return self.slot(rank, self._epoch & 1, dtype)
 
-    def my_slot_like(self, like):
-        """My next slot viewed with ``like``'s dtype and shape (cached: small-message path)."""
-        return self._shaped(self.rank, (self._epoch + 1) & 1, like)
-
-    def peer_slot_like(self, rank: int, like):
-        """``rank``'s current slot viewed with ``like``'s dtype and shape (cached)."""
-        return self._shaped(rank, self._epoch & 1, like)
-
-    def _shaped(self, rank: int, parity: int, like):
-        key = (rank, parity, like.dtype, like.shape)
-        view = self._shaped_views.get(key)
-        if view is None:
-            if len(self._shaped_views) > 512:
-                self._shaped_views.clear()
-            typed = self._typed(rank, parity, like.dtype)
-            view = self._shaped_views[key] = typed[:like.numel()].view(like.shape)
-        return view
-
-    def _typed(self, rank: int, parity: int, dtype):
+    def slot(self, rank: int, parity: int, dtype=None):
+        """``rank``'s slot of step parity ``parity`` (``epoch & 1`` of the step that fills
+        it), as uint8 or (cached view) as ``dtype``."""
         if dtype is None:
             return self._slots[rank][parity]
         key = (rank, parity, dtype)
@@ -128,6 +111,10 @@ class ShmChannel:
         if view is None:
             view = self._typed_views[key] = self._slots[rank][parity].view(dtype)
         return view
+
+    def slot_like(self, rank: int, parity: int, like):
+        """``slot(rank, parity)`` viewed with the dtype and shape of ``like`` (which fits)."""
+        return self.slot(rank, parity, like.dtype)[:like.numel()].view(like.shape)
 
     def step(self, deadline: float, descriptor=None) -> None:
         e = self._epoch + 1
@@ -155,9 +142,10 @@ class ShmChannel:
     def _wait_step(self, e: int, deadline: float) -> None:
         w = self._w
         sw = self._step_word
-        pending = [k for k in self._others if w[sw[k]] < e]
-        if pending:
-            self._poll(pending, e, deadline)
+        for k in self._others:
+            if w[sw[k]] < e:  # someone is behind: wait (no list built when nobody is)
+                self._poll([k for k in self._others if w[sw[k]] < e], e, deadline)
+                break
         # A peer that gave up (timeout, error) may have published this step before it did:
         # its counter alone does not prove it is still with us.
         aw = self._abort_word
@@ -337,7 +325,6 @@ class ShmChannel:
         self._closed = True
         self._slots = None
         self._typed_views = None
-        self._shaped_views = None
         self._bytes = None
         try:
             self._w.release()

@@ -63,8 +63,8 @@ class Call:
     tail: tuple = field(init=False, repr=False, compare=False)  # words(seq)[1:], computed once
 
     def __post_init__(self):
-        object.__setattr__(self, "tail", (
-            _OP_CODE[self.op], dtype_code(self.dtype), self.count, self.root,
+        object.__setattr__(self, "tail", (  # (op 0: an unknown op read from a peer's words)
+            _OP_CODE.get(self.op, 0), dtype_code(self.dtype), self.count, self.root,
             REDUCE_CODES[self.reduce] if self.reduce else 0, self.extra))
 
     def words(self, seq: int) -> tuple[int, ...]:

@@ -75,6 +75,10 @@ def test_descriptor_round_trip_and_text():
     assert call.describe().startswith("reduce_scatter(bfloat16, 1024 elements")
     with pytest.raises(ValueError, match="dtype"):
         Call("all_reduce", torch.quint8, 1).words(1)
+    # A peer that never entered a collective left all-zero words: still describable (the
+    # timeout error names what that rank last did from them).
+    seq, nothing = Call.from_words((0,) * 7)
+    assert seq == 0 and nothing.describe().startswith("<unknown op 0>(")
 
 
 def test_settings_parse_and_reject(monkeypatch):

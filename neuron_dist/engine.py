@@ -71,7 +71,7 @@ class CollectiveEngine:
             if self._stopped:
                 raise GroupAbortedError(f"{name} in group {self.label}: the group was destroyed")
             self.seq += 1
-            work.what = f"{name} #{self.seq} in group {self.label}"
+            work.what = (name, self.seq, self.label)
             rec = recorder.issue(self.group_name, self.rank, self.size, self.seq, name, call)
             work.engine = self
             self._queue.append((fn, work, self.seq, rec))
@@ -93,7 +93,7 @@ class CollectiveEngine:
             seq = self.seq
         started = time.monotonic()
         try:
-            work.what = f"{name} #{seq} in group {self.label}"
+            work.what = (name, seq, self.label)  # (formatted only if read)
             rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True)
             self._execute((fn, work, seq, rec), inline=True)
         finally:

@@ -104,6 +104,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._rank = rank
         self._size = size
         self._timeout = timeout
+        self._timeout_seconds = timeout.total_seconds()
         self._timeout_s = timeout.total_seconds()
         self._group_name = ""
         self._group_desc = ""
@@ -170,6 +171,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"set_timeout needs a positive timedelta, got {timeout!r}")
         self._timeout = timeout
+        self._timeout_seconds = timeout.total_seconds()
         self._timeout_s = timeout.total_seconds()
 
     # ------------------------------------------------------ per-device backend
@@ -220,7 +222,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _deadline_seconds(self, opts) -> float:
         t = getattr(opts, "timeout", _UNSET)
         if t is None or t == _UNSET or t.total_seconds() <= 0:
-            t = self._timeout
+            return self._timeout_seconds
         return t.total_seconds()
 
     def _submit(self, name: str, call: Call, algo, outputs, opts, nbytes: int, flats=()):

@@ -39,9 +39,10 @@ class NeuronWork(dist.Work):
     ----------
     outputs : list[torch.Tensor]
         What the future is completed with.
-    what : str or callable
-        Human-readable description (e.g. ``"all_reduce #12 in group 'default_pg'"``), or a
-        function returning it (formatted only if read).
+    what : str, tuple or callable
+        Human-readable description (e.g. ``"all_reduce #12 in group 'default_pg'"``), or
+        what makes it, formatted only if read: a function returning it, or a collective's
+        ``(name, sequence number, group label)``.
     """
 
     def __init__(self, outputs, what):
@@ -67,7 +68,10 @@ class NeuronWork(dist.Work):
         """What this work is, e.g. ``"all_reduce #3 in group 'default_pg'"`` (given as a
         string, or as a function formatting it the first time it is read)."""
         what = self._what
-        if not isinstance(what, str):
+        if type(what) is tuple:
+            name, seq, label = what
+            what = self._what = f"{name} #{seq} in group {label}"
+        elif not isinstance(what, str):
             what = self._what = what()
         return what
 

@@ -351,6 +351,8 @@ class RdmTransport:
                 req.callback = callback
                 self._sends[(peer, ep.send(peer, tag, view))] = req
                 self._pump()
+                if ep.backlogged():
+                    self._engine.kick()  # the window holds it back: see _bulk_pending
                 return req
             if n <= _SMALL_COPY:
                 data = copy = bytes(view)
@@ -365,6 +367,8 @@ class RdmTransport:
                 if n > _SMALL_COPY:
                     self._copies[(peer, msg_id)] = copy
                 self._pump()
+                if ep.backlogged():
+                    self._engine.kick()
             else:
                 msg_id, tx = sent
                 if n > _SMALL_COPY:
@@ -418,6 +422,8 @@ class RdmTransport:
             self._check_usable(peer)
             self._positions[req] = self.ep.post_recv(peer, tag, view)
             self._recvs.setdefault((peer, tag), deque()).append(req)
+        if req.nbytes > EAGER_BYTES:
+            self._engine.kick()  # its sender waits for the ack: see _bulk_pending
         return req
 
     def irecv_any(self, tag: int, buf, callback=None) -> Request:
@@ -442,6 +448,8 @@ class RdmTransport:
             if not alive:
                 raise next(iter(self._failed.values()), ValueError("no peer connected"))
             self._any.setdefault(tag, deque()).append(req)
+        if req.nbytes > EAGER_BYTES:
+            self._engine.kick()
         return req
 
     def cancel(self, req: Request, error: Exception) -> bool:
@@ -537,6 +545,24 @@ class RdmTransport:
         req._finish(error)
 
     # ------------------------------------------------------------------ progress
+
+    def _bulk_pending(self) -> bool:
+        """Is there work that only progress moves on and that someone waits for: bytes
+        queued behind a full socket, segments held back by the window, or a posted receive
+        larger than an eager message (its sender's request completes only when this end
+        reads it and acknowledges)? The engine's background thread then takes over sooner
+        when nobody waits (progress.py). Read without the lock, from snapshots: a hint,
+        checked again on every decision."""
+        if self.ep.backlogged():
+            return True
+        for rails in list(self._rails.values()):
+            for r in rails:
+                if r is not None and r.out:
+                    return True
+        for req in list(self._positions):
+            if req.nbytes > EAGER_BYTES:
+                return True
+        return any(req.nbytes > EAGER_BYTES for q in list(self._any.values()) for req in list(q))
 
     def _next_due(self):
         """When the engine must call ``_on_tick`` next (None: no deadline)."""
@@ -737,6 +763,8 @@ class RdmTransport:
         if want != rail.events and rail.alive:
             rail.events = want
             self._engine.modify(rail.fd, want)
+            if out:
+                self._engine.kick()  # bytes wait behind a full socket: see _bulk_pending
 
     def _handle_events(self) -> None:
         for ev in self.ep.events():

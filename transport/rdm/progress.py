@@ -12,10 +12,20 @@ Whoever needs progress drives it. A thread waiting for a request polls for itsel
 them: no hand-off to another thread on a message's path. One thread polls at a time
 (the *leader*, holding ``_poll``); another thread that waits meanwhile sleeps on its own
 request's completion and checks every millisecond whether it may lead. The engine's one
-background thread polls only when no thread has waited for ``_LINGER`` (so a thread that
-waits back to back, one operation after another, keeps driving it), and asynchronous work,
-acks and retransmissions still move when nobody is blocked; a thread that starts waiting
-while the background thread polls wakes it (``wake``) and takes over at once.
+background thread polls only when no thread has waited for a while, so that a thread that
+waits back to back, one operation after another, keeps driving it, and asynchronous work,
+acks and retransmissions still move when nobody is blocked. A thread that starts waiting
+while the background thread polls wakes it (``wake``) and takes over at once; that hand-over
+costs two thread wake-ups, so the background thread holds back as long as it can:
+
+* ``_LINGER_BULK`` (2 ms) when a transport has bulk work that only progress moves on: bytes
+  queued behind a full socket, or a posted receive larger than an eager message (its sender
+  waits for the acknowledgement). Such a transport calls ``kick`` when that work appears.
+* ``_LINGER_IDLE`` (20 ms) otherwise: what is left then (held acks, small messages that
+  arrive before their receive) waits in socket buffers at no cost to anyone. A caller that
+  posts a few sends between two waits no longer hands the engine back and forth each time.
+  (Two virtual nodes, 8 x 64 KiB / 256 KiB isend per batch: 15-25% less time per message
+  and a fifth of the context switches than with 2 ms for everything.)
 
 The engine also keeps the process's listeners, one per interface address, shared by every
 group (``listen``, listener.py; the handshake names the group and rank dialled, and
@@ -39,7 +49,8 @@ from .listener import Listener
 
 _BG_POLL = 0.05  # longest sleep of the background thread in epoll (a safety net)
 _FOLLOW = 0.001  # a waiter that cannot lead checks this often whether it may
-_LINGER = 0.002  # the background thread leads only after this long without a waiter
+_LINGER_BULK = 0.002  # the background thread leads after this long without a waiter when
+_LINGER_IDLE = 0.020  # a transport has bulk work waiting for progress, else after this long
 
 
 class Progress:
@@ -118,6 +129,17 @@ class Progress:
         polling = self._polling
         if polling is not None and due < self._poll_until and polling != threading.get_ident():
             self.wake()
+
+    def kick(self) -> None:
+        """A transport has new bulk work (see the module docstring): the background thread
+        looks again whether it should lead soon (a thread that waits drives it anyway)."""
+        if not self._waiters:
+            with self._lock:
+                self._idle.notify()
+
+    def _bulk_waiting(self) -> bool:
+        """Under ``_lock``: does a transport have bulk work that only progress moves on?"""
+        return any(t._bulk_pending() for t in self._transports)
 
     def wake(self) -> None:
         """Make the thread in ``epoll`` (if any) return now."""
@@ -198,9 +220,10 @@ class Progress:
             with self._lock:
                 while not self._stop:  # threads that wait back to back drive it themselves
                     quiet = time.monotonic() - self._last_wait
-                    if not self._waiters and quiet >= _LINGER:
+                    linger = _LINGER_BULK if self._bulk_waiting() else _LINGER_IDLE
+                    if not self._waiters and quiet >= linger:
                         break
-                    self._idle.wait(_LINGER if self._waiters else _LINGER - quiet)
+                    self._idle.wait(linger if self._waiters else linger - quiet)
                 if self._stop:
                     return
             if not self._poll.acquire(True, _BG_POLL):

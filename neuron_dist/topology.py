@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from functools import cached_property
 
 from .transport.shm.procid import pid_namespace
 
@@ -24,6 +25,8 @@ class Topology:
         This process's group rank.
     nodes : tuple of tuple of int
         Group ranks of each node, nodes ordered by their lowest rank.
+
+    The derived properties are computed once (every collective across nodes reads them).
     """
 
     rank: int
@@ -37,7 +40,7 @@ class Topology:
             order.setdefault(name, []).append(k)
         return cls(rank, tuple(tuple(v) for v in order.values()))
 
-    @property
+    @cached_property
     def size(self) -> int:
         return sum(len(n) for n in self.nodes)
 
@@ -47,16 +50,16 @@ class Topology:
                 return i
         raise ValueError(f"rank {rank} is in no node")
 
-    @property
+    @cached_property
     def my_node(self) -> int:
         return self.node_of(self.rank)
 
-    @property
+    @cached_property
     def local(self) -> tuple:
         """Group ranks of this node, in local-index order."""
         return self.nodes[self.my_node]
 
-    @property
+    @cached_property
     def even(self) -> bool:
         return len({len(n) for n in self.nodes}) == 1
 

@@ -658,6 +658,16 @@ class RdmTransport:
             rail.header = h
             target = ep.data_target(rail.index, h)
             if target is not None:  # claimed for this rail: see "Buffer ownership"
+                lo, end = rail.lo, rail.lo + h.length + h.trailer_bytes
+                if mac is None and end <= rail.hi:  # all read ahead already: land it now
+                    inbuf = rail.inbuf
+                    target[:] = inbuf[lo:lo + h.length]
+                    rail.lo = end
+                    rail.header = None  # (the trailer is read before inbuf is refilled)
+                    ep.data_landed(rail.index, rail.hbuf, h, time.monotonic(),
+                                   inbuf[lo + h.length:end])
+                    self._stage(rail, _HEADER, rail.hview)
+                    return
                 self._stage(rail, _PAYLOAD, target)
                 return
             tail = _MAC_TAG if mac is not None and mac.tail(h.type, h.nacks) else 0

@@ -735,3 +735,40 @@ def test_descriptor_budget_beyond_the_hard_limit_is_a_clear_error():
     e = got["error"]
     assert e is not None and "300 file descriptors" in e and "limit is 256" in e, e
     assert "ulimit -n" in e and "NEURON_DIST_RAILS=1 needs 100" in e, e
+
+
+def _slow_idle_progress(monkeypatch, pair):
+    """The background thread takes over 30 s after the last wait unless there is bulk
+    work: a transfer that needs it shows up as a timeout. (A small exchange waited for
+    makes that last wait now.)"""
+    from neuron_dist.transport.rdm import progress
+    monkeypatch.setattr(progress, "_LINGER_IDLE", 30.0)
+    time.sleep(0.05)  # (a thread in an idle wait from before sees the new linger)
+    *_, r, s = _transfer(pair, 8, tag=99)
+    r.wait(time.monotonic() + 5)
+    s.wait(time.monotonic() + 5)
+
+
+def test_a_large_posted_receive_moves_while_nobody_waits(pair, monkeypatch):
+    # Its sender's request completes only once this end reads and acknowledges: with
+    # nobody waiting, the background thread must take the lead at once.
+    _slow_idle_progress(monkeypatch, pair)
+    src, dst, r, s = _transfer(pair, 1 << 20, seed=3)
+    _until(lambda: r.done() and s.done(), 3.0)  # done(), not wait(): nobody drives
+    r.wait(time.monotonic() + 1)
+    s.wait(time.monotonic() + 1)
+    assert np.array_equal(src, dst)
+
+
+def test_bytes_queued_behind_a_full_socket_move_while_nobody_waits(pair, monkeypatch):
+    # No receive is posted (the message arrives early) and 24 MiB do not fit in the
+    # socket buffers: only the sender's queued output tells the engine to keep going.
+    _slow_idle_progress(monkeypatch, pair)
+    n = 24 << 20
+    src = np.random.default_rng(4).integers(0, 256, n, dtype=np.uint8)
+    s = pair[0].isend(1, 7, src)
+    _until(s.done, 5.0)
+    dst = np.zeros(n, np.uint8)
+    pair[1].irecv(0, 7, dst).wait(time.monotonic() + 5)
+    s.wait(time.monotonic() + 1)
+    assert np.array_equal(src, dst)

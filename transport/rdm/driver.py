@@ -148,6 +148,11 @@ class Request(_Request):
         super().__init__(peer, tag, buf, is_send, owner._engine.callbacks)
         self._owner = owner
 
+    def on_complete(self, callback) -> None:
+        super().on_complete(callback)
+        if not self._event.is_set():
+            self._owner._engine.kick()  # someone waits for it without driving
+
     def _block(self, deadline: float) -> bool:
         event = self._event
         self._waiting.append(None)
@@ -351,8 +356,8 @@ class RdmTransport:
                 req.callback = callback
                 self._sends[(peer, ep.send(peer, tag, view))] = req
                 self._pump()
-                if ep.backlogged():
-                    self._engine.kick()  # the window holds it back: see _bulk_pending
+                if callback is not None or ep.mid_transfer():
+                    self._engine.kick()  # see _bulk_pending
                 return req
             if n <= _SMALL_COPY:
                 data = copy = bytes(view)
@@ -367,7 +372,7 @@ class RdmTransport:
                 if n > _SMALL_COPY:
                     self._copies[(peer, msg_id)] = copy
                 self._pump()
-                if ep.backlogged():
+                if ep.mid_transfer():
                     self._engine.kick()
             else:
                 msg_id, tx = sent
@@ -422,8 +427,8 @@ class RdmTransport:
             self._check_usable(peer)
             self._positions[req] = self.ep.post_recv(peer, tag, view)
             self._recvs.setdefault((peer, tag), deque()).append(req)
-        if req.nbytes > EAGER_BYTES:
-            self._engine.kick()  # its sender waits for the ack: see _bulk_pending
+        if req.nbytes > EAGER_BYTES or callback is not None:
+            self._engine.kick()  # see _bulk_pending
         return req
 
     def irecv_any(self, tag: int, buf, callback=None) -> Request:
@@ -448,7 +453,7 @@ class RdmTransport:
             if not alive:
                 raise next(iter(self._failed.values()), ValueError("no peer connected"))
             self._any.setdefault(tag, deque()).append(req)
-        if req.nbytes > EAGER_BYTES:
+        if req.nbytes > EAGER_BYTES or callback is not None:
             self._engine.kick()
         return req
 
@@ -547,22 +552,28 @@ class RdmTransport:
     # ------------------------------------------------------------------ progress
 
     def _bulk_pending(self) -> bool:
-        """Is there work that only progress moves on and that someone waits for: bytes
-        queued behind a full socket, segments held back by the window, or a posted receive
-        larger than an eager message (its sender's request completes only when this end
-        reads it and acknowledges)? The engine's background thread then takes over sooner
-        when nobody waits (progress.py). Read without the lock, from snapshots: a hint,
-        checked again on every decision."""
-        if self.ep.backlogged():
+        """Is there work that only progress moves on and that someone is waiting for
+        without driving it: bytes queued behind a full socket, a message part way (segments
+        held back by the window, or partly received), a posted receive larger than an eager message (its sender's request
+        completes only when this end reads it and acknowledges), or a request with a
+        completion callback (a future or hook is armed on it)? The engine's background
+        thread then takes over sooner when nobody waits (progress.py). A send waited for
+        with ``wait`` needs none of this: the waiting thread drives. Read without the lock,
+        from snapshots: a hint, checked again on every decision."""
+        if self.ep.mid_transfer():
             return True
         for rails in list(self._rails.values()):
             for r in rails:
                 if r is not None and r.out:
                     return True
         for req in list(self._positions):
-            if req.nbytes > EAGER_BYTES:
+            if req.nbytes > EAGER_BYTES or req.callback is not None:
                 return True
-        return any(req.nbytes > EAGER_BYTES for q in list(self._any.values()) for req in list(q))
+        for req in list(self._sends.values()):
+            if req.callback is not None:
+                return True
+        return any(req.nbytes > EAGER_BYTES or req.callback is not None
+                   for q in list(self._any.values()) for req in list(q))
 
     def _next_due(self):
         """When the engine must call ``_on_tick`` next (None: no deadline)."""

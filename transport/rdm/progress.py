@@ -18,12 +18,15 @@ acks and retransmissions still move when nobody is blocked. A thread that starts
 while the background thread polls wakes it (``wake``) and takes over at once; that hand-over
 costs two thread wake-ups, so the background thread holds back as long as it can:
 
-* ``_LINGER_BULK`` (2 ms) when a transport has bulk work that only progress moves on: bytes
-  queued behind a full socket, or a posted receive larger than an eager message (its sender
-  waits for the acknowledgement). Such a transport calls ``kick`` when that work appears.
+* ``_LINGER_BULK`` (2 ms) when a transport has work that only progress moves on and that
+  someone waits for without driving it: bytes queued behind a full socket, a message part
+  way (held back by the window, or partly received), a posted receive larger than an eager message (its sender waits for the
+  acknowledgement), a request with a completion callback (``RdmTransport._bulk_pending``).
+  The transport calls ``kick`` when such work appears.
 * ``_LINGER_IDLE`` (20 ms) otherwise: what is left then (held acks, small messages that
-  arrive before their receive) waits in socket buffers at no cost to anyone. A caller that
-  posts a few sends between two waits no longer hands the engine back and forth each time.
+  arrive before their receive, the ack of a send that will be waited for) waits in socket
+  buffers at no cost to anyone: whoever waits next drives it at once. A caller that posts
+  a few sends between two waits no longer hands the engine back and forth each time.
   (Two virtual nodes, 8 x 64 KiB / 256 KiB isend per batch: 15-25% less time per message
   and a fifth of the context switches than with 2 ms for everything.)
 

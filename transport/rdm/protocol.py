@@ -797,10 +797,11 @@ class Endpoint:
                 due = s.acks_due
         return None if due == math.inf else due
 
-    def backlogged(self) -> bool:
-        """Are there segments not yet sent (waiting for the window to open, or to be resent
-        off a failed rail)? Only acknowledgements read from the peers move them on."""
-        return any(s.queue or s.urgent for s in list(self._peers.values()))
+    def mid_transfer(self) -> bool:
+        """Is a message part way: segments not yet sent (waiting for the window to open, or
+        to be resent off a failed rail), or a message partly received? Only reading the
+        rails moves them on (acknowledgements, the rest of the segments)."""
+        return any(s.queue or s.urgent or s.partial for s in list(self._peers.values()))
 
     def inflight_bytes(self, peer: int, rail: int | None = None) -> int:
         """Unacked bytes to ``peer`` as counted against ``window_bytes`` (on ``rail``

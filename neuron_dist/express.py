@@ -14,9 +14,12 @@ caller's thread run the same code, so ranks may take either path for the same ca
 
 A call goes to ``CollectiveEngine.run_now``, which runs it in the caller's thread if the
 engine is idle (issue order is kept), with the same flight-recorder, stats and error
-handling as every collective. Anything unusual takes the general path: async_op, the
-profiler on, PREMUL_SUM (its factor changes per call), a non-contiguous or large tensor,
-uneven splits, a group that spans nodes, or an engine with work queued.
+handling as every collective; the record names the plan's algorithm (its constant
+``ALGORITHM``). The lane serves a call only where the selection tables
+(collectives/selection.py) pick the algorithm whose plan it holds. Anything unusual takes
+the general path: async_op, the profiler on, PREMUL_SUM (its factor changes per call), a
+non-contiguous or large tensor, uneven splits, a group that spans nodes, or an engine with
+work queued.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class CollectiveEngine:
             work.what = (name, seq, self.label)  # (formatted only if read)
             rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True,
                                  algo)
-            self._execute((fn, work, seq, rec), inline=True)
+            self._execute(fn, work, seq, rec, True)  # (positional: on the small path)
         finally:
             with self._mutex:
                 self._busy = False
@@ -123,16 +123,15 @@ class CollectiveEngine:
     def _run_busy(self, task) -> None:
         """Execute ``task`` (the caller has set busy), then let the next one start."""
         try:
-            self._execute(task)
+            self._execute(*task)
         finally:
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _execute(self, task, inline: bool = False) -> None:
-        """Run ``task``. ``inline`` (``run_now``): its record was issued running, and its
-        work has not been returned to anyone yet."""
-        fn, work, seq, rec = task
+    def _execute(self, fn, work, seq: int, rec, inline: bool = False) -> None:
+        """Run a task (``fn``, ``work``, ``seq``, ``rec``). ``inline`` (``run_now``): its
+        record was issued running, and its work has not been returned to anyone yet."""
         if self.broken is not None:
             error = GroupAbortedError(
                 f"{work.what}: the group is unusable after an earlier failure: {self.broken}")
@@ -187,7 +186,7 @@ class CollectiveEngine:
             if task is None:
                 raise RuntimeError(f"{work.what} is waited on from its own engine thread "
                                    "but is not queued")
-            self._execute(task)
+            self._execute(*task)
 
     def stop(self, error=None, join_timeout: float = 5.0) -> None:
         """Fail queued tasks with ``error`` (or a 'destroyed' error) and end the thread."""

@@ -36,7 +36,8 @@ class Record:
 
     def __init__(self, group, rank, size, seq, op, call, running: bool = False, algo=None):
         self.group, self.rank, self.size = group, rank, size
-        self.seq, self.op, self.call, self.algo = seq, op, call, algo
+        self.seq, self.op, self.call = seq, op, call
+        self.algo = algo
         self.state = RUNNING if running else QUEUED
         self.t_issue = time.time()
         self.t_start = self.t_issue if running else None

@@ -132,3 +132,23 @@ def test_settings_carry_the_parsed_overrides():
     assert Settings.from_env({}).algo == ()
     got = Settings.from_env({"NEURON_DIST_ALGO": "All_Reduce:1K-2M=Ring"}).algo
     assert got == (sel.Override("all_reduce/network", "ring", 1 << 10, 2 << 20),)
+
+
+def test_the_thresholds_are_defined_only_in_selection_py():
+    """No other module keeps its own copy of a threshold the tables use."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    names = {"SINGLE_COPY_BYTES", "MAX_ADDRESSES", "HIERARCHICAL_MIN_ELEMENTS", "RING_BYTES",
+             "HALVES_BYTES", "MIN_BYTES", "HIER_MIN_ELEMS_PER_RANK"}
+    found = []
+    for folder in ("collectives", "neuron_dist", "transport"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            if path.name == "selection.py" and path.parent.name == "collectives":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Assign):
+                    found += [f"{path.relative_to(repo)}:{node.lineno} {t.id}"
+                              for t in node.targets if isinstance(t, ast.Name) and t.id in names]
+    assert not found, found

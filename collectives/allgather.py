@@ -1,9 +1,11 @@
-"""All-gather (also uneven, "all-gather-v") over a step channel, on raw bytes.
+"""All-gather (also uneven, "all-gather-v") over a step channel, on raw bytes. Which
+algorithm runs: the ``all_gather`` table of selection.py (single copy, single_copy.py, for
+contributions from 1 MiB when the node's ranks can read each other's memory, else slots).
 
-Each step moves up to one slot of every rank's contribution: a rank stages the next piece
-of its input in its slot; after the step every rank copies piece k of peer k's slot into
-output k. The number of steps follows the largest contribution, which every rank knows
-(the output sizes are part of the checked call), so all ranks step together.
+``slots``: each step moves up to one slot of every rank's contribution: a rank stages the
+next piece of its input in its slot; after the step every rank copies piece k of peer k's
+slot into output k. The number of steps follows the largest contribution, which every rank
+knows (the output sizes are part of the checked call), so all ranks step together.
 
 Into one tensor (``all_gather_into``: equal contributions, rank k's at block k) an input
 that fits one slot takes one step, with a plan (``OneSlot``: every rank's slot viewed like
@@ -18,13 +20,24 @@ from . import single_copy
 from .context import Context, SlotViews, steps_for
 
 
+def choose(selection, channel, nbytes: int, first: bool = True) -> str:
+    """The ``all_gather`` table's algorithm for contributions of at most ``nbytes``."""
+    return selection.select("all_gather", nbytes, channel.size, cma=channel.cma, first=first)
+
+
 def all_gather(ctx: Context, outs: list, inp) -> None:
     """Copy every rank's uint8 ``inp`` into ``outs[rank]`` on every rank."""
-    cap = ctx.channel.slot_bytes
-    sizes = [o.numel() for o in outs]
-    if single_copy.worth_it(ctx, max(sizes)):
+    algo = choose(ctx.selection, ctx.channel, max(o.numel() for o in outs), not ctx.checked)
+    ctx.chose(algo)
+    _run(ctx, algo, outs, inp)
+
+
+def _run(ctx: Context, algo: str, outs: list, inp) -> None:
+    if algo == "single_copy":
         single_copy.all_gather(ctx, outs, inp)
         return
+    cap = ctx.channel.slot_bytes
+    sizes = [o.numel() for o in outs]
     for i in range(steps_for(max(sizes), cap)):
         o = i * cap
         mine = max(0, min(cap, inp.numel() - o))
@@ -42,10 +55,12 @@ def all_gather_into(ctx: Context, out, inp) -> None:
     """All-gather the 1-D ``inp`` of every rank into the 1-D ``out`` (rank k's at block k)."""
     n = inp.numel()
     nbytes = n * inp.element_size()
-    if nbytes <= ctx.channel.slot_bytes and not single_copy.worth_it(ctx, nbytes):
+    algo = choose(ctx.selection, ctx.channel, nbytes, not ctx.checked)
+    ctx.chose(algo)
+    if algo == "slots" and nbytes <= ctx.channel.slot_bytes:
         OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp)
         return
-    all_gather(ctx, [out[k * n:(k + 1) * n] for k in range(ctx.size)], inp)
+    _run(ctx, algo, [out[k * n:(k + 1) * n] for k in range(ctx.size)], inp)
 
 
 class OneSlot(SlotViews):
@@ -54,6 +69,7 @@ class OneSlot(SlotViews):
 
     __slots__ = ()
     NAME = "all_gather"
+    ALGORITHM = "slots"
 
     def run(self, ctx, out, inp) -> None:
         """``out`` (1-D, detached) = every rank's ``inp`` (1-D), in rank order."""

@@ -4,14 +4,15 @@ How it works
 ------------
 Local phases run allgather.py's and broadcast.py's algorithms over the node's step channel
 (``ctx``: ranks are local indices); network phases go through ``ctx.net_call`` (net.py,
-addressed by group rank).
+addressed by group rank). Which algorithm runs: the ``all_gather/nodes`` table of
+selection.py.
 
-Nodes of equal size (columns)
+Nodes of equal size (``columns``)
     each node all-gathers its own ranks' blocks -> each rank swaps its block with the ranks
     of its column (the same local index) on the other nodes -> per other node, a local
     all-gather of the blocks that node's ranks sent to this node's ranks. Every block
     crosses the network once per other node, each local rank driving its own share.
-Uneven nodes, or ``NEURON_DIST_ALGO=leader`` (leader)
+Uneven nodes, or ``NEURON_DIST_ALGO=all_gather=leader`` (``leader``)
     local all-gather -> node leaders exchange whole node blocks -> local broadcast of
     what came in, packed into one buffer.
 """
@@ -28,7 +29,10 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
     """Every rank gets every rank's uint8 ``inp`` in ``outs[rank]``."""
     net_call = ctx.net_call
     topo = net_call.topo
-    if topo.even and net_call.algo != "leader":
+    layout = ctx.selection.select("all_gather/nodes", max(o.numel() for o in outs), ctx.size,
+                                  even=topo.even)
+    ctx.chose(layout)
+    if layout == "columns":
         _columns_all_gather(ctx, outs, inp)
         return
     allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)

@@ -1,17 +1,22 @@
-"""All-reduce over a step channel.
+"""All-reduce over a step channel. Which algorithm runs: the ``all_reduce`` table of
+selection.py (by default one step up to NEURON_DIST_SMALL_BYTES, single copy from 1 MiB
+blocks when the node's ranks can read each other's memory, else two steps).
 
-Small messages (<= small_bytes): one step. Every rank stages its whole input in its slot,
-then reduces all N slots itself (in rank order, so results are identical everywhere).
-One synchronisation, no second pass: the lowest latency. Its plan (``OneSlot``: every
-rank's slot viewed like the tensor, both parities) is made once per dtype and shape.
+``one_step``: every rank stages its input in its slot, then reduces all N slots itself (in
+rank order, so results are identical everywhere). One synchronisation, no second pass: the
+lowest latency. A message that fits one slot takes a plan (``OneSlot``: every rank's slot
+viewed like the tensor, both parities) made once per dtype and shape; a larger one goes one
+slot-sized chunk per step.
 
-Large messages: reduce-scatter then all-gather, pipelined chunk by chunk (a chunk is one
+``two_step``: reduce-scatter then all-gather, pipelined chunk by chunk (a chunk is one
 slot). Step 1 of a chunk: every rank stages the chunk; rank r reduces slice r of it from
 all N slots straight into its next slot. Step 2: every rank copies every slice out of its
 owner's slot. In shared memory each rank reads every peer's slot directly, so both phases
 take one step each instead of a ring's N-1: the data volume per rank is the ring's
 (each byte is reduced once, by its owner), with 2 synchronisations per chunk instead of
 2(N-1). Double-buffered slots let a rank stage chunk i+1 while peers still read chunk i.
+
+``single_copy``: single_copy.py.
 """
 
 from __future__ import annotations
@@ -21,34 +26,33 @@ from .context import ALIGN_BYTES, Context, SlotViews, flat, partition
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
 
+def choose(selection, channel, numel: int, element_size: int, first: bool = True) -> str:
+    """The ``all_reduce`` table's algorithm for ``numel`` elements on ``channel``."""
+    size = channel.size
+    return selection.select("all_reduce", numel * element_size, size, numel=numel,
+                            block=-(-numel // size) * element_size,  # each rank's block
+                            cma=channel.cma, first=first)
+
 
 def all_reduce(ctx: Context, out, inp, spec) -> None:
     """Reduce the contiguous tensor ``inp`` across ranks into ``out`` (same shape; may alias)."""
     n = inp.numel()
     es = inp.element_size()
-    cap = ctx.channel.slot_bytes // es
-    if fits_one_slot(ctx.channel, n * es, ctx.small_bytes):
-        _fits_one_slot(ctx, out, inp, spec)
+    algo = choose(ctx.selection, ctx.channel, n, es, not ctx.checked)
+    ctx.chose(algo)
+    if algo == "one_step" and n * es <= ctx.channel.slot_bytes:
+        OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp, spec)
         return
     out, inp = flat(out), flat(inp)
-    if single_copy.worth_it(ctx, -(-n // ctx.size) * es):  # each rank's block, as elsewhere
+    if algo == "single_copy":
         single_copy.all_reduce(ctx, out, inp, spec)
         return
-    if ctx.size == 1:
+    cap = ctx.channel.slot_bytes // es
+    if algo == "one_step":
         _one_step(ctx, out, inp, spec, cap)
     else:
         _two_step(ctx, out, inp, spec, cap)
     ctx.finish()
-
-
-def _fits_one_slot(ctx, out, inp, spec) -> None:
-    """The latency path: no flattening, one step."""
-    OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp, spec)
-
-
-def fits_one_slot(channel, nbytes: int, small_bytes: int) -> bool:
-    """Does an all-reduce of ``nbytes`` take the one-step algorithm?"""
-    return nbytes <= small_bytes and nbytes <= channel.slot_bytes
 
 
 class OneSlot(SlotViews):
@@ -57,6 +61,7 @@ class OneSlot(SlotViews):
 
     __slots__ = ()
     NAME = "all_reduce"
+    ALGORITHM = "one_step"
 
     def run(self, ctx, out, inp, spec) -> None:
         """``out`` = the reduction of every rank's ``inp`` (detached; ``out`` may be ``inp``)."""

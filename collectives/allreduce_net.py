@@ -4,22 +4,24 @@ How it works
 ------------
 Local phases run allreduce.py's, reduce_scatter.py's and allgather.py's algorithms over the
 node's step channel (``ctx``: ranks are local indices); network phases go through
-``ctx.net_call`` (net.py, addressed by group rank).
+``ctx.net_call`` (net.py, addressed by group rank). Which algorithms run: the
+``all_reduce/nodes`` and ``all_reduce/network`` tables of selection.py.
 
-Nodes of equal size (hierarchical), from 64 elements per local rank
+Nodes of equal size (hierarchical), by default from 64 elements per local rank
     local reduce-scatter (local rank j owns slice j) -> each local rank all-reduces its
     slice with the ranks of the same local index on the other nodes -> local all-gather.
     Every local rank drives its own share of the network traffic, in parallel.
-Uneven nodes, small buffers, or ``NEURON_DIST_ALGO=leader`` (leader)
+Uneven nodes, small buffers, or ``NEURON_DIST_ALGO=all_reduce=leader`` (leader)
     local all-reduce -> node leaders (local index 0) exchange and reduce -> local broadcast.
 A rank alone on its node
-    straight to the network exchange.
+    straight to the network exchange (both algorithms come to that).
 
-The network exchange among P ranks (``_exchange_reduce``) is direct (every rank sends its
-buffer to every other and reduces what came in) unless the buffer is large: among 3+
-ranks, buffers of RING_BYTES and more go around a ring (see bench/costmodel.py); between
-two, buffers of HALVES_BYTES and more are exchanged in halves (each rank reduces one half
-and sends it back: half the additions of the direct exchange, the same bytes on the link).
+The network exchange among P ranks (``_exchange_reduce``) is ``direct`` (every rank sends its
+buffer to every other and reduces what came in) unless the buffer is large: by default among
+3+ ranks, buffers of RING_BYTES and more go around a ``ring`` (see bench/costmodel.py);
+between two, buffers of HALVES_BYTES and more are exchanged in ``halves`` (each rank reduces
+one half and sends it back: half the additions of the direct exchange, the same bytes on
+the link).
 Every receiver reduces in node order, so all ranks compute bit-identical results. AVG and
 PREMUL_SUM follow reduce_ops.phase_specs.
 """
@@ -32,8 +34,6 @@ from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs
 from .context import ALIGN_BYTES, Context, flat, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, finish_phases, phase_specs, reduce_into
 
-RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
-HALVES_BYTES = 2 << 20  # network all-reduce between two peers: halves from here, else direct
 
 
 def all_reduce(ctx: Context, out, inp, spec) -> None:
@@ -42,6 +42,9 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     first, later = phase_specs(spec)
     n = inp.numel()
     out, inp = flat(out), flat(inp)
+    layout = ctx.selection.select("all_reduce/nodes", n * inp.element_size(), ctx.size,
+                                  numel=n, even=topo.even)
+    ctx.chose(layout)
     if len(topo.local) == 1:  # alone on this node: straight to the network
         if first.kind == PREMUL_SUM:
             torch.mul(inp, first.factor, out=out)
@@ -49,7 +52,7 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
             out.copy_(inp)
         _exchange_reduce(ctx, out, [node[0] for node in topo.nodes], later)
         ctx.finish()
-    elif topo.even and ctx.net_call.algo != "leader" and n >= ctx.size * 64:
+    elif layout == "hierarchical":
         _hierarchical(ctx, out, inp, first, later)
     else:
         allreduce.all_reduce(ctx, out, inp, first)
@@ -85,11 +88,13 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     others = [p for p in peers if p != me]
     if not others:
         return
-    nbytes = buf.numel() * buf.element_size()
-    if len(peers) >= 3 and nbytes >= RING_BYTES and buf.numel() >= len(peers):
+    algo = ctx.selection.select("all_reduce/network", buf.numel() * buf.element_size(),
+                                len(peers), numel=buf.numel())
+    ctx.chose(algo)
+    if algo == "ring":
         _ring_all_reduce(ctx, buf, peers, spec)
         return
-    if len(peers) == 2 and nbytes >= HALVES_BYTES:
+    if algo == "halves":
         _halves(ctx, buf, peers, spec)
         return
     got = {p: net_call.buffer(f"got{i}", buf.numel(), buf.dtype) for i, p in enumerate(others)}
@@ -123,10 +128,11 @@ def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     got = net_call.buffer("half", mm, buf.dtype)
     arrived = net_call.recv(peer, got)
     sent = net_call.send(peer, buf[ts:ts + tm])
-    net_call.check()  # (halves are large: neither travels inside the descriptor)
+    net_call.check()  # (a small half travels inside the descriptor: check copies it)
     sent.wait(net_call.deadline)
     net_call.recv(peer, buf[ts:ts + tm])
-    arrived.wait(net_call.deadline)
+    if arrived is not None:
+        arrived.wait(net_call.deadline)
     ours = buf[ms:ms + mm]
     reduce_into(ours, [ours, got] if i == 0 else [got, ours], spec, 2, ctx.scratch)
     net_call.send(peer, ours)

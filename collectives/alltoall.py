@@ -9,9 +9,9 @@ i), so all ranks agree on success or on the same error, and on the number of fur
 takes one step. A rank's block for itself is copied directly, outside shared memory.
 
 Single copy for large blocks: when the node's ranks can read each other's memory (CMA, see
-single_copy.py) and there are at most ``single_copy.MAX_ADDRESSES`` ranks, the first step
+single_copy.py) and there are at most ``selection.MAX_ADDRESSES`` ranks, the first step
 also posts the address of every input block. Once the sizes are known (after that step,
-the same on every rank) and the largest block is at least ``single_copy.MIN_BYTES``, each
+the same on every rank) and the largest block is at least ``selection.SINGLE_COPY_BYTES``, each
 rank reads the rest of its blocks (past the piece that came through the slots) straight
 out of the senders' inputs, and a last step keeps everyone until its peers are done
 reading.
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import ctypes
 
-from . import single_copy
 from .context import ALIGN_BYTES, Context, steps_for
 from .descriptor import CollectiveMismatch
+from .selection import MAX_ADDRESSES, SINGLE_COPY_BYTES
 
 
 
@@ -39,7 +39,7 @@ def layout(n: int, slot_bytes: int) -> tuple[int, int]:
 
 def even_block(channel, block: int) -> bool:
     """Is ``block`` bytes to and from every rank served by ``EvenSplit`` (one step)?"""
-    return block <= layout(channel.size, channel.slot_bytes)[1] and block < single_copy.MIN_BYTES
+    return block <= layout(channel.size, channel.slot_bytes)[1] and block < SINGLE_COPY_BYTES
 
 
 def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
@@ -62,7 +62,7 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     words = ctypes.c_int64 * (2 * n)
     # Posting our blocks' addresses costs nothing; whether they are used is decided from
     # the sizes every rank sees after the first step.
-    cma = ctx.channel.cma and 1 < n <= single_copy.MAX_ADDRESSES and not ctx.checked
+    cma = ctx.channel.cma and 1 < n <= MAX_ADDRESSES and not ctx.checked
     while i < steps_for(largest, per):
         o = i * per
         slot = ctx.my_slot().data_ptr()
@@ -83,7 +83,7 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
             m = max(0, min(per, dst.numel() - o))
             if m and k != r:
                 ctypes.memmove(dst_ptr[k] + o, ctx.peer_slot(k).data_ptr() + header + r * per, m)
-        if i == 0 and cma and largest >= single_copy.MIN_BYTES:
+        if i == 0 and cma and largest >= SINGLE_COPY_BYTES:
             _read_rest(ctx, outs, dst_ptr, per)
             return
         i += 1
@@ -104,7 +104,7 @@ def _steps_after_first(ctx: Context, table, n: int, per: int) -> int:
     """Steps ``all_to_all`` takes after its first for the split ``table``, on a rank that
     had nothing left to move after the first (its blocks all fit it)."""
     largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
-    if ctx.channel.cma and 1 < n <= single_copy.MAX_ADDRESSES and largest >= single_copy.MIN_BYTES:
+    if ctx.channel.cma and 1 < n <= MAX_ADDRESSES and largest >= SINGLE_COPY_BYTES:
         return 1  # _read_rest's
     return steps_for(largest, per) - 1
 
@@ -115,6 +115,7 @@ class EvenSplit:
     every rank's must equal (``expect``) unless the splits are uneven elsewhere."""
 
     __slots__ = ("block", "header", "per", "addr", "words", "expect")
+    ALGORITHM = None  # (all_to_all decides single copy after its first step: no table)
 
     def __init__(self, channel, block: int):
         n = channel.size

@@ -34,6 +34,7 @@ class OneSlot:
     most one slot): ``views[p]`` is the root's slot of step parity ``p`` viewed like them."""
 
     __slots__ = ("views", "root")
+    ALGORITHM = None  # (broadcast has one algorithm inside a node: no selection table)
 
     def __init__(self, channel, like, root: int):
         self.root = root

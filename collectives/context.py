@@ -32,28 +32,31 @@ class Context:
     deadline : float
         ``time.monotonic()`` value after which waits raise PeerTimeout.
     scratch : Scratch
-    small_bytes : int
-        Messages up to this size take single-step algorithms.
+    selection : selection.Selection
+        The group's selection tables (which algorithm runs: ``select``).
     plans : Plans
         The group's prepared single-step plans.
+    record : flight_recorder.Record or None
+        The call's flight-recorder record: ``chose`` names the algorithm in it.
 
     In a group that spans nodes, ``channel`` joins this node's ranks only (``rank`` and
     ``size`` are local) and ``net_call`` carries the network part (net.py, used by the
     ``*_net.py`` algorithms).
     """
 
-    __slots__ = ("channel", "call", "seq", "deadline", "scratch", "small_bytes", "plans",
-                 "_checked", "rank", "size", "net_call")
+    __slots__ = ("channel", "call", "seq", "deadline", "scratch", "selection", "plans",
+                 "record", "_checked", "rank", "size", "net_call")
 
     def __init__(self, channel, call: Call, seq: int, deadline: float, scratch: Scratch,
-                 small_bytes: int, plans: "Plans"):
+                 selection, plans: "Plans", record=None):
         self.channel = channel
         self.call = call
         self.seq = seq
         self.deadline = deadline
         self.scratch = scratch
-        self.small_bytes = small_bytes
+        self.selection = selection
         self.plans = plans
+        self.record = record
         self.rank = channel.rank
         self.size = channel.size
         self._checked = False
@@ -75,6 +78,13 @@ class Context:
         for k in range(self.size):
             if k != self.rank and channel.peer_descriptor(k, seq, NWORDS + 1) != mine:
                 check_all_match(channel, self.call, seq, epoch)  # raises
+
+    def chose(self, algorithm: str) -> None:
+        """Name the algorithm chosen in the call's record (flight recorder, TRACE log); the
+        phases of a call across nodes add theirs (``hierarchical+ring``)."""
+        rec = self.record
+        if rec is not None:
+            rec.algo = algorithm if rec.algo is None else f"{rec.algo}+{algorithm}"
 
     def begin(self, call: Call, seq: int, deadline: float) -> None:
         """Make this context describe a new call (a driver running one call at a time may

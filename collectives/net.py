@@ -49,18 +49,14 @@ class NetCall:
         This rank's call and its sequence number in the group.
     deadline : float
         ``time.monotonic()`` value after which waits raise ``PeerTimeout``.
-    algo : str
-        ``NEURON_DIST_ALGO``: ``"leader"`` makes all_reduce, all_gather and reduce_scatter
-        take their leader algorithms on nodes of equal size too.
     scratch : dict, optional
         The group's pool of buffers, kept across calls (see ``buffer``).
     """
 
     def __init__(self, net, topo, call: Call, seq: int, deadline: float,
-                 algo: str = "auto", scratch: dict | None = None):
+                 scratch: dict | None = None):
         self.net, self.topo, self.call, self.seq = net, topo, call, seq
         self._scratch = {} if scratch is None else scratch  # the group's, across calls
-        self.algo = algo
         self.deadline = deadline
         self._told: set = set()  # peers that got our descriptor in this call
         self._heard: dict = {}  # peer -> (descriptor box, request, data dest or None)

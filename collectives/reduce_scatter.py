@@ -1,6 +1,8 @@
-"""Reduce-scatter (also uneven) over a step channel.
+"""Reduce-scatter (also uneven) over a step channel. Which algorithm runs: the
+``reduce_scatter`` table of selection.py (single copy, single_copy.py, for blocks from 1 MiB
+when the node's ranks can read each other's memory, else slots).
 
-The slot is cut into N equal blocks, one per destination rank. Each step, every rank
+``slots``: the slot is cut into N equal blocks, one per destination rank. Each step, every rank
 stages the next piece of its input for destination k into block k; after the step rank r
 reduces block r of all N slots (in rank order) into its output. Each input element is
 read once by its owner, so the work is spread evenly, and there is one synchronisation per
@@ -25,6 +27,12 @@ def block_elements(channel, element_size: int) -> int:
     return (channel.slot_bytes // channel.size) // ALIGN_BYTES * ALIGN_BYTES // element_size
 
 
+def choose(selection, channel, nbytes: int, inputs: int, first: bool = True) -> str:
+    """The ``reduce_scatter`` table's algorithm for blocks of at most ``nbytes``."""
+    return selection.select("reduce_scatter", nbytes, channel.size, cma=channel.cma,
+                            first=first, addresses=inputs)
+
+
 def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     """``out`` (rank r's result) = reduction over ranks of their ``inputs[r]``; typed, flat."""
     dtype = out.dtype
@@ -32,7 +40,9 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     n = ctx.size
     per = block_elements(ctx.channel, es)
     sizes = [t.numel() for t in inputs]
-    if single_copy.worth_it(ctx, max(sizes) * es, len(inputs)):
+    algo = choose(ctx.selection, ctx.channel, max(sizes) * es, len(inputs), not ctx.checked)
+    ctx.chose(algo)
+    if algo == "single_copy":
         single_copy.reduce_scatter(ctx, out, inputs, spec)
         return
     count = out.numel()
@@ -62,6 +72,7 @@ class OneStep:
     ``p``, ``views[p]`` block r (ours) of every rank's slot of that parity."""
 
     __slots__ = ("mine", "views", "stride", "nbytes")
+    ALGORITHM = "slots"
 
     def __init__(self, channel, dtype, count: int):
         es = dtype.itemsize

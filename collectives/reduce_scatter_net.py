@@ -4,9 +4,10 @@ How it works
 ------------
 Local phases run reduce_scatter.py's, rooted.py's and broadcast.py's algorithms over the
 node's step channel (``ctx``: ranks are local indices); network phases go through
-``ctx.net_call`` (net.py, addressed by group rank).
+``ctx.net_call`` (net.py, addressed by group rank). Which algorithm runs: the ``reduce_scatter/nodes`` table of
+selection.py.
 
-Nodes of equal size (columns)
+Nodes of equal size (``columns``)
     local rank j of every node forms column j, which owns the blocks of the ranks (b, j)
     on every node b. Per node b, a local reduce-scatter of this node's contributions to
     node b's blocks (local rank j gets the node's partial sum of block (b, j)) -> each
@@ -14,7 +15,7 @@ Nodes of equal size (columns)
     the partials of its own block they send back, in node order. Only each block's share
     crosses the network, once per other node (gloo runs a whole all-reduce), and every
     local rank drives its own part of it.
-Uneven nodes, or ``NEURON_DIST_ALGO=leader`` (leader)
+Uneven nodes, or ``NEURON_DIST_ALGO=reduce_scatter=leader`` (``leader``)
     local reduce to the leader -> leaders exchange each node's share -> local broadcast.
 
 Every receiver reduces in node order, so all ranks compute bit-identical results. AVG and
@@ -34,7 +35,10 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     """``out`` = reduction over all ranks of their ``inputs[rank]`` (flat typed)."""
     net_call = ctx.net_call
     topo = net_call.topo
-    if topo.even and net_call.algo != "leader":
+    layout = ctx.selection.select("reduce_scatter/nodes", max(t.numel() for t in inputs) * out.element_size(), ctx.size,
+                                  even=topo.even)
+    ctx.chose(layout)
+    if layout == "columns":
         _columns_reduce_scatter(ctx, out, inputs, spec)
         return
     first, later = phase_specs(spec)

@@ -19,7 +19,8 @@ Every algorithm here has the same shape:
   their owner is not writing at that moment, so the in-place form is safe.
 
 Reductions run in rank order, like the slot algorithms, so results do not depend on the
-path. Used when the node's ranks agreed CMA works and the message is large (``worth_it``).
+path. Used when the node's ranks agreed CMA works and the message is large: selection.py
+(``SINGLE_COPY_BYTES``; at most ``MAX_ADDRESSES`` addresses fit a call descriptor).
 """
 
 from __future__ import annotations
@@ -27,19 +28,7 @@ from __future__ import annotations
 from .context import ALIGN_BYTES, Context, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, reduce_into
 
-# Below this the slot algorithms cost less: process_vm_readv pins the peer's pages one by
-# one and copied 1.3-2 GB/s here, against 4-12 GB/s for memmove through a cache-resident
-# slot; at 512 KiB blocks the slot path was 1.2-1.8x faster (reduce_scatter, all_reduce),
-# from 2 MiB on single copy is as fast or faster.
-MIN_BYTES = 1 << 20
 CHUNK_BYTES = 256 << 10  # reduce this much at a time: the peers' chunks stay in cache
-MAX_ADDRESSES = 8  # spare words in a call descriptor
-
-
-def worth_it(ctx: Context, nbytes: int, addresses: int = 1) -> bool:
-    """Use these algorithms for ``nbytes`` (the largest per-rank block)?"""
-    return (ctx.channel.cma and ctx.size > 1 and nbytes >= MIN_BYTES
-            and addresses <= MAX_ADDRESSES and not ctx.checked)
 
 
 def _publish(ctx: Context, addresses) -> list:

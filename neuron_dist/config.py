@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .collectives.selection import parse_overrides
+
 PREFIX = "NEURON_DIST_"
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
 
@@ -68,7 +70,7 @@ class Settings:
     net_mac: bool = False
     net_link_timeout: float = 10.0
     net_max_unexpected_bytes: int = 512 << 20
-    algo: str = "auto"
+    algo: tuple = ()  # NEURON_DIST_ALGO: selection.Override rows, in front of the tables
     transport: str = "rdm"
 
     @classmethod
@@ -100,7 +102,7 @@ class Settings:
             net_link_timeout=float(_env("NEURON_DIST_NET_LINK_TIMEOUT", "10", env)),
             net_max_unexpected_bytes=parse_bytes(
                 _env("NEURON_DIST_NET_MAX_UNEXPECTED_BYTES", "512M", env)),
-            algo=_env("NEURON_DIST_ALGO", "auto", env).lower(),
+            algo=parse_overrides(_env("NEURON_DIST_ALGO", "auto", env), parse_bytes),
             transport=_env("NEURON_DIST_TRANSPORT", "rdm", env).lower(),
         )
         settings._check()
@@ -111,9 +113,6 @@ class Settings:
             raise ValueError(f"NEURON_DIST_TRANSPORT must be rdm or mpi, got {self.transport!r}")
         if not 1 <= self.rails <= 64:
             raise ValueError(f"NEURON_DIST_RAILS must be 1..64, got {self.rails}")
-        if self.algo not in ("auto", "hierarchical", "leader"):
-            raise ValueError(f"NEURON_DIST_ALGO must be auto, hierarchical or leader, got "
-                             f"{self.algo!r}")
         for name in ("slot_bytes", "mailbox_bytes"):
             value = getattr(self, name)
             if value < 4096 or value % 4096:

@@ -26,7 +26,7 @@ from collections import deque
 
 from . import stats
 from .errors import GroupAbortedError
-from .flight_recorder import recorder
+from .flight_recorder import Record, recorder
 
 log = logging.getLogger("neuron_dist")
 from .transport.shm.backoff import set_background_thread
@@ -60,9 +60,11 @@ class CollectiveEngine:
         self.broken = None
 
     def submit(self, fn, work, async_op: bool, name: str, call=None, nbytes: int = 0) -> None:
-        """Issue ``fn(seq)`` as the group's next collective, completing ``work``.
+        """Issue ``fn(seq, rec)`` as the group's next collective, completing ``work``.
 
-        ``call`` (its descriptor) goes into the flight recorder, ``nbytes`` into the stats.
+        ``call`` (its descriptor) goes into the flight recorder, ``nbytes`` into the stats;
+        ``rec`` is the call's flight-recorder record (or None), where ``fn`` names the
+        algorithm it chose (``Context.chose``).
         """
         if not async_op and self.run_now(fn, work, name, call, nbytes):
             return
@@ -81,10 +83,11 @@ class CollectiveEngine:
                 self._thread.start()
             self._cv.notify_all()
 
-    def run_now(self, fn, work, name: str, call=None, nbytes: int = 0) -> bool:
-        """Run ``fn(seq)`` as the group's next collective now, in the caller's thread, if
-        the engine is idle (nothing queued or running, not stopped): True once ``work`` is
-        complete; False, with nothing done, otherwise."""
+    def run_now(self, fn, work, name: str, call=None, nbytes: int = 0, algo=None) -> bool:
+        """Run ``fn(seq, rec)`` as the group's next collective now, in the caller's thread,
+        if the engine is idle (nothing queued or running, not stopped): True once ``work``
+        is complete; False, with nothing done, otherwise. ``algo``: the algorithm, when the
+        caller knows it already (the express lane's plans)."""
         with self._mutex:
             if self._busy or self._queue or self._stopped:
                 return False
@@ -94,8 +97,9 @@ class CollectiveEngine:
         started = time.monotonic()
         try:
             work.what = (name, seq, self.label)  # (formatted only if read)
-            rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True)
-            self._execute((fn, work, seq, rec), inline=True)
+            rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True,
+                                 algo)
+            self._execute(fn, work, seq, rec, True)  # (positional: on the small path)
         finally:
             with self._mutex:
                 self._busy = False
@@ -119,16 +123,15 @@ class CollectiveEngine:
     def _run_busy(self, task) -> None:
         """Execute ``task`` (the caller has set busy), then let the next one start."""
         try:
-            self._execute(task)
+            self._execute(*task)
         finally:
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _execute(self, task, inline: bool = False) -> None:
-        """Run ``task``. ``inline`` (``run_now``): its record was issued running, and its
-        work has not been returned to anyone yet."""
-        fn, work, seq, rec = task
+    def _execute(self, fn, work, seq: int, rec, inline: bool = False) -> None:
+        """Run a task (``fn``, ``work``, ``seq``, ``rec``). ``inline`` (``run_now``): its
+        record was issued running, and its work has not been returned to anyone yet."""
         if self.broken is not None:
             error = GroupAbortedError(
                 f"{work.what}: the group is unusable after an earlier failure: {self.broken}")
@@ -140,17 +143,20 @@ class CollectiveEngine:
             rec.start()
         trace = log.isEnabledFor(logging.DEBUG)
         if trace:
-            log.debug("neuron: start %s%s", work.what, f" {rec.call.describe()}" if rec and rec.call else "")
+            if rec is None:  # (flight recorder off: a record of its own, for the algorithm)
+                rec = Record(self.group_name, self.rank, self.size, seq, "", None, True)
+            log.debug("neuron: start %s%s", work.what, f" {rec.call.describe()}" if rec.call else "")
             started = time.monotonic()
         try:
-            fn(seq)  # algorithms touch only detached tensors: no autograd involved
+            fn(seq, rec)  # algorithms touch only detached tensors: no autograd involved
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
             self.fail(exc, work, rec)
         else:
             if rec is not None:
                 rec.finish()
             if trace:
-                log.debug("neuron: done  %s in %.1f us", work.what, (time.monotonic() - started) * 1e6)
+                log.debug("neuron: done  %s in %.1f us, algorithm %s", work.what,
+                          (time.monotonic() - started) * 1e6, rec.algo or "-")
             if inline:
                 work._complete_unseen()
             else:
@@ -180,7 +186,7 @@ class CollectiveEngine:
             if task is None:
                 raise RuntimeError(f"{work.what} is waited on from its own engine thread "
                                    "but is not queued")
-            self._execute(task)
+            self._execute(*task)
 
     def stop(self, error=None, join_timeout: float = 5.0) -> None:
         """Fail queued tasks with ``error`` (or a 'destroyed' error) and end the thread."""

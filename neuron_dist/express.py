@@ -14,9 +14,12 @@ caller's thread run the same code, so ranks may take either path for the same ca
 
 A call goes to ``CollectiveEngine.run_now``, which runs it in the caller's thread if the
 engine is idle (issue order is kept), with the same flight-recorder, stats and error
-handling as every collective. Anything unusual takes the general path: async_op, the
-profiler on, PREMUL_SUM (its factor changes per call), a non-contiguous or large tensor,
-uneven splits, a group that spans nodes, or an engine with work queued.
+handling as every collective; the record names the plan's algorithm (its constant
+``ALGORITHM``). The lane serves a call only where the selection tables
+(collectives/selection.py) pick the algorithm whose plan it holds. Anything unusual takes
+the general path: async_op, the profiler on, PREMUL_SUM (its factor changes per call), a
+non-contiguous or large tensor, uneven splits, a group that spans nodes, or an engine with
+work queued.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import profiler as _profiler
 
-from .collectives import allgather, allreduce, alltoall, broadcast, reduce_scatter, single_copy
+from .collectives import allgather, allreduce, alltoall, broadcast, reduce_scatter
 from .collectives.context import Context
 from .collectives.descriptor import DTYPE_CODES, Call
 from .collectives.reduce_ops import check_supported
@@ -41,12 +44,13 @@ _MISSING = object()
 
 class _Entry:
     """What a repeated call needs: its name, checked descriptor, reduction, byte count for
-    the stats, and the algorithm's plan."""
+    the stats, and the algorithm's plan (whose ``ALGORITHM`` the flight recorder names)."""
 
-    __slots__ = ("name", "call", "spec", "nbytes", "plan", "work")
+    __slots__ = ("name", "call", "spec", "nbytes", "plan", "algo", "work")
 
     def __init__(self, name: str, call: Call, nbytes: int, plan, spec=None):
         self.name, self.call, self.nbytes, self.plan, self.spec = name, call, nbytes, plan, spec
+        self.algo = plan.ALGORITHM
         # The last call's Work, reused by the next call if nothing else can reach it: c10d
         # waits on a synchronous call's Work and drops it, so unless the caller kept it
         # (``work = dist.all_reduce(...)``) or made a future from it, this attribute is its
@@ -62,16 +66,17 @@ class ExpressLane:
     having done nothing, if the call must take the general path.
     """
 
-    def __init__(self, channel, engine, scratch, plans, settings, reduce_spec):
+    def __init__(self, channel, engine, scratch, plans, selection, reduce_spec):
         self._channel = channel
         self._engine = engine
         self._scratch = scratch
         self._plans = plans
-        self._small = settings.small_bytes
+        self._selection = selection
+        self._small = selection.small_bytes
         self._reduce_spec = reduce_spec
         self._entries: dict = {}
         # One Context for every call of the lane: the engine runs one call at a time
-        self._ctx = Context(channel, None, 0, 0.0, scratch, settings.small_bytes, plans)
+        self._ctx = Context(channel, None, 0, 0.0, scratch, selection, plans)
 
     # ------------------------------------------------------------ entries
     def _remember(self, key, entry):
@@ -98,7 +103,9 @@ class ExpressLane:
 
     def _all_reduce_entry(self, t, op):
         channel, n = self._channel, t.numel() * t.element_size()
-        if not (self._fits(t, n) and allreduce.fits_one_slot(channel, n, self._small)):
+        # the general path's choice (selection.py), served when it is its one-slot plan
+        if not (self._fits(t, channel.slot_bytes) and allreduce.choose(
+                self._selection, channel, t.numel(), t.element_size()) == "one_step"):
             return None
         spec = self._spec(op, t.dtype)
         if spec is None:
@@ -117,10 +124,10 @@ class ExpressLane:
 
     def _all_gather_entry(self, out, inp):
         channel = self._channel
-        # (below single_copy.MIN_BYTES the general path takes this plan too)
-        limit = min(self._small, channel.slot_bytes, single_copy.MIN_BYTES - 1)
+        nbytes = inp.numel() * inp.element_size()
         if not (out.dtype == inp.dtype and out.numel() == inp.numel() * channel.size
-                and self._fits(inp, limit)):
+                and self._fits(inp, min(self._small, channel.slot_bytes))
+                and allgather.choose(self._selection, channel, nbytes) == "slots"):
             return None
         return _Entry("all_gather_into_tensor", Call("all_gather", inp.dtype, out.numel()),
                       inp.numel() * inp.element_size(),
@@ -131,8 +138,8 @@ class ExpressLane:
         es = out.element_size()
         if not (out.dtype == inp.dtype and out.dim() == 1 and inp.numel() == out.numel() * n
                 and out.numel() <= reduce_scatter.block_elements(channel, es)
-                and out.numel() * es < single_copy.MIN_BYTES  # (one step on the general path)
-                and self._fits(inp, channel.slot_bytes)):
+                and self._fits(inp, channel.slot_bytes)
+                and reduce_scatter.choose(self._selection, channel, out.numel() * es, n) == "slots"):
             return None
         spec = self._spec(op, out.dtype)
         if spec is None:
@@ -246,11 +253,12 @@ class ExpressLane:
             work = entry.work = NeuronWork(outputs, entry.name)
         ctx, call, plan_run = self._ctx, entry.call, entry.plan.run
 
-        def run(seq: int) -> None:
+        def run(seq: int, rec) -> None:
             ctx.begin(call, seq, time.monotonic() + seconds)
             plan_run(ctx, *args)
 
-        return work if self._engine.run_now(run, work, entry.name, call, entry.nbytes) else None
+        return (work if self._engine.run_now(run, work, entry.name, call, entry.nbytes, entry.algo)
+                else None)
 
 
 def _flat(t):

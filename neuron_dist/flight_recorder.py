@@ -1,7 +1,8 @@
 """Flight recorder: the last collectives of this process, dumped when something goes wrong.
 
 Every collective a group issues gets a ``Record`` (group, sequence number, op, call
-descriptor, state, timestamps, error) in a bounded ring (``NEURON_DIST_FR_SIZE`` entries,
+descriptor, the algorithm chosen (``algo``, from collectives/selection.py's tables; across
+nodes its phases joined by ``+``), state, timestamps, error) in a bounded ring (``NEURON_DIST_FR_SIZE`` entries,
 default 2000, 0 disables). The ring is written as JSON to
 ``$NEURON_DIST_FR_DIR/neuron-fr-rank<rank>-pid<pid>.json`` when a collective fails with a
 timeout, a dead peer or an abort, and on SIGUSR1 (if the program has not installed its own
@@ -30,12 +31,13 @@ QUEUED, RUNNING, COMPLETED, FAILED = "queued", "running", "completed", "failed"
 
 
 class Record:
-    __slots__ = ("group", "rank", "size", "seq", "op", "call", "state", "t_issue", "t_start",
-                 "t_end", "error")
+    __slots__ = ("group", "rank", "size", "seq", "op", "call", "algo", "state", "t_issue",
+                 "t_start", "t_end", "error")
 
-    def __init__(self, group, rank, size, seq, op, call, running: bool = False):
+    def __init__(self, group, rank, size, seq, op, call, running: bool = False, algo=None):
         self.group, self.rank, self.size = group, rank, size
         self.seq, self.op, self.call = seq, op, call
+        self.algo = algo
         self.state = RUNNING if running else QUEUED
         self.t_issue = time.time()
         self.t_start = self.t_issue if running else None
@@ -59,7 +61,7 @@ class Record:
             "op": self.op, "call": call.describe() if call is not None else self.op,
             "dtype": str(call.dtype).replace("torch.", "") if call is not None and call.dtype else None,
             "count": call.count if call is not None else None,
-            "root": call.root if call is not None else None,
+            "root": call.root if call is not None else None, "algo": self.algo,
             "state": self.state, "t_issue": self.t_issue, "t_start": self.t_start,
             "t_end": self.t_end, "error": self.error,
         }
@@ -75,11 +77,12 @@ class FlightRecorder:
         self.dumps = 0
 
     def issue(self, group: str, rank: int, size: int, seq: int, op: str, call,
-              running: bool = False) -> Record | None:
-        """Record a collective issued now (``running``: and started at once)."""
+              running: bool = False, algo=None) -> Record | None:
+        """Record a collective issued now (``running``: and started at once; ``algo``: the
+        algorithm, if known yet)."""
         if not self.size:
             return None
-        rec = Record(group, rank, size, seq, op, call, running)
+        rec = Record(group, rank, size, seq, op, call, running, algo)
         self._ring.append(rec)
         return rec
 

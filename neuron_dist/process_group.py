@@ -25,6 +25,7 @@ from .collectives import (allgather, allgather_net, allreduce, allreduce_net, al
                           reduce_scatter, reduce_scatter_net, rooted, rooted_net)
 from .collectives.context import Context, Plans
 from .collectives.net import NetCall
+from .collectives.selection import Selection
 from .collectives.descriptor import Call, CollectiveMismatch, digest
 from .collectives.p2p import P2PError
 from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
@@ -117,13 +118,16 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._algos = FLAT if self._net is None else ACROSS_NODES
         self._scratch = Scratch()
         self._plans = Plans()  # single-step plans, shared with the express lane
+        # which algorithm runs (collectives/selection.py), with NEURON_DIST_ALGO's overrides
+        self._selection = Selection(self.settings.small_bytes, self.settings.slot_bytes,
+                                    self.settings.algo)
         self._calls = {}
         self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size)
         install_signal_handler()
         self._p2p = PointToPoint(rank, size, self._channel, self._net, self._label,
                                  self._on_error, lambda: self._timeout_s, self._timeout_text)
         self._express = None if self._net is not None else ExpressLane(
-            self._channel, self._engine, self._scratch, self._plans, self.settings, reduce_spec)
+            self._channel, self._engine, self._scratch, self._plans, self._selection, reduce_spec)
         self._closed = False
         log.info("neuron: group rank %d/%d ready on node %r: shared memory %.1f MiB reserved "
                  "(slot %d KiB x2 per rank; %d KiB per send/recv pair on first use), one-step "
@@ -234,18 +238,15 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _submit_now(self, name: str, call: Call, algo, outputs, opts, nbytes: int, flats=()):
         seconds = self._deadline_seconds(opts)
         work = NeuronWork(outputs, name)
-        channel, scratch, small = self._channel, self._scratch, self.settings.small_bytes
+        channel, scratch, selection = self._channel, self._scratch, self._selection
+        net, topo, plans = self._net, self._topo, self._plans
 
-        net, topo, algo_name = self._net, self._topo, self.settings.algo
-
-        plans = self._plans
-
-        def run(seq: int) -> None:
+        def run(seq: int, rec) -> None:
             deadline = time.monotonic() + seconds
-            ctx = Context(channel, call, seq, deadline, scratch, small, plans)
+            ctx = Context(channel, call, seq, deadline, scratch, selection, plans, rec)
             if net is not None:
-                ctx.net_call = NetCall(net, topo, call, seq, deadline, algo_name,
-                                       self._net_call_scratch)
+                ctx.net_call = NetCall(net, topo, call, seq, deadline,
+                                       scratch=self._net_call_scratch)
             algo(ctx)
             for f in flats:
                 f.finish()

@@ -1,7 +1,9 @@
 """Set-up of a group through the c10d store: who shares a node, shared memory, network rails.
 
-1. Every rank publishes its node identity (topology.node_identity) and its CPU
-   architecture; ranks with equal identities form a node (topology.Topology).
+1. Every rank publishes its node identity (topology.node_identity), its CPU
+   architecture and the settings that choose algorithms (``selection_settings``: ranks
+   choosing differently would compute garbage, so a difference fails every rank, naming
+   it); ranks with equal identities form a node (topology.Topology).
    A node of several ranks on a CPU that is not x86-64 is refused on every rank (the
    shared-memory protocol relies on x86-64's store ordering: transport/shm/ordering.py).
 2. Per node, the node's first rank sweeps leftover segments of dead jobs, creates the
@@ -80,7 +82,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     auth = StoreAuth(store, job_key, f"group of {size}", rank)
     gen = (store.add("neuron/generation", 1) - 1) // size
     key = f"neuron/{gen}"
-    mine = [node_identity(settings), machine()]
+    mine = [node_identity(settings), machine(), selection_settings(settings)]
     if auth.enabled:
         mine.append(secrets.token_hex(16))  # freshness: the session binds every rank's
     auth.set(f"{key}/node/{rank}", json.dumps(mine))
@@ -91,7 +93,9 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
                                  f"{rank}) came back changed: someone else writes the store")
         auth.bind(hashlib.sha256(b"".join(len(r).to_bytes(4, "big") + r
                                           for r in raws)).digest())
-    nodes = [json.loads(r)[:2] for r in raws]
+    nodes = [json.loads(r)[:3] for r in raws]
+    check_same_selection(rank, [choice for _, _, choice in nodes])
+    nodes = [node[:2] for node in nodes]
     topo = Topology.from_names(rank, [name for name, _ in nodes])
     check_memory_model(topo, [arch for _, arch in nodes])
     local = topo.local
@@ -113,6 +117,24 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
              "MPI" if settings.transport == "mpi" else f"{settings.rails} rail(s) per peer",
              net.address)
     return GroupLinks(channel, topo, net, key, auth)
+
+
+def selection_settings(settings) -> str:
+    """The settings every rank must share because they choose algorithms
+    (collectives/selection.py), as text."""
+    algo = ",".join(f"{o.table}:{o.lo}-{'' if o.hi is None else o.hi}={o.algorithm}"
+                    for o in settings.algo) or "auto"
+    return (f"NEURON_DIST_ALGO={algo} NEURON_DIST_SMALL_BYTES={settings.small_bytes} "
+            f"NEURON_DIST_SHM_SLOT_BYTES={settings.slot_bytes}")
+
+
+def check_same_selection(rank: int, choices: list) -> None:
+    """Fail (every rank alike) if the ranks' ``selection_settings`` differ."""
+    if len(set(choices)) > 1:
+        raise ValueError(
+            f"neuron: rank {rank}: the ranks of a group must share the settings that choose "
+            f"algorithms; rank 0 has {choices[0]!r}, "
+            + ", ".join(f"rank {k} {c!r}" for k, c in enumerate(choices) if c != choices[0]))
 
 
 def forget_group(store, key: str, topo: Topology) -> None:

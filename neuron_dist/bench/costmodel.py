@@ -56,10 +56,12 @@ Models (n = bytes per rank, N nodes, L ranks per node, P = N L; x_L = n / L)
                   network, 2(P-1) alpha_net + 2(P-1)/P n beta_net + (P-1)/P n gamma. Ranks
                   in node order, so one ring edge leaves each node: the node link carries
                   n/P per step, like every rank.
-    neuron        what allreduce_net.all_reduce runs (``neuron_choice``), from the code's own
-                  thresholds (imported, not copied): leader below 64 L elements, else
-                  hierarchical; among the nodes, a ring from allreduce_net.RING_BYTES per slice
-                  (3+ nodes), halves from allreduce_net.HALVES_BYTES (2 nodes), else direct.
+    neuron        what allreduce_net.all_reduce runs (``neuron_choice``), asked of the code's
+                  own selection tables (collectives/selection.py: ``all_reduce/nodes``,
+                  ``all_reduce/network``; by default leader below 64 L elements, else
+                  hierarchical; among the nodes, a ring from RING_BYTES per slice (3+
+                  nodes), halves from HALVES_BYTES (2 nodes), else direct). The local
+                  phases follow the ``all_reduce`` table the same way.
     A network phase costs  lat + (messages the rank sends) x alpha_net
                          + max(bytes of the rank x beta_rank, bytes of its node x beta_link)
     (one direction; a direct exchange is one phase with 2(N-1) messages: a call descriptor
@@ -124,7 +126,8 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from ..collectives.context import ALIGN_BYTES
-from ..collectives.allreduce_net import HALVES_BYTES, RING_BYTES
+from ..collectives.selection import (DEFAULT, HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
+                                     RING_BYTES, Selection)
 from ..collectives.net import PIGGYBACK_BYTES
 from ..config import Settings
 from .sweep import human_size, parse_size
@@ -133,11 +136,9 @@ from .sweep import human_size, parse_size
 _DEFAULTS = Settings.from_env({})
 SLOT_BYTES = _DEFAULTS.slot_bytes        # NEURON_DIST_SHM_SLOT_BYTES
 SMALL_BYTES = _DEFAULTS.small_bytes      # NEURON_DIST_SMALL_BYTES
-# allreduce_net.all_reduce runs the hierarchical algorithm when numel >= 64 x (ranks on
-# the node), else leader. That 64 is a literal inside allreduce_net.all_reduce, not a name
-# this module can import; tests/tools/test_costmodel.py runs allreduce_net.all_reduce's own selection on
-# a range of sizes and checks that ``neuron_choice`` picks the same, so the two cannot drift.
-HIER_MIN_ELEMS_PER_RANK = 64
+# Which algorithm the code runs is asked of its selection tables (collectives/selection.py),
+# never restated here; tests/tools/test_costmodel.py runs the code's own all_reduce on a
+# grid of sizes and layouts and checks that ``neuron_choice`` names what it ran.
 ELEM = 4                      # float32, as benchmarked
 MEM_FLAG_BYTES = 64 << 30     # '!' when direct-exchange receive buffers pass this per node
 
@@ -366,11 +367,18 @@ def reduce_work(k: int, m: float) -> Work:
 
 # Local phases, counted from collectives/*.py (one rank; the largest slice where uneven).
 
+def _selection(slot: int, small: int) -> Selection:
+    if slot == SLOT_BYTES and small == SMALL_BYTES:
+        return DEFAULT
+    return Selection(small, slot)
+
+
 def allreduce_work(n: int, L: int, slot: int = SLOT_BYTES, small: int = SMALL_BYTES) -> Work:
-    if n <= small and n <= slot:                    # _fits_one_slot
-        return Work(1, n) + reduce_work(L, n)
-    if L == 1:                                      # _one_step: stage, step, copy per chunk
-        return Work(_ceil(n, slot), 2 * n)
+    """What the ``all_reduce`` table picks (single copy is not modelled: as without CMA)."""
+    algo = _selection(slot, small).select("all_reduce", n, L, numel=n // ELEM,
+                                          block=-(-(n // ELEM) // L) * ELEM, cma=False)
+    if algo == "one_step":   # stage, step, reduce L slots: once, or per slot-sized chunk
+        return Work(_ceil(n, slot), n) + reduce_work(L, n)
     k = _ceil(n, slot)                              # _two_step, per chunk c:
     # stage the L-1 slices peers reduce, step, reduce mine from L slots, step, copy all out
     return Work(2 * k, n * (L - 1) / L + n) + reduce_work(L, n / L)
@@ -409,15 +417,11 @@ def net_phase(x: float, peers: int, sharers: int, m: Machine, msgs: int | None =
     return net.lat + msgs * net.alpha + t_bytes
 
 
-def exchange_choice(x: float, N: int) -> str:
-    """What ``allreduce_net._exchange_reduce`` runs for x bytes (float32) among N ranks: a ring
-    among 3+ ranks from RING_BYTES, halves (a two-rank ring) between two from HALVES_BYTES,
-    else the direct exchange."""
-    if N >= 3 and x >= RING_BYTES and x // ELEM >= N:
-        return "ring"
-    if N == 2 and x >= HALVES_BYTES:
-        return "halves"
-    return "direct"
+def exchange_choice(x: float, N: int, selection: Selection = DEFAULT) -> str:
+    """What ``allreduce_net._exchange_reduce`` runs for x bytes (float32) among N ranks: the
+    ``all_reduce/network`` table's choice (ring, halves: a two-rank ring, or direct)."""
+    x = int(x)
+    return selection.select("all_reduce/network", x, N, numel=x // ELEM)
 
 
 def exchange_reduce(x: float, N: int, sharers: int, m: Machine) -> float:
@@ -522,17 +526,35 @@ MODELS = {"hier+direct": t_hier_direct, "hier+ring": t_hier_ring, "leader": t_le
           "flat ring": t_flat_ring}
 
 
-def neuron_choice(n: int, N: int, L: int) -> str:
-    """What allreduce_net.all_reduce runs for n bytes (float32) on N equal nodes of L ranks with
-    NEURON_DIST_ALGO=auto, named as in ``MODELS`` (or "single-node"): leader below 64 L
-    elements, else hierarchical, whose exchange among the nodes (of rank 0's slice) is
-    ``exchange_choice``'s (halves between two nodes cost as a two-rank ring)."""
+def neuron_choice(n: int, N: int, L: int, selection: Selection = DEFAULT) -> str:
+    """What allreduce_net.all_reduce runs for n bytes (float32) on N equal nodes of L ranks
+    with ``selection`` (default: NEURON_DIST_ALGO=auto), named as in ``MODELS`` (or
+    "single-node"): the ``all_reduce/nodes`` table's layout; a rank alone on its node
+    exchanges the whole buffer, else (hierarchical) rank 0's slice, with the
+    ``all_reduce/network`` table's exchange (halves between two nodes cost as a two-rank
+    ring)."""
     if N <= 1:
         return "single-node"
-    if L > 1 and n // ELEM < HIER_MIN_ELEMS_PER_RANK * L:
+    layout = selection.select("all_reduce/nodes", n, L, numel=n // ELEM, even=True)
+    if L > 1 and layout == "leader":
         return "leader"
     x = n if L == 1 else slice_bytes(n, L)
-    return "hier+direct" if exchange_choice(x, N) == "direct" else "hier+ring"
+    return "hier+direct" if exchange_choice(x, N, selection) == "direct" else "hier+ring"
+
+
+def code_ring_from(N: int, L: int, selection: Selection = DEFAULT, hi: int = 1 << 40) -> int | None:
+    """Smallest size (bytes, float32) from which ``neuron_choice`` runs a ring (or halves)
+    among the N nodes, found by asking the tables (None: not up to ``hi``)."""
+    lo_el, hi_el = 1, hi // ELEM
+    if neuron_choice(hi_el * ELEM, N, L, selection) != "hier+ring":
+        return None
+    while lo_el < hi_el:  # the choice grows leader -> direct -> ring with the size
+        mid = (lo_el + hi_el) // 2
+        if neuron_choice(mid * ELEM, N, L, selection) == "hier+ring":
+            hi_el = mid
+        else:
+            lo_el = mid + 1
+    return lo_el * ELEM
 
 
 def predict(n: int, N: int, L: int, m: Machine) -> dict:
@@ -764,10 +786,10 @@ def _header(r: _Run) -> None:
                     "slot_bytes": SLOT_BYTES, "small_bytes": SMALL_BYTES,
                     "dtype": "float32", "cores_of_measuring_machine": r.cores,
                     "descriptor_piggyback_bytes": PIGGYBACK_BYTES,
-                    "allreduce_net_thresholds": {
+                    "selection_thresholds": {
                         "RING_BYTES": RING_BYTES, "HALVES_BYTES": HALVES_BYTES,
                         "PIGGYBACK_BYTES": PIGGYBACK_BYTES,
-                        "hierarchical_min_elements_per_rank": HIER_MIN_ELEMS_PER_RANK}}
+                        "hierarchical_min_elements_per_rank": HIERARCHICAL_MIN_ELEMENTS}}
     out(f"# {args.command}")
     out(f"# all_reduce cost model, fitted to the {args.stat} times of:")
     for k, path in r.paths.items():
@@ -783,10 +805,10 @@ def _header(r: _Run) -> None:
                                             "started": meta.get("started")}
         else:
             out(f"#   {path}: not present")
-    out(f"# neuron's algorithm choice from collectives/allreduce_net.py: ring among 3+ nodes from "
+    out(f"# neuron's algorithm choice from collectives/selection.py: ring among 3+ nodes from "
         f"RING_BYTES = {human_size(RING_BYTES)} per slice, halves between two from HALVES_BYTES "
         f"= {human_size(HALVES_BYTES)}, descriptor inside the data up to PIGGYBACK_BYTES = "
-        f"{human_size(PIGGYBACK_BYTES)}, hierarchical from {HIER_MIN_ELEMS_PER_RANK} L elements")
+        f"{human_size(PIGGYBACK_BYTES)}, hierarchical from {HIERARCHICAL_MIN_ELEMENTS} L elements")
     out("# units: us / ms / s; GB/s = 1e9 B/s; err = predicted / measured - 1")
     out()
 
@@ -1176,9 +1198,9 @@ def _what_ifs(r: _Run, machine: Machine, ppns, sizes, ranks) -> None:
 def _crossover_lines(r: _Run, pm: Machine, ppns, ranks) -> None:
     out = r.out
     out("ring among nodes vs direct exchange: smallest power-of-two size from which hier+ring "
-        "is faster than hier+direct (as modelled / with lat = 0); the code runs the ring from "
-        f"RING_BYTES = {human_size(RING_BYTES)} per slice (3+ nodes) and in halves from "
-        f"HALVES_BYTES = {human_size(HALVES_BYTES)} per slice (2 nodes)")
+        "is faster than hier+direct (as modelled / with lat = 0); the code (collectives/"
+        f"selection.py) runs the ring from RING_BYTES = {human_size(RING_BYTES)} per slice (3+ "
+        f"nodes) and in halves from HALVES_BYTES = {human_size(HALVES_BYTES)} per slice (2 nodes)")
     cross = {}
     for L in ppns:
         parts = []
@@ -1190,8 +1212,11 @@ def _crossover_lines(r: _Run, pm: Machine, ppns, ranks) -> None:
             cross[f"L={L},P={P}"] = {"modelled": a, "lat0": b}
             parts.append(f"P={P}: {human_size(a) if a else 'never'} / "
                          f"{human_size(b) if b else 'never'}")
-        out(f"  L={L} (code: ring from {human_size(L * RING_BYTES)} among 3+ nodes, halves from "
-            f"{human_size(L * HALVES_BYTES)} between two): " + ", ".join(parts))
+        ring, halves = code_ring_from(3, L), code_ring_from(2, L)  # (asked of the tables)
+        cross[f"L={L},code"] = {"ring_3_nodes": ring, "halves_2_nodes": halves}
+        out(f"  L={L} (code: ring from {human_size(ring) if ring else 'never'} among 3 nodes, "
+            f"halves from {human_size(halves) if halves else 'never'} between two): "
+            + ", ".join(parts))
     out()
     r.js["ring_crossover_bytes"] = cross
 

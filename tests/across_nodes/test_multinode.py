@@ -99,10 +99,10 @@ def test_big_all_reduce_across_nodes(algo, names):
 
 
 def _halves(rank, world):
-    # Between two ranks, buffers of allreduce_net.HALVES_BYTES and more are reduced in halves:
+    # Between two ranks, buffers of selection.HALVES_BYTES and more are reduced in halves:
     # an odd length (halves of unequal size), each op, bf16, then a size mismatch between
     # the two calls.
-    from neuron_dist.collectives.allreduce_net import HALVES_BYTES
+    from neuron_dist.collectives.selection import HALVES_BYTES
     out = {}
     n = HALVES_BYTES // 4 + 3  # float32
     base = torch.arange(n, dtype=torch.float32).remainder_(89) - 44

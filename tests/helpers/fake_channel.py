@@ -36,6 +36,7 @@ import zlib
 
 import torch
 
+from neuron_dist.collectives.selection import Selection
 from neuron_dist.collectives.context import Context, Plans
 from neuron_dist.collectives.reduce_ops import Scratch
 from neuron_dist.transport.errors import ChannelClosed, PeerAborted, PeerTimeout
@@ -55,8 +56,10 @@ def _crc(t: torch.Tensor) -> int:
 class FakeGroup:
     """The shared state of ``size`` ranks' fake channels (``channels[r]`` is rank r's)."""
 
-    def __init__(self, size: int, slot_bytes: int, cma: bool = False, small_bytes: int = 0):
+    def __init__(self, size: int, slot_bytes: int, cma: bool = False, small_bytes: int = 0,
+                 overrides: tuple = ()):
         self.size, self.slot_bytes, self.cma, self.small_bytes = size, slot_bytes, cma, small_bytes
+        self.selection = Selection(small_bytes, slot_bytes, overrides)
         self.slots = [[torch.full((slot_bytes,), POISON, dtype=torch.uint8) for _ in (0, 1)]
                       for _ in range(size)]
         self.published = [[None, None] for _ in range(size)]  # (step, crc) per slot parity
@@ -139,10 +142,11 @@ class FakeChannel:
 
     def context(self, call, timeout: float = 30.0) -> Context:
         """The ``Context`` of this rank's next collective (sequence numbers 1, 2, ... as a
-        process group gives them), with its scratch and the group's ``small_bytes``."""
+        process group gives them), with its scratch and the group's selection (its
+        ``small_bytes`` and ``overrides``)."""
         self._seq += 1
         return Context(self, call, self._seq, time.monotonic() + timeout, self.scratch,
-                       self.group.small_bytes, self.plans)
+                       self.group.selection, self.plans)
 
     # ----------------------------------------------------------------- slots
     def slot(self, rank: int, parity: int, dtype=None):

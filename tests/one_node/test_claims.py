@@ -25,7 +25,7 @@ from across_nodes.test_multinode import _env
 
 COMPLEX = [torch.complex64, torch.complex128]
 COMPLEX_OPS = ["SUM", "AVG", "PRODUCT", "PREMUL_SUM"]
-SINGLE_COPY_BYTES = 1 << 20  # collectives/single_copy.MIN_BYTES, as the README states it
+SINGLE_COPY_BYTES = 1 << 20  # collectives/selection.SINGLE_COPY_BYTES, as the README states it
 
 
 def big_n(dtype) -> int:

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from helpers.harness import cma_expected, run_ranks
-from neuron_dist.collectives import single_copy
+from neuron_dist.collectives.selection import SINGLE_COPY_BYTES
 
 # float32 elements: above the threshold, uneven, and all_reduce's per-rank share (1/world
 # of the tensor) above it too up to 4 ranks
-N = (single_copy.MIN_BYTES // 4) * 4 + 13
+N = (SINGLE_COPY_BYTES // 4) * 4 + 13
 
 
 def _cases(rank, world, group):

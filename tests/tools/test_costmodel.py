@@ -26,7 +26,9 @@ import torch
 
 from neuron_dist.bench import costmodel as cm
 from neuron_dist.collectives import allreduce_net
-from neuron_dist.collectives.allreduce_net import HALVES_BYTES, RING_BYTES
+from neuron_dist.collectives.selection import (DEFAULT, HALVES_BYTES, RING_BYTES, Selection,
+                                              parse_overrides)
+from neuron_dist.config import parse_bytes
 from neuron_dist.collectives.context import ALIGN_BYTES
 from neuron_dist.collectives.net import PIGGYBACK_BYTES
 from neuron_dist.topology import Topology
@@ -234,10 +236,10 @@ class _Chosen(Exception):
     """Raised by the stubs at the first network action: which algorithm the code took."""
 
 
-def _code_choice(n_bytes: int, N: int, L: int, monkeypatch) -> str:
-    """Run allreduce_net.all_reduce's own selection for group rank 0 (a node leader, local index
-    0) on a meta tensor, with every data-moving function stubbed; return its choice, named
-    as the cost model names it."""
+def _code_choice(n_bytes: int, N: int, L: int, monkeypatch, selection=DEFAULT) -> str:
+    """Run allreduce_net.all_reduce for group rank 0 (a node leader, local index 0) on a meta
+    tensor, with every data-moving function stubbed; return the algorithm it ran, named as
+    the cost model names it."""
     from neuron_dist.collectives.reduce_ops import SUM, ReduceSpec
 
     local = []
@@ -257,8 +259,9 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch) -> str:
     monkeypatch.setattr(allreduce_net, "_ring_all_reduce", network("ring"))
     monkeypatch.setattr(allreduce_net, "_halves", network("halves"))
     topo = Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
-    net_call = SimpleNamespace(topo=topo, algo="auto", buffer=network("direct"))
-    ctx = SimpleNamespace(net_call=net_call, rank=0, size=L, finish=lambda: None)
+    net_call = SimpleNamespace(topo=topo, buffer=network("direct"))
+    ctx = SimpleNamespace(net_call=net_call, rank=0, size=L, finish=lambda: None,
+                          selection=selection, chose=lambda name: None)
     buf = torch.empty(n_bytes // 4, dtype=torch.float32, device="meta")
     with pytest.raises(_Chosen) as chosen:
         allreduce_net.all_reduce(ctx, buf, buf, ReduceSpec(SUM))
@@ -271,15 +274,48 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch) -> str:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("N,L", LAYOUTS)
 def test_neuron_choice_is_what_allreduce_net_runs(N, L, monkeypatch):
-    """The cost model's "neuron" column is the algorithm the shipped code picks, for sizes
+    """The cost model's "neuron" column is the algorithm the shipped code runs, for sizes
     from 4 B to 1 GiB and around each of its thresholds (RING_BYTES, HALVES_BYTES, 64 L
-    elements): the model imports the thresholds and this runs the code's selection."""
+    elements): both ask collectives/selection.py, and this runs the code itself, so either
+    one deciding on its own fails here."""
     wrong = []
     for n in _sizes_to_check(L):
         code, model = _code_choice(n, N, L, monkeypatch), cm.neuron_choice(n, N, L)
         if code != model:
             wrong.append(f"{n} B: code {code}, model {model}")
     assert not wrong, f"N={N} L={L}: " + "; ".join(wrong[:10])
+    assert {cm.neuron_choice(n, N, L) for n in (4, 1 << 30)} != {"hier+direct"}  # not constant
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text", ["all_reduce=ring", "all_reduce=leader", "all_reduce=direct",
+                                  "all_reduce:0-1M=ring,all_reduce=halves",
+                                  "all_reduce:64K-=leader,all_reduce:-8M=direct"])
+def test_neuron_choice_follows_overrides(text, monkeypatch):
+    """With NEURON_DIST_ALGO overrides too, the model names what the code runs."""
+    selection = Selection(overrides=parse_overrides(text, parse_bytes))
+    wrong, changed = [], 0
+    for N, L in LAYOUTS:
+        for n in _sizes_to_check(L)[::3]:
+            code = _code_choice(n, N, L, monkeypatch, selection)
+            model = cm.neuron_choice(n, N, L, selection)
+            changed += model != cm.neuron_choice(n, N, L)
+            if code != model:
+                wrong.append(f"N={N} L={L} {n} B: code {code}, model {model}")
+    assert not wrong, "; ".join(wrong[:10])
+    assert changed, "the override changed no choice"
+
+
+@pytest.mark.timeout(60)
+def test_code_ring_from_is_the_table_threshold():
+    # among 3 nodes alone on their node: the whole buffer from RING_BYTES
+    assert cm.code_ring_from(3, 1) == RING_BYTES
+    assert cm.code_ring_from(2, 1) == HALVES_BYTES
+    # L ranks per node: rank 0's slice reaches RING_BYTES (aligned partition)
+    n = cm.code_ring_from(3, 8)
+    assert cm.slice_bytes(n, 8) >= RING_BYTES > cm.slice_bytes(n - 4, 8)
+    assert cm.code_ring_from(3, 8, Selection(overrides=parse_overrides("all_reduce=direct",
+                                                                       parse_bytes))) is None
 
 
 # ----------------------------------------------------------------------------- the command

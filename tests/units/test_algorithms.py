@@ -26,6 +26,7 @@ from neuron_dist.collectives import (allgather, allreduce, alltoall, barrier, br
                                      reduce_scatter, rooted, single_copy)
 from neuron_dist.collectives.descriptor import Call, CollectiveMismatch, digest
 from neuron_dist.collectives.reduce_ops import ReduceSpec
+from neuron_dist.collectives.selection import SINGLE_COPY_BYTES
 
 from helpers.cases import close, make, ops_for, premul_factor, reduce_ref
 from helpers.fake_channel import FakeGroup
@@ -378,7 +379,7 @@ def test_ranks_calling_different_collectives_fail_together_and_the_group_goes_on
 
 
 # -------------------------------------------------------------------- single copy (CMA)
-BIG = single_copy.MIN_BYTES  # from here the single-copy algorithms run
+BIG = SINGLE_COPY_BYTES  # from here the single-copy algorithms run
 CHUNK = single_copy.CHUNK_BYTES
 
 

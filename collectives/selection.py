@@ -1,0 +1,231 @@
+"""Which algorithm a collective runs: every selection table of the backend, in one place.
+
+How selection works
+-------------------
+Each table is an ordered list of rows ``(algorithm, condition)``. ``Selection.select``
+returns the algorithm of the first row whose condition holds for the call *and* that can
+run in it (``RUNS``: e.g. single copy needs cross-memory attach and the call's first step);
+every table ends with a row that always holds and always runs. The algorithm modules ask
+(``ctx.selection.select("all_reduce", ...)``) instead of comparing thresholds themselves,
+and ``neuron_dist/bench/costmodel.py`` asks the same tables for the algorithm it models.
+
+A collective has one table per stage it goes through:
+
+``all_reduce``, ``all_gather``, ``reduce_scatter``
+    inside a node, over shared memory (``collectives/<x>.py``); ``nbytes`` is the message
+    (all_reduce), the largest contribution (all_gather) or the largest block a rank
+    reduces (reduce_scatter); ``ranks`` the node's ranks in the call.
+``<x>/nodes``
+    a group that spans nodes (``collectives/<x>_net.py``): how the node phases and the
+    network combine; ``nbytes`` is the message (all_reduce) or the largest block.
+``all_reduce/network``
+    the exchange among the nodes of an all-reduce across nodes; ``nbytes`` is the buffer
+    each rank exchanges (its slice in the hierarchical algorithm), ``ranks`` its peers.
+
+Every rank of a call must choose the same algorithm: conditions only read what every rank
+of the call agrees on (sizes, dtypes, the node layout, what the node's ranks agreed about
+cross-memory attach, the group's settings).
+
+Overrides
+---------
+``NEURON_DIST_ALGO`` (parsed by ``neuron_dist/config.py`` with ``parse_overrides``) puts rows
+in front of the tables: ``all_reduce=ring`` forces the ring wherever it can run,
+``all_reduce:0-64K=direct`` only for 0 <= nbytes < 64 KiB (the bytes of the table holding the
+algorithm), a bare ``leader`` every table that has a ``leader``. Entries are separated by
+commas; ``auto`` (the default) adds none. An override never makes a call wrong: where its
+algorithm cannot run (``RUNS``), the table's own rows decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ------------------------------------------------------------------------ thresholds
+# Single copy (single_copy.py) from this block size: process_vm_readv pins the peer's pages
+# one by one and copied 1.3-2 GB/s here, against 4-12 GB/s for memmove through a
+# cache-resident slot; at 512 KiB blocks the slot path was 1.2-1.8x faster
+# (reduce_scatter, all_reduce), from 2 MiB on single copy is as fast or faster.
+SINGLE_COPY_BYTES = 1 << 20
+MAX_ADDRESSES = 8  # single copy: the spare words of a call descriptor hold this many addresses
+# all_reduce across nodes of equal size is hierarchical from this many elements per local rank
+HIERARCHICAL_MIN_ELEMENTS = 64
+RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
+HALVES_BYTES = 2 << 20  # network all-reduce between two peers: halves from here, else direct
+
+
+class Situation:
+    """What a table's conditions read: ``nbytes`` and ``ranks`` (see the module docstring),
+    ``numel`` (elements of the buffer), ``block`` (bytes of the largest per-rank block),
+    ``cma`` (the node's ranks can read each other's memory), ``first`` (the call has not
+    made its first step yet), ``even`` (nodes of equal size), ``addresses`` (tensors a
+    single-copy algorithm must publish), and the group's ``small_bytes`` and ``slot_bytes``."""
+
+    __slots__ = ("nbytes", "ranks", "numel", "block", "cma", "first", "even", "addresses",
+                 "small_bytes", "slot_bytes")
+
+    def __init__(self, nbytes: int, ranks: int, numel: int = 0, block: int = 0,
+                 cma: bool = False, first: bool = True, even: bool = True, addresses: int = 1,
+                 small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20):
+        self.nbytes, self.ranks, self.numel, self.block = nbytes, ranks, numel, block
+        self.cma, self.first, self.even, self.addresses = cma, first, even, addresses
+        self.small_bytes, self.slot_bytes = small_bytes, slot_bytes
+
+
+def _always(s: Situation) -> bool:
+    return True
+
+
+# ------------------------------------------------------------------------ the tables
+# table -> rows (algorithm, condition), first match wins; the last row always holds.
+TABLES: dict[str, tuple] = {
+    "all_reduce": (
+        # every rank stages the message and reduces all slots itself: one step
+        ("one_step", lambda s: s.nbytes <= s.small_bytes and s.nbytes <= s.slot_bytes),
+        ("one_step", lambda s: s.ranks == 1),  # (alone: one step per slot-sized chunk)
+        ("single_copy", lambda s: s.block >= SINGLE_COPY_BYTES),
+        ("two_step", _always),  # reduce-scatter + all-gather per slot-sized chunk
+    ),
+    "all_gather": (
+        ("single_copy", lambda s: s.nbytes >= SINGLE_COPY_BYTES),
+        ("slots", _always),
+    ),
+    "reduce_scatter": (
+        ("single_copy", lambda s: s.nbytes >= SINGLE_COPY_BYTES),
+        ("slots", _always),
+    ),
+    "all_reduce/nodes": (
+        ("hierarchical", lambda s: s.numel >= HIERARCHICAL_MIN_ELEMENTS * s.ranks),
+        ("leader", _always),
+    ),
+    "all_gather/nodes": (
+        ("columns", _always),
+        ("leader", _always),
+    ),
+    "reduce_scatter/nodes": (
+        ("columns", _always),
+        ("leader", _always),
+    ),
+    "all_reduce/network": (
+        ("ring", lambda s: s.ranks >= 3 and s.nbytes >= RING_BYTES),
+        ("halves", lambda s: s.ranks == 2 and s.nbytes >= HALVES_BYTES),
+        ("direct", _always),
+    ),
+}
+
+# algorithm -> can it run in this situation (absent: always). A row whose algorithm cannot
+# run is skipped, overrides included.
+RUNS = {
+    "single_copy": lambda s: (s.cma and s.ranks > 1 and s.first
+                              and s.addresses <= MAX_ADDRESSES),
+    "hierarchical": lambda s: s.even,
+    "columns": lambda s: s.even,
+    "ring": lambda s: s.ranks >= 2 and s.numel >= s.ranks,
+    "halves": lambda s: s.ranks == 2,
+}
+
+
+def collective(table: str) -> str:
+    """The collective a table belongs to (``"all_reduce/network"`` -> ``"all_reduce"``)."""
+    return table.split("/", 1)[0]
+
+
+def algorithms(table: str) -> list[str]:
+    """The algorithms of ``table``, in the order its rows first name them."""
+    return list(dict.fromkeys(name for name, _ in TABLES[table]))
+
+
+@dataclass(frozen=True)
+class Override:
+    """A row ``NEURON_DIST_ALGO`` puts in front of ``table``: ``algorithm`` for
+    ``lo <= nbytes < hi``."""
+
+    table: str
+    algorithm: str
+    lo: int = 0
+    hi: int | None = None
+
+
+def parse_overrides(text: str, parse_bytes) -> tuple[Override, ...]:
+    """``NEURON_DIST_ALGO``'s text -> its override rows (see the module docstring).
+
+    Raises
+    ------
+    ValueError
+        An unknown collective or algorithm, or a bad size range (the message names it).
+    """
+    out = []
+    for entry in (e.strip() for e in text.lower().split(",")):
+        if not entry or entry == "auto":
+            continue
+        name, eq, algorithm = entry.rpartition("=")
+        algorithm = algorithm.strip()
+        if not eq:  # a bare algorithm: every table that has it
+            tables = [t for t in TABLES if algorithm in algorithms(t)]
+            if not tables:
+                raise ValueError(f"NEURON_DIST_ALGO: no collective has an algorithm "
+                                 f"{algorithm!r} ({_known()})")
+            out += [Override(t, algorithm) for t in tables]
+            continue
+        coll, colon, span = (p.strip() for p in name.partition(":"))
+        mine = [t for t in TABLES if collective(t) == coll]
+        if not mine:
+            raise ValueError(f"NEURON_DIST_ALGO: unknown collective {coll!r} in {entry!r} "
+                             f"({_known()})")
+        tables = [t for t in mine if algorithm in algorithms(t)]
+        if not tables:
+            raise ValueError(f"NEURON_DIST_ALGO: {coll} has no algorithm {algorithm!r} in "
+                             f"{entry!r} ({_known(mine)})")
+        lo, hi = 0, None
+        if colon:
+            a, dash, b = (p.strip() for p in span.partition("-"))
+            try:
+                if not dash:
+                    raise ValueError
+                lo = parse_bytes(a) if a else 0
+                hi = parse_bytes(b) if b else None
+            except ValueError:
+                raise ValueError(f"NEURON_DIST_ALGO: bad size range {span!r} in {entry!r} "
+                                 f"(expected LO-HI, e.g. 0-64K or 4M-)") from None
+            if lo < 0 or (hi is not None and hi <= lo):
+                raise ValueError(f"NEURON_DIST_ALGO: empty size range {span!r} in {entry!r}")
+        out += [Override(t, algorithm, lo, hi) for t in tables]
+    return tuple(out)
+
+
+def _known(tables=None) -> str:
+    return "; ".join(f"{t}: {', '.join(algorithms(t))}" for t in (tables or TABLES))
+
+
+class Selection:
+    """A group's selection: the tables above with its overrides in front, and its settings
+    (``small_bytes``: NEURON_DIST_SMALL_BYTES, ``slot_bytes``: the shared-memory slot)."""
+
+    __slots__ = ("small_bytes", "slot_bytes", "_rows")
+
+    def __init__(self, small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20,
+                 overrides: tuple = ()):
+        self.small_bytes, self.slot_bytes = small_bytes, slot_bytes
+        self._rows = {}
+        for table, rows in TABLES.items():
+            front = tuple((o.algorithm, _in_range(o.lo, o.hi)) for o in overrides
+                          if o.table == table)
+            self._rows[table] = front + rows
+
+    def select(self, table: str, nbytes: int, ranks: int, **situation) -> str:
+        """The algorithm ``table`` picks for a call of ``nbytes`` among ``ranks`` ranks
+        (the other fields of ``Situation`` as keywords)."""
+        s = Situation(nbytes, ranks, small_bytes=self.small_bytes, slot_bytes=self.slot_bytes,
+                      **situation)
+        for algorithm, holds in self._rows[table]:
+            if holds(s) and RUNS.get(algorithm, _always)(s):
+                return algorithm
+        raise AssertionError(f"selection table {table} has no row for {nbytes} B")  # pragma: no cover
+
+
+def _in_range(lo: int, hi: int | None):
+    if hi is None:
+        return lambda s: s.nbytes >= lo
+    return lambda s: lo <= s.nbytes < hi
+
+
+DEFAULT = Selection()  # the default settings, no overrides (the cost model's)

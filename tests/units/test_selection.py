@@ -1,0 +1,154 @@
+"""The selection tables (collectives/selection.py): default choices at their boundaries,
+NEURON_DIST_ALGO overrides, and the errors a bad override gives at init."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_dist.collectives import selection as sel
+from neuron_dist.collectives.selection import (HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
+                                              RING_BYTES, SINGLE_COPY_BYTES, Selection)
+from neuron_dist.config import Settings, parse_bytes
+
+SMALL, SLOT = 64 << 10, 1 << 20
+D = Selection(SMALL, SLOT)
+
+
+def over(text: str, small: int = SMALL, slot: int = SLOT) -> Selection:
+    return Selection(small, slot, sel.parse_overrides(text, parse_bytes))
+
+
+def ar(s: Selection, nbytes: int, ranks: int = 2, cma: bool = False, first: bool = True) -> str:
+    return s.select("all_reduce", nbytes, ranks, numel=nbytes // 4,
+                    block=-(-(nbytes // 4) // ranks) * 4, cma=cma, first=first)
+
+
+def net(s: Selection, nbytes: int, peers: int) -> str:
+    return s.select("all_reduce/network", nbytes, peers, numel=nbytes // 4)
+
+
+def test_every_table_ends_with_a_row_that_always_holds_and_runs():
+    anything = sel.Situation(0, 0, even=False)
+    for table, rows in sel.TABLES.items():
+        algorithm, holds = rows[-1]
+        assert holds(anything) and algorithm not in sel.RUNS, table
+        assert "/" not in algorithm and algorithm == algorithm.lower()
+
+
+def test_one_node_all_reduce_defaults():
+    assert ar(D, 8) == ar(D, SMALL) == "one_step"
+    assert ar(D, SMALL + 4) == "two_step"
+    assert ar(D, 16 << 20, ranks=1) == "one_step"  # alone: one step per chunk
+    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=True) == "single_copy"  # blocks of 1 MiB
+    assert ar(D, 2 * SINGLE_COPY_BYTES - 8, cma=True) == "two_step"
+    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=False) == "two_step"
+    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=True, first=False) == "two_step"  # a later phase
+    # NEURON_DIST_SMALL_BYTES above the slot: one step only up to a slot
+    assert ar(Selection(4 << 20, SLOT), SLOT) == "one_step"
+    assert ar(Selection(4 << 20, SLOT), SLOT + 4) == "two_step"
+
+
+def test_one_node_gather_and_scatter_defaults():
+    for table in ("all_gather", "reduce_scatter"):
+        assert D.select(table, SINGLE_COPY_BYTES - 1, 4, cma=True) == "slots"
+        assert D.select(table, SINGLE_COPY_BYTES, 4, cma=True) == "single_copy"
+        assert D.select(table, SINGLE_COPY_BYTES, 4, cma=False) == "slots"
+        assert D.select(table, SINGLE_COPY_BYTES, 1, cma=True) == "slots"
+    assert D.select("reduce_scatter", SINGLE_COPY_BYTES, 9, cma=True, addresses=9) == "slots"
+
+
+def test_across_nodes_defaults():
+    L = 4
+    nodes = "all_reduce/nodes"
+    assert D.select(nodes, 0, L, numel=HIERARCHICAL_MIN_ELEMENTS * L) == "hierarchical"
+    assert D.select(nodes, 0, L, numel=HIERARCHICAL_MIN_ELEMENTS * L - 1) == "leader"
+    assert D.select(nodes, 0, L, numel=1 << 20, even=False) == "leader"
+    for table in ("all_gather/nodes", "reduce_scatter/nodes"):
+        assert D.select(table, 8, L) == "columns"
+        assert D.select(table, 8, L, even=False) == "leader"
+    assert net(D, RING_BYTES, 3) == "ring" and net(D, RING_BYTES - 4, 3) == "direct"
+    assert net(D, HALVES_BYTES, 2) == "halves" and net(D, HALVES_BYTES - 4, 2) == "direct"
+    assert net(D, 1 << 30, 2) == "halves"  # (the ring is for 3+ peers)
+
+
+def test_overrides_force_an_algorithm_where_it_can_run():
+    s = over("all_reduce=ring")
+    assert net(s, 12, 3) == net(s, 8, 2) == "ring"  # (12 B: 3 float32 among 3 peers)
+    assert net(s, 8, 3) == "direct"  # fewer elements than peers: the table's own rows
+    assert net(s, RING_BYTES, 3) == "ring"
+    assert ar(s, 8) == "one_step"  # other tables keep their rows
+    s = over("all_reduce=halves")
+    assert net(s, 8, 2) == "halves" and net(s, RING_BYTES, 3) == "ring"  # halves: two only
+    s = over("all_reduce=single_copy")
+    assert ar(s, 8, cma=True) == "single_copy"
+    assert ar(s, 8, cma=False) == ar(s, 8, cma=True, first=False) == "one_step"
+    s = over("all_reduce=two_step")
+    assert ar(s, 8) == ar(s, 8, ranks=1) == "two_step"
+    s = over("all_reduce=hierarchical")
+    assert s.select("all_reduce/nodes", 0, 4, numel=1) == "hierarchical"
+    assert s.select("all_reduce/nodes", 0, 4, numel=1, even=False) == "leader"
+
+
+def test_override_ranges_and_order():
+    s = over("all_reduce:0-64K=two_step, all_reduce:1M-=one_step")
+    assert ar(s, 8) == ar(s, (64 << 10) - 4) == "two_step"
+    assert ar(s, 64 << 10) == "one_step"  # the default row: (64 K) <= small
+    assert ar(s, (64 << 10) + 4) == "two_step"  # default
+    assert ar(s, 1 << 20) == ar(s, 1 << 30) == "one_step"
+    s = over("all_reduce:-4K=direct,all_reduce=ring")  # first matching entry wins
+    assert net(s, 4092, 3) == "direct" and net(s, 4096, 3) == "ring"
+    assert over("auto").select("all_gather/nodes", 8, 2) == "columns"
+    assert over("").select("all_gather/nodes", 8, 2) == "columns"
+
+
+def test_a_bare_name_applies_to_every_table_that_has_it():
+    s = over("leader")
+    for table in ("all_reduce/nodes", "all_gather/nodes", "reduce_scatter/nodes"):
+        assert s.select(table, 1 << 30, 2, numel=1 << 28) == "leader", table
+    assert ar(s, 8) == "one_step"
+    assert {o.table for o in sel.parse_overrides("single_copy", parse_bytes)} == {
+        "all_reduce", "all_gather", "reduce_scatter"}
+
+
+@pytest.mark.parametrize("text,words", [
+    ("all_reduse=ring", ["unknown collective 'all_reduse'", "all_reduce/network: ring"]),
+    ("all_reduce=rign", ["all_reduce has no algorithm 'rign'", "ring"]),
+    ("all_gather=ring", ["all_gather has no algorithm 'ring'", "columns"]),
+    ("bogus", ["no collective has an algorithm 'bogus'"]),
+    ("all_reduce:64K=ring", ["bad size range '64k'"]),
+    ("all_reduce:abc-1M=ring", ["bad size range 'abc-1m'"]),
+    ("all_reduce:64K-1K=ring", ["empty size range '64k-1k'"]),
+    ("all_reduce:64K-64K=ring", ["empty size range"]),
+])
+def test_bad_overrides_fail_at_init_naming_the_problem(text, words):
+    with pytest.raises(ValueError) as e:
+        Settings.from_env({"NEURON_DIST_ALGO": text})
+    assert "NEURON_DIST_ALGO" in str(e.value)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_settings_carry_the_parsed_overrides():
+    assert Settings.from_env({}).algo == ()
+    got = Settings.from_env({"NEURON_DIST_ALGO": "All_Reduce:1K-2M=Ring"}).algo
+    assert got == (sel.Override("all_reduce/network", "ring", 1 << 10, 2 << 20),)
+
+
+def test_the_thresholds_are_defined_only_in_selection_py():
+    """No other module keeps its own copy of a threshold the tables use."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    names = {"SINGLE_COPY_BYTES", "MAX_ADDRESSES", "HIERARCHICAL_MIN_ELEMENTS", "RING_BYTES",
+             "HALVES_BYTES", "MIN_BYTES", "HIER_MIN_ELEMS_PER_RANK"}
+    found = []
+    for folder in ("collectives", "neuron_dist", "transport"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            if path.name == "selection.py" and path.parent.name == "collectives":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Assign):
+                    found += [f"{path.relative_to(repo)}:{node.lineno} {t.id}"
+                              for t in node.targets if isinstance(t, ast.Name) and t.id in names]
+    assert not found, found

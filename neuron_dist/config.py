@@ -72,6 +72,7 @@ class Settings:
     net_max_unexpected_bytes: int = 512 << 20
     algo: tuple = ()  # NEURON_DIST_ALGO: selection.Override rows, in front of the tables
     transport: str = "rdm"
+    master_addr: str | None = None  # torchrun's MASTER_ADDR: where the rendezvous host is
 
     @classmethod
     def from_env(cls, env: Mapping | None = None) -> "Settings":
@@ -104,6 +105,7 @@ class Settings:
                 _env("NEURON_DIST_NET_MAX_UNEXPECTED_BYTES", "512M", env)),
             algo=parse_overrides(_env("NEURON_DIST_ALGO", "auto", env), parse_bytes),
             transport=_env("NEURON_DIST_TRANSPORT", "rdm", env).lower(),
+            master_addr=_env("MASTER_ADDR", None, env) or None,
         )
         settings._check()
         return settings

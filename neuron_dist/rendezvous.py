@@ -249,7 +249,7 @@ def _open_network(auth: StoreAuth, key: str, rank: int, size: int, settings,
     if rank == 0:
         auth.set(f"{key}/nonce", secrets.token_hex(16))
     group = f"{key}/{auth.get(f'{key}/nonce', 0).decode()}".encode()
-    net = RdmTransport(rank, size, host=choose_addresses(settings.socket_ifname, store),
+    net = RdmTransport(rank, size, host=choose_addresses(settings.socket_ifname, store, settings.master_addr),
                        rails=settings.rails, key=job_key, group=group,
                        segment_bytes=settings.net_segment_bytes, crc=settings.net_crc,
                        frame_mac=bool(settings.auth_key), payload_mac=settings.net_mac,

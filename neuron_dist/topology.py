@@ -96,28 +96,30 @@ def node_identity(settings) -> str:
     return f"{socket.gethostname()}/{boot}/{shm}/{pid_namespace()}"
 
 
-def choose_addresses(ifnames: str | None, store=None) -> list[str]:
+def choose_addresses(ifnames: str | None, store=None,
+                     master_addr: str | None = None) -> list[str]:
     """The local addresses inter-node traffic should use: one per interface named in
     ``ifnames`` (``NEURON_DIST_SOCKET_IFNAME``, comma-separated), else ``choose_address``'s
     one."""
     names = [n.strip() for n in (ifnames or "").split(",") if n.strip()]
     if not names:
-        return [choose_address(None, store)]
+        return [choose_address(None, store, master_addr)]
     return [interface_address(n) for n in names]
 
 
-def choose_address(ifname: str | None, store=None) -> str:
+def choose_address(ifname: str | None, store=None, master_addr: str | None = None) -> str:
     """The local address inter-node traffic should use.
 
     ``ifname`` (``NEURON_DIST_SOCKET_IFNAME``) names an interface whose IPv4 address is
     taken. Otherwise: the address of the interface that routes to the rendezvous host
-    (the TCPStore's host or ``MASTER_ADDR``), found by connecting a UDP socket, which
+    (the TCPStore's host or ``master_addr``, torchrun's ``MASTER_ADDR`` as read by
+    config.py), found by connecting a UDP socket, which
     sends nothing. Our own hostname is never resolved, so hosts whose name does not
     resolve work. With no rendezvous host known, loopback.
     """
     if ifname:
         return interface_address(ifname)
-    host = _store_host(store) or os.environ.get("MASTER_ADDR")
+    host = _store_host(store) or master_addr
     if not host:
         return "127.0.0.1"
     try:

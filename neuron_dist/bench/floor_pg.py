@@ -63,7 +63,8 @@ class FloorProcessGroup(ProcessGroup):
         self._buffers: dict = {}  # peer (-1: the sum) -> buffer of the last all_reduce's shape
         self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * streams * (size - 1)),
                                         thread_name_prefix="neuron-floor")
-        host = choose_addresses(Settings.from_env().socket_ifname, store)[0]
+        settings = Settings.from_env()
+        host = choose_addresses(settings.socket_ifname, store, settings.master_addr)[0]
         listener = socket.create_server((host, 0), backlog=max(8, streams * size))
         try:
             store.set(f"floor/addr/{rank}", f"{host}:{listener.getsockname()[1]}")

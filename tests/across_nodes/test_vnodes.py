@@ -24,6 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from launch import vnodes  # noqa: E402
+from helpers.procs import processes_with  # noqa: E402
 
 JOB = os.path.join(REPO, "tests", "across_nodes", "vnode_job.py")
 JOB_BACKEND = "neuron"
@@ -54,22 +55,6 @@ def _reports(res: vnodes.Result) -> list[dict]:
     return sorted(out, key=lambda r: r["rank"])
 
 
-def _processes_with(marker: str) -> list[int]:
-    """Live processes whose command line contains ``marker``."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmd and state not in ("Z", "X"):
-            found.append(int(pid))
-    return found
-
-
 def _root_links() -> set[str]:
     try:
         out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
@@ -97,9 +82,9 @@ def clean():
     state = {"tag": tag, "results": []}
     yield state
     deadline = time.monotonic() + 5  # processes of an aborted test may take a moment
-    while _processes_with(tag) and time.monotonic() < deadline:
+    while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _processes_with(tag), f"processes left running: {_processes_with(tag)}"
+    assert not processes_with(tag), f"processes left running: {processes_with(tag)}"
     for res in state["results"]:
         left = {g: vnodes._group_members(g) for g in res.pgids}
         assert not any(left.values()), f"agent process groups not empty: {left}"

@@ -21,6 +21,7 @@ import uuid
 import pytest
 
 from neuron_dist.launch import vnodes
+from helpers.procs import processes_with
 
 needs_netns = pytest.mark.skipif(not vnodes.netns_available(),
                                  reason="needs root and working ip netns/veth/bridge")
@@ -32,21 +33,6 @@ def _namespaces(prefix: str) -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                          timeout=20).stdout
     return [ln.split()[0] for ln in out.splitlines() if ln.startswith(prefix)]
-
-
-def _processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmd and state not in ("Z", "X"):
-            found.append(int(pid))
-    return found
 
 
 def _progress_files() -> set[str]:
@@ -77,9 +63,9 @@ def test_internode_tiny(tmp_path):
 
     # nothing left behind, whatever the outcome
     deadline = time.monotonic() + 5
-    while _processes_with(tag) and time.monotonic() < deadline:
+    while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _processes_with(tag), f"processes left running: {_processes_with(tag)}"
+    assert not processes_with(tag), f"processes left running: {processes_with(tag)}"
     assert not _namespaces(f"nd{p.pid}_"), f"namespaces left: {_namespaces(f'nd{p.pid}_')}"
     assert _progress_files() <= files_before, "progress file left behind"
 

@@ -8,16 +8,18 @@ i), so all ranks agree on success or on the same error, and on the number of fur
 (from the largest block anywhere). The first step carries data too, so a small all-to-all
 takes one step. A rank's block for itself is copied directly, outside shared memory.
 
-Single copy for large blocks: when the node's ranks can read each other's memory (CMA, see
-single_copy.py) and there are at most ``selection.MAX_ADDRESSES`` ranks, the first step
-also posts the address of every input block. Once the sizes are known (after that step,
-the same on every rank) and the largest block is at least ``selection.SINGLE_COPY_BYTES``, each
-rank reads the rest of its blocks (past the piece that came through the slots) straight
-out of the senders' inputs, and a last step keeps everyone until its peers are done
-reading.
+Which algorithm moves the rest: the ``all_to_all`` table of selection.py, asked once the
+first step has told every rank every size (so every rank gets the same answer) with the
+largest block any rank sends another: single copy (by default from
+``selection.SINGLE_COPY_BYTES``, see single_copy.py) or slots (the steps above). Whenever
+single copy can run (``selection.can_run``: the node's ranks can read each other's memory,
+at most ``selection.MAX_ADDRESSES`` ranks, the call's first step) that first step also
+posts the address of every input block; if the table picks single copy, each rank reads
+the rest of its blocks (past the piece that came through the slots) straight out of the
+senders' inputs, and a last step keeps everyone until its peers are done reading.
 
-Even splits (every block the same size, at most a slot's block and below the single-copy
-size) take a plan (``EvenSplit``: slot addresses of both parities and the header words,
+Even splits (every block the same size, at most a slot's block, and the table picks slots
+for it) take a plan (``EvenSplit``: slot addresses of both parities and the header words,
 made once per block size) that stages by memmove and checks the whole table at once.
 """
 
@@ -27,8 +29,7 @@ import ctypes
 
 from .context import ALIGN_BYTES, Context, steps_for
 from .descriptor import CollectiveMismatch
-from .selection import MAX_ADDRESSES, SINGLE_COPY_BYTES
-
+from .selection import can_run
 
 
 def layout(n: int, slot_bytes: int) -> tuple[int, int]:
@@ -37,9 +38,17 @@ def layout(n: int, slot_bytes: int) -> tuple[int, int]:
     return header, ((slot_bytes - header) // n) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def even_block(channel, block: int) -> bool:
+def choose(selection, channel, nbytes: int, first: bool = True) -> str:
+    """The ``all_to_all`` table's algorithm when the largest block a rank sends another is
+    ``nbytes`` (``first``: the call had not stepped when it began)."""
+    n = channel.size
+    return selection.select("all_to_all", nbytes, n, cma=channel.cma, first=first, addresses=n)
+
+
+def even_block(selection, channel, block: int) -> bool:
     """Is ``block`` bytes to and from every rank served by ``EvenSplit`` (one step)?"""
-    return block <= layout(channel.size, channel.slot_bytes)[1] and block < SINGLE_COPY_BYTES
+    return (block <= layout(channel.size, channel.slot_bytes)[1]
+            and choose(selection, channel, block) == EvenSplit.ALGORITHM)
 
 
 def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
@@ -47,8 +56,10 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     n = ctx.size
     r = ctx.rank
     block = ins[r].numel()
-    if (not ctx.checked and even_block(ctx.channel, block)
-            and all(t.numel() == block for t in ins) and all(t.numel() == block for t in outs)):
+    first = not ctx.checked
+    if (first and all(t.numel() == block for t in ins) and all(t.numel() == block for t in outs)
+            and even_block(ctx.selection, ctx.channel, block)):
+        ctx.chose(EvenSplit.ALGORITHM)
         plan = EvenSplit.prepared(ctx.plans, ctx.channel, block)
         plan.run(ctx, [t.data_ptr() for t in outs], [t.data_ptr() for t in ins], element_size)
         return
@@ -62,7 +73,8 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     words = ctypes.c_int64 * (2 * n)
     # Posting our blocks' addresses costs nothing; whether they are used is decided from
     # the sizes every rank sees after the first step.
-    cma = ctx.channel.cma and 1 < n <= MAX_ADDRESSES and not ctx.checked
+    post = can_run("single_copy", n, cma=ctx.channel.cma, first=first, addresses=n)
+    algo = None
     while i < steps_for(largest, per):
         o = i * per
         slot = ctx.my_slot().data_ptr()
@@ -72,18 +84,21 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
             m = max(0, min(per, src.numel() - o))
             if m and k != r:
                 ctypes.memmove(slot + header + k * per, src_ptr[k] + o, m)
-        ctx.step(tuple(src_ptr) if cma and i == 0 else ())
+        ctx.step(tuple(src_ptr) if post and i == 0 else ())
         if i == 0:
             table = [list(words.from_address(ctx.peer_slot(k).data_ptr())) for k in range(n)]
             check_splits(table, n, element_size, ctx)
             if outs[r].numel():
                 outs[r].copy_(ins[r])
             largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
+            # the same on every rank; single copy only if it can run (then we posted)
+            algo = choose(ctx.selection, ctx.channel, largest, first)
+            ctx.chose(algo)
         for k, dst in enumerate(outs):
             m = max(0, min(per, dst.numel() - o))
             if m and k != r:
                 ctypes.memmove(dst_ptr[k] + o, ctx.peer_slot(k).data_ptr() + header + r * per, m)
-        if i == 0 and cma and largest >= SINGLE_COPY_BYTES:
+        if algo == "single_copy":
             _read_rest(ctx, outs, dst_ptr, per)
             return
         i += 1
@@ -104,7 +119,7 @@ def _steps_after_first(ctx: Context, table, n: int, per: int) -> int:
     """Steps ``all_to_all`` takes after its first for the split ``table``, on a rank that
     had nothing left to move after the first (its blocks all fit it)."""
     largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
-    if ctx.channel.cma and 1 < n <= MAX_ADDRESSES and largest >= SINGLE_COPY_BYTES:
+    if choose(ctx.selection, ctx.channel, largest) == "single_copy":
         return 1  # _read_rest's
     return steps_for(largest, per) - 1
 
@@ -115,7 +130,7 @@ class EvenSplit:
     every rank's must equal (``expect``) unless the splits are uneven elsewhere."""
 
     __slots__ = ("block", "header", "per", "addr", "words", "expect")
-    ALGORITHM = None  # (all_to_all decides single copy after its first step: no table)
+    ALGORITHM = "slots"
 
     def __init__(self, channel, block: int):
         n = channel.size

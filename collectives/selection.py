@@ -11,10 +11,11 @@ and ``neuron_dist/bench/costmodel.py`` asks the same tables for the algorithm it
 
 A collective has one table per stage it goes through:
 
-``all_reduce``, ``all_gather``, ``reduce_scatter``
+``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``
     inside a node, over shared memory (``collectives/<x>.py``); ``nbytes`` is the message
-    (all_reduce), the largest contribution (all_gather) or the largest block a rank
-    reduces (reduce_scatter); ``ranks`` the node's ranks in the call.
+    (all_reduce), the largest contribution (all_gather), the largest block a rank
+    reduces (reduce_scatter) or the largest block a rank sends another (all_to_all, asked
+    once the first step told every rank every size); ``ranks`` the node's ranks in the call.
 ``<x>/nodes``
     a group that spans nodes (``collectives/<x>_net.py``): how the node phases and the
     network combine; ``nbytes`` is the message (all_reduce) or the largest block.
@@ -56,9 +57,10 @@ HALVES_BYTES = 2 << 20  # network all-reduce between two peers: halves from here
 class Situation:
     """What a table's conditions read: ``nbytes`` and ``ranks`` (see the module docstring),
     ``numel`` (elements of the buffer), ``block`` (bytes of the largest per-rank block),
-    ``cma`` (the node's ranks can read each other's memory), ``first`` (the call has not
-    made its first step yet), ``even`` (nodes of equal size), ``addresses`` (tensors a
-    single-copy algorithm must publish), and the group's ``small_bytes`` and ``slot_bytes``."""
+    ``cma`` (the node's ranks can read each other's memory), ``first`` (the algorithm
+    begins with the call's first step), ``even`` (nodes of equal size), ``addresses``
+    (tensors a single-copy algorithm must publish), and the group's ``small_bytes`` and
+    ``slot_bytes``."""
 
     __slots__ = ("nbytes", "ranks", "numel", "block", "cma", "first", "even", "addresses",
                  "small_bytes", "slot_bytes")
@@ -93,6 +95,10 @@ TABLES: dict[str, tuple] = {
         ("single_copy", lambda s: s.nbytes >= SINGLE_COPY_BYTES),
         ("slots", _always),
     ),
+    "all_to_all": (
+        ("single_copy", lambda s: s.nbytes >= SINGLE_COPY_BYTES),
+        ("slots", _always),
+    ),
     "all_reduce/nodes": (
         ("hierarchical", lambda s: s.numel >= HIERARCHICAL_MIN_ELEMENTS * s.ranks),
         ("leader", _always),
@@ -122,6 +128,13 @@ RUNS = {
     "ring": lambda s: s.ranks >= 2 and s.numel >= s.ranks,
     "halves": lambda s: s.ranks == 2,
 }
+
+
+def can_run(algorithm: str, ranks: int, **situation) -> bool:
+    """Can ``algorithm`` run among ``ranks`` ranks (``RUNS``; the other fields of
+    ``Situation`` as keywords)? For an algorithm that must prepare in the call's first step
+    what it needs if the table picks it later (all_to_all's single copy: the addresses)."""
+    return RUNS.get(algorithm, _always)(Situation(0, ranks, **situation))
 
 
 def collective(table: str) -> str:

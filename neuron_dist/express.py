@@ -158,7 +158,7 @@ class ExpressLane:
         if not (out.dtype == inp.dtype and out.numel() == inp.numel()
                 and self._fits(inp, channel.slot_bytes) and nbytes % n == 0
                 and inp.dim() and out.dim() and inp.shape[0] % n == 0 and out.shape[0] % n == 0
-                and alltoall.even_block(channel, nbytes // n)):
+                and alltoall.even_block(self._selection, channel, nbytes // n)):
             return None
         return _Entry("all_to_all_single", Call("all_to_all", inp.dtype, 0), nbytes,
                       alltoall.EvenSplit.prepared(self._plans, channel, nbytes // n))

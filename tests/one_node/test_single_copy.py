@@ -1,7 +1,10 @@
 """Single-copy (cross-memory attach) collectives for large messages.
 
 Each case runs with CMA on and off in the same ranks' lifetimes (two groups), and the
-results must be bitwise equal to each other (both reduce in rank order) and right.
+results must be bitwise equal to each other (both reduce in rank order) and right. Then
+NEURON_DIST_ALGO forces all_to_all's algorithm (slots for large blocks, single copy for
+small ones, and single copy where it cannot run), checked by the results and by the
+algorithm the flight recorder names.
 """
 
 from __future__ import annotations
@@ -117,3 +120,44 @@ def test_single_copy_matches_slot_algorithms(world):
         assert cma_on == cma_expected(), f"rank {rank}: CMA probe said {cma_on}"
         assert cma_off is False
         assert fails == [], f"rank {rank}: {fails}"
+
+
+# NEURON_DIST_ALGO, NEURON_DIST_CMA -> the algorithm named for large blocks, for 8-byte ones
+CMA = "single_copy" if cma_expected() else "slots"
+FORCED = {
+    ("auto", "1"): (CMA, "slots"),  # (8 bytes: the express lane's even-split plan)
+    ("all_to_all=slots", "1"): ("slots", "slots"),
+    ("all_to_all=single_copy", "1"): (CMA, CMA),
+    ("all_to_all=single_copy", "0"): ("slots", "slots"),  # cannot run: the table's rows
+}
+
+
+def forced_all_to_all(rank, world):
+    from neuron_dist.flight_recorder import recorder
+
+    n = SINGLE_COPY_BYTES // 4 + 13  # float32 per block: above single copy's threshold
+    out, before = {}, os.environ.get("NEURON_DIST_CMA")
+    for (text, cma), want in FORCED.items():
+        os.environ["NEURON_DIST_ALGO"], os.environ["NEURON_DIST_CMA"] = text, cma
+        group = dist.new_group(list(range(world)))
+        got = []
+        for m in (n, 2):  # (2 float32: 8 bytes per block)
+            inp = torch.arange(world * m, dtype=torch.float32) + 1e6 * rank
+            res = torch.full_like(inp, float("nan"))
+            dist.all_to_all_single(res, inp, group=group)
+            ref = torch.cat([torch.arange(rank * m, (rank + 1) * m, dtype=torch.float32)
+                             + 1e6 * k for k in range(world)])
+            rec = recorder._ring[-1]
+            got.append((torch.equal(res, ref), rec.op, rec.algo))
+        out[(text, cma)] = got == [(True, "all_to_all_single", w) for w in want], got
+    os.environ.pop("NEURON_DIST_ALGO")
+    if before is None:
+        os.environ.pop("NEURON_DIST_CMA")
+    else:
+        os.environ["NEURON_DIST_CMA"] = before
+    return out
+
+
+def test_forced_all_to_all_algorithms_run_and_are_named():
+    for rank, out in run_ranks(forced_all_to_all, 2, timeout=120).items():
+        assert all(ok for ok, _ in out.values()), (rank, out)

@@ -18,6 +18,7 @@ import math
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ from neuron_dist.collectives import (allgather, allreduce, alltoall, barrier, br
                                      reduce_scatter, rooted, single_copy)
 from neuron_dist.collectives.descriptor import Call, CollectiveMismatch, digest
 from neuron_dist.collectives.reduce_ops import ReduceSpec
-from neuron_dist.collectives.selection import SINGLE_COPY_BYTES
+from neuron_dist.collectives.selection import SINGLE_COPY_BYTES, parse_overrides
+from neuron_dist.config import parse_bytes
 
 from helpers.cases import close, make, ops_for, premul_factor, reduce_ref
 from helpers.fake_channel import FakeGroup
@@ -439,4 +441,48 @@ def test_single_copy_algorithms(world):
                      if not torch.equal(results[r][2][i][k], random_bytes(sizes[k], k, i))]
     check_all_to_all([res[3] for res in results], a2a_cases, world, failures,
                      "single-copy all_to_all")
+    report(failures)
+
+
+def test_all_to_all_runs_the_algorithm_its_table_picks():
+    """all_to_all asks the ``all_to_all`` table (NEURON_DIST_ALGO overrides included): the
+    algorithm it names is the one that moves the bytes (single copy reads peers' memory),
+    a forced single copy that cannot run falls back to slots, and a rank on the even-split
+    plan keeps step with peers that single-copy among themselves."""
+    world = 3
+    big = [[BIG + 7 * i + j for j in range(world)] for i in range(world)]
+    mid = [[5000 + 7 * i + j for j in range(world)] for i in range(world)]  # > a slot's block
+    # rank 0 sends and receives 16 B (the even-split plan); ranks 1 and 2 exchange 5000 B
+    mixed = [[16] * 3, [16, 16, 5000], [16, 5000, 16]]
+    cases = [  # (NEURON_DIST_ALGO, cma, splits, the algorithm each rank names)
+        ("auto", True, big, ["single_copy"] * 3),
+        ("all_to_all=slots", True, big, ["slots"] * 3),
+        ("all_to_all=single_copy", True, mid, ["single_copy"] * 3),
+        ("auto", True, mid, ["slots"] * 3),
+        ("all_to_all=single_copy", False, mid, ["slots"] * 3),  # cannot run: slots
+        ("all_to_all:4K-=single_copy", True, mixed, ["slots", "single_copy", "single_copy"]),
+    ]
+    failures = []
+    for text, cma, splits, names in cases:
+        def body(ch):
+            ins = [random_bytes(splits[ch.rank][j], ch.rank, j, 0) for j in range(world)]
+            outs = [torch.full((splits[j][ch.rank],), 0x5A, dtype=torch.uint8)
+                    for j in range(world)]
+            ctx = ch.context(Call("all_to_all", torch.uint8, 0))
+            ctx.record = SimpleNamespace(algo=None)
+            alltoall.all_to_all(ctx, outs, ins, 1)
+            return outs, ctx.record.algo, ch.plans.get(("all_to_all", 16)) is not None
+
+        group = FakeGroup(world, SLOT, cma=cma, small_bytes=SMALL,
+                          overrides=parse_overrides(text, parse_bytes))
+        results = group.run(body, timeout=120)
+        label = f"{text} cma={cma} {splits}"
+        check_all_to_all([[outs] for outs, _, _ in results], [splits], world, failures, label)
+        got = [algo for _, algo, _ in results]
+        if got != names:
+            failures.append(f"{label}: algorithms named {got}, expected {names}")
+        if (group.reads > 0) != ("single_copy" in names):
+            failures.append(f"{label}: {group.reads} single-copy reads")
+        if splits is mixed and not results[0][2]:
+            failures.append(f"{label}: rank 0 did not take the even-split plan")
     report(failures)

@@ -3,9 +3,11 @@ NEURON_DIST_ALGO overrides, and the errors a bad override gives at init."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from neuron_dist.collectives import selection as sel
+from neuron_dist.collectives import alltoall, selection as sel
 from neuron_dist.collectives.selection import (HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
                                               RING_BYTES, SINGLE_COPY_BYTES, Selection)
 from neuron_dist.config import Settings, parse_bytes
@@ -57,6 +59,39 @@ def test_one_node_gather_and_scatter_defaults():
     assert D.select("reduce_scatter", SINGLE_COPY_BYTES, 9, cma=True, addresses=9) == "slots"
 
 
+def a2a(s: Selection, nbytes: int, ranks: int = 4, cma: bool = True, first: bool = True) -> str:
+    """all_to_all's choice as alltoall.py asks it (``nbytes``: the largest block)."""
+    return alltoall.choose(s, SimpleNamespace(size=ranks, cma=cma, slot_bytes=SLOT), nbytes,
+                           first)
+
+
+def test_one_node_all_to_all_defaults():
+    assert a2a(D, SINGLE_COPY_BYTES - 1) == "slots"
+    assert a2a(D, SINGLE_COPY_BYTES) == a2a(D, 1 << 30) == "single_copy"
+    assert a2a(D, SINGLE_COPY_BYTES, ranks=8) == "single_copy"
+    # where single copy cannot run: no CMA, alone, more ranks than the descriptor holds
+    # addresses, or after the call's first step
+    assert a2a(D, SINGLE_COPY_BYTES, cma=False) == a2a(D, SINGLE_COPY_BYTES, ranks=1) == "slots"
+    assert a2a(D, SINGLE_COPY_BYTES, ranks=9) == a2a(D, 1 << 30, first=False) == "slots"
+    # the first step posts the addresses exactly where the table may pick single copy
+    for ranks, cma, first in ((4, True, True), (8, True, True), (9, True, True),
+                              (1, True, True), (4, False, True), (4, True, False)):
+        assert sel.can_run("single_copy", ranks, cma=cma, first=first, addresses=ranks) == (
+            a2a(D, 1 << 30, ranks, cma, first) == "single_copy"), (ranks, cma, first)
+
+
+def test_all_to_all_even_split_plan_follows_the_table():
+    channel = SimpleNamespace(size=2, cma=True, slot_bytes=4 << 20)  # blocks up to ~2 MiB
+    assert alltoall.even_block(D, channel, SINGLE_COPY_BYTES - 64)
+    assert not alltoall.even_block(D, channel, SINGLE_COPY_BYTES)  # single copy
+    assert alltoall.even_block(over("all_to_all=slots"), channel, SINGLE_COPY_BYTES)
+    assert not alltoall.even_block(over("all_to_all=single_copy"), channel, 8)
+    channel.cma = False
+    assert alltoall.even_block(D, channel, SINGLE_COPY_BYTES)
+    assert alltoall.even_block(over("all_to_all=single_copy"), channel, 8)
+    assert not alltoall.even_block(D, channel, 3 << 20)  # more than a slot's block
+
+
 def test_across_nodes_defaults():
     L = 4
     nodes = "all_reduce/nodes"
@@ -69,6 +104,18 @@ def test_across_nodes_defaults():
     assert net(D, RING_BYTES, 3) == "ring" and net(D, RING_BYTES - 4, 3) == "direct"
     assert net(D, HALVES_BYTES, 2) == "halves" and net(D, HALVES_BYTES - 4, 2) == "direct"
     assert net(D, 1 << 30, 2) == "halves"  # (the ring is for 3+ peers)
+
+
+def test_all_to_all_overrides():
+    s = over("all_to_all=slots")
+    assert a2a(s, 1 << 30) == "slots"
+    assert ar(s, 2 * SINGLE_COPY_BYTES, cma=True) == "single_copy"  # other tables keep theirs
+    s = over("all_to_all=single_copy")
+    assert a2a(s, 8) == a2a(s, 0) == "single_copy"
+    assert a2a(s, 8, cma=False) == a2a(s, 8, ranks=9) == a2a(s, 8, first=False) == "slots"
+    s = over("all_to_all:4K-=single_copy,all_to_all:64M-=slots")
+    assert a2a(s, 4095) == "slots" and a2a(s, 4096) == a2a(s, 1 << 20) == "single_copy"
+    assert a2a(s, 1 << 30) == "single_copy"  # the first matching entry wins
 
 
 def test_overrides_force_an_algorithm_where_it_can_run():
@@ -107,7 +154,9 @@ def test_a_bare_name_applies_to_every_table_that_has_it():
         assert s.select(table, 1 << 30, 2, numel=1 << 28) == "leader", table
     assert ar(s, 8) == "one_step"
     assert {o.table for o in sel.parse_overrides("single_copy", parse_bytes)} == {
-        "all_reduce", "all_gather", "reduce_scatter"}
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert {o.table for o in sel.parse_overrides("slots", parse_bytes)} == {
+        "all_gather", "reduce_scatter", "all_to_all"}
 
 
 @pytest.mark.parametrize("text,words", [

@@ -101,6 +101,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta,
                  settings: Settings | None = None):
         super().__init__(rank, size)
+        # The group's threads (engine, progress) run torch ops. In a process forked from one
+        # that used torch's thread pool, the first torch call of each thread re-creates
+        # that pool, and two threads doing it at once can see none ("pool INTERNAL ASSERT
+        # FAILED ... Invalid thread pool!": torch's post-fork reset is not thread-safe).
+        # Doing it once here, before any of our threads exists, leaves nothing to race on.
+        torch.set_num_threads(torch.get_num_threads())
         self._store = store
         self._rank = rank
         self._size = size

@@ -108,7 +108,8 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
         if settings.transport == "mpi":
             net = _open_mpi(auth, key, rank, size, timeout, label)
         else:
-            net = _open_network(auth, key, rank, size, settings, timeout, label)
+            net = _open_network(auth, key, rank, size, size - len(topo.local), settings,
+                                timeout, label)
     except BaseException:
         channel.close()
         raise
@@ -237,8 +238,10 @@ def _open_node_channel(auth: StoreAuth, key: str, rank: int, size: int, settings
     return channel
 
 
-def _open_network(auth: StoreAuth, key: str, rank: int, size: int, settings,
+def _open_network(auth: StoreAuth, key: str, rank: int, size: int, remote: int, settings,
                   timeout: timedelta, label: str) -> RdmTransport:
+    """The group's rdm transport, its peers' addresses known; ``remote``: how many ranks of
+    the group are on other nodes (the most this rank may open rails to: see driver.py)."""
     store = auth.store
     if settings.auth_key:
         job_key = derive_key(settings.auth_key)
@@ -258,9 +261,9 @@ def _open_network(auth: StoreAuth, key: str, rank: int, size: int, settings,
                        label=label or f"rank {rank}")
     try:
         try:  # room for this group's connections, or every rank is told why not
-            fd_budget.reserve(settings.rails * (size - 1),
-                              f"{settings.rails} rail(s) to each of {size - 1} peer(s)",
-                              f"NEURON_DIST_RAILS=1 needs {size - 1}")
+            fd_budget.reserve(settings.rails * remote,
+                              f"{settings.rails} rail(s) to each of {remote} peer(s) on "
+                              f"other nodes", f"NEURON_DIST_RAILS=1 needs {remote}")
         except DescriptorLimit as e:
             why = f"rank {rank}: {e}"
             auth.set(f"{key}/addr/{rank}", _REFUSED_ADDRESS + why)

@@ -135,7 +135,9 @@ class NetTransport(Protocol):
     address: str  # where peers reach this rank (for logs)
 
     def connect(self, peers, deadline: float) -> None:
-        """Reach every rank of ``peers`` ({rank: address} or ranks), or ``PeerTimeout``."""
+        """Make every rank of ``peers`` ({rank: address} or ranks) reachable by ``deadline``,
+        or ``PeerTimeout``. A transport may open its connections here or on first use
+        (rdm opens a peer's rails when it first sends to it, with the same time budget)."""
 
     def isend(self, peer: int, tag: int, buf, callback=None) -> NetRequest:
         """Send the bytes of ``buf`` to ``peer`` on stream ``tag``."""

@@ -1,5 +1,6 @@
 """Run by test_multinic.py on 2 virtual nodes with two links each (eth0, eth1), 1 rank per
-node, 4 rails between them. Reports which local addresses the rails use, then runs
+node, 4 rails between them. Reports which local addresses the rails use (once the first
+all_reduces have opened them), then runs
 all_reduces of 32 MiB and send/recv of 16 MiB; in the middle of one of them rank 1 takes
 its eth1 down (its own namespace: one NIC of the node is lost). Every result is checked;
 the times around the cut are reported as one JSON line per rank (``NIC_JOB ...``)."""
@@ -16,9 +17,6 @@ import torch.distributed as dist
 dist.init_process_group("neuron")
 rank, world = dist.get_rank(), dist.get_world_size()
 net = dist.group.WORLD._get_backend(torch.device("cpu"))._net
-rails = [r for rs in net._rails.values() for r in rs if r is not None]
-report = {"rank": rank, "rail_addrs": sorted({r.sock.getsockname()[0] for r in rails}),
-          "address": net.address}
 
 n = 8 << 20  # float32 elements: 32 MiB
 bad = []
@@ -46,6 +44,9 @@ def check_p2p(i):
 for i in range(2):
     check_all_reduce(i)
 dist.barrier()
+rails = [r for rs in net._rails.values() for r in rs if r is not None]  # (open on first use)
+report = {"rank": rank, "rail_addrs": sorted({r.sock.getsockname()[0] for r in rails}),
+          "address": net.address}
 cut_at = None
 if rank == 1:
     def cut():

@@ -357,3 +357,38 @@ def test_a_rank_without_descriptors_for_its_rails_fails_every_rank_at_once_namin
         assert "NEURON_DIST_RAILS=1 needs 2" in res["error"], (rank, res)
         assert res["seconds"] < 30, (rank, res)  # not the 60 s timeout
     del store
+
+
+def _rails_after_collectives(rank, world):
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    out = torch.empty(world * t.numel())
+    dist.all_gather_into_tensor(out, t)
+    dist.reduce_scatter_tensor(t, out)
+    dist.barrier()
+    before = sorted(pg._net._rails)
+    other = 3 - rank  # on the other node, not the partner: a send opens rails
+    if rank < 2:
+        dist.send(torch.full((10,), float(rank)), other)
+    else:
+        got = torch.empty(10)
+        dist.recv(got, other)
+        assert torch.equal(got, torch.full((10,), float(other)))
+    dist.barrier()
+    return {"before": before, "after": sorted(pg._net._rails),
+            "up": sorted(pg._net._up)}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_opens_rails_only_to_the_ranks_it_talks_to():
+    """Rails open on first use: after the collectives of a 2 x 2 group, a rank has rails to
+    its partner on the other node only (not to the rank beside it, nor to the other rank
+    there), until a send to that other rank opens them too."""
+    results = run_ranks(_rails_after_collectives, 4, env=_env(["a", "a", "b", "b"]),
+                        timeout=100)
+    for rank, out in results.items():
+        partner, other = (rank + 2) % 4, 3 - rank
+        assert out["before"] == [partner], (rank, out)
+        assert out["after"] == out["up"] == sorted([partner, other]), (rank, out)

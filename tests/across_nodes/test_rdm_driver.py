@@ -28,16 +28,22 @@ pytestmark = pytest.mark.timeout(60)
 KEY, GROUP = os.urandom(32), b"test-group"
 
 
-def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2, group=GROUP):
-    """``world`` connected transports of one group, in this process."""
+def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2, group=GROUP, open_rails=True):
+    """``world`` transports of one group, in this process, with the rails between every two
+    of them open (``open_rails``; else they open on first use)."""
     ts = [RdmTransport(r, world, host="127.0.0.1", rails=rails, key=KEY, group=group,
                        segment_bytes=segment_bytes, crc=crc, rto=0.5) for r in range(world)]
     addrs = {r: t.address for r, t in enumerate(ts)}
-    threads = [threading.Thread(target=t.connect, args=(addrs, time.monotonic() + 10)) for t in ts]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    for t in ts:
+        t.connect(addrs, time.monotonic() + 10)
+    if open_rails:
+        for hi, t in enumerate(ts):
+            for lo in range(hi):
+                t._open_rails(lo)
+        end = time.monotonic() + 10  # (the acceptor adds the last rail just after the dialer)
+        while not all(len(t._up) == world - 1 for t in ts):
+            assert time.monotonic() < end, "rails not up in time"
+            time.sleep(0.001)
     return ts
 
 

@@ -3,10 +3,15 @@
 How it works
 ------------
 Every process listens on one TCP socket per interface address (port 0; listener.py),
-shared by all its groups, and a rank publishes ``host:port`` for each of its groups. For
-each pair of ranks that must talk, the higher rank dials the lower one ``rails`` times;
-each connection is authenticated for its group (handshake.py) and becomes rail ``i`` of
-that pair at both ends. All protocol logic lives in the sans-I/O
+shared by all its groups, and a rank publishes ``host:port`` for each of its groups.
+Connections are opened on first use: the first time a rank sends to a peer, it dials it
+``rails`` times (``_open_rails``); each connection is authenticated for its group
+(handshake.py) and becomes rail ``i`` of that pair at both ends, carrying traffic both
+ways. So a rank holds connections only to the ranks it talks to: in a group that spans
+nodes, its counterparts on the other nodes, not every rank (4 rails to each of 63 peers
+would be 252 descriptors per group on 8 nodes of 8). When two ranks dial each other at
+once, the higher rank's rails are kept and the lower rank waits for them (the listener
+answers its dial with ``Crossed``). All protocol logic lives in the sans-I/O
 ``protocol.Endpoint``; this module only moves its frames, under the transport's lock.
 
 Rails are non-blocking sockets in the process's one progress engine (progress.py), which
@@ -76,6 +81,8 @@ _OUT = select.EPOLLOUT
 _HEADER, _PAYLOAD, _TRAILER, _ASIDE = range(4)  # what a rail is reading
 _INBUF = 64 << 10  # a rail reads small frames in bulk into this much read-ahead ...
 _DIRECT = 16 << 10  # ... and the rest of a payload from this size straight into place
+_DIALING, _ACCEPTING = "dialing", "accepting"  # how a peer's rails are being opened
+_REFUSED_RETRY = 2.0  # seconds a dial retries a refused connection (a listener starting)
 
 
 class _CopyPool:
@@ -215,8 +222,14 @@ class RdmTransport:
                            ack_delay=ack_delay, notice_tags=(ABORT_TAG,))
         self._max_payload = max(segment_bytes, F.MAX_ACKS_PER_FRAME * F.ACK_ENTRY.size)
         self._lock = threading.RLock()  # (a callback may post from inside a completion)
-        self._rails: dict[int, list] = {}
+        self._rails: dict[int, list] = {}  # peer -> its rails by index (None: not yet)
+        self._up: set[int] = set()  # peers whose rails are all open
+        self._links: dict = {}  # peer -> _DIALING or _ACCEPTING while its rails open
+        self._reserved: set = set()  # (peer, rail) accepted, not yet added
+        self._notices: dict = {}  # peer -> abort notice to send once its rails are up
         self._expected: set[int] = set()
+        self._addresses: dict = {}
+        self._connect_timeout = 300.0
         self._connected = threading.Condition(self._lock)
         self._sends: dict = {}
         self._copies: dict = {}  # (peer, msg_id) -> the copy of an eager send, until acked
@@ -242,44 +255,98 @@ class RdmTransport:
     # ------------------------------------------------------------------ set-up
 
     def connect(self, peers: dict, deadline: float) -> None:
-        """Open ``rails`` authenticated connections to each of ``peers`` ({rank: address},
-        an address being ``"host:port"`` or several, comma-separated, one per interface).
+        """Learn where the other ranks are: ``peers`` is {rank: address}, an address being
+        ``"host:port"`` or several, comma-separated, one per interface.
 
-        Ranks dial the lower-numbered peers and accept the higher-numbered ones; rail ``i``
-        goes from this rank's address ``i % n`` to the peer's address ``i % m``. Returns
-        when every rail to every peer is up.
-
-        Raises
-        ------
-        PeerTimeout
-            Some peers were not connected by ``deadline``.
+        No connection is opened here: the rails to a peer are opened when a message is
+        first sent to it (``_open_rails``), so a rank holds connections only to the ranks
+        it talks to (in a group spanning nodes: its counterparts on the other nodes, not
+        every rank). Opening rails may take as long as ``deadline`` leaves now.
         """
         with self._lock:
             self._expected = set(peers) - {self.rank}
-        for peer in sorted(p for p in self._expected if p < self.rank):
-            theirs = [_split(a) for a in peers[peer].split(",")]
+            self._addresses = {p: a for p, a in peers.items() if p != self.rank}
+            self._connect_timeout = max(1.0, deadline - time.monotonic())
+
+    def _open_rails(self, peer: int, deadline: float | None = None) -> None:
+        """Return once the ``rails`` connections to ``peer`` are up, opening them if nobody
+        has: this rank dials rail 0, 1, ... in turn (rail ``i`` goes from this rank's
+        address ``i % n`` to the peer's address ``i % m``). When both ranks dial each
+        other at once, the higher rank's rails are kept (its listener answers the other's
+        dial with ``Crossed``) and the lower rank waits for them.
+
+        Raises
+        ------
+        PeerUnreachable
+            The rails could not be opened (the peer's process is gone, refused us, or a
+            connection broke while opening); the peer is failed for this transport.
+        PeerTimeout
+            The peer's rails did not come up by ``deadline``.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + self._connect_timeout
+        if self._wait_rails(peer, deadline, dial=True):
+            return
+        try:
+            theirs = [_split(a) for a in self._addresses[peer].split(",")]
             for rail in range(self.nrails):
                 host, port = theirs[rail % len(theirs)]
                 self._dial(peer, host, port, rail, deadline)
+        except handshake.Crossed:
+            pass  # the peer opens them: wait below
+        except BaseException as e:
+            if isinstance(e, (PeerUnreachable, PeerTimeout)):
+                error = e
+            elif isinstance(e, TimeoutError):  # it took the connection but never answered
+                error = PeerTimeout([peer], 0.0, f"rank {peer} did not answer rank "
+                                                 f"{self.rank}'s connection in time (stalled?)",
+                                    network=True)
+            else:
+                error = PeerUnreachable(peer, f"could not open rails to rank {peer}: "
+                                              f"{type(e).__name__}: {e}")
+            with self._lock:
+                self._link_failed(peer, error)
+            raise error from None
+        self._wait_rails(peer, deadline, dial=False)
+
+    def _wait_rails(self, peer: int, deadline: float, dial: bool) -> bool:
+        """Wait until ``peer``'s rails are up (True) or, with ``dial``, until nobody is
+        opening them (False: the caller now is, and must dial)."""
         with self._lock:
-            while not self._closed:
-                missing = [p for p in sorted(self._expected)
-                           if None in self._rails.get(p, [None])]
-                if not missing:
-                    return
+            while True:
+                if peer in self._up:
+                    return True
+                self._check_usable(peer)
+                if dial and peer not in self._links:
+                    self._links[peer] = _DIALING
+                    return False
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PeerTimeout(missing, 0.0, f"rank(s) {missing} did not open their "
-                                                    f"{self.nrails} rail(s) to rank {self.rank} in time")
+                if remaining <= 0:  # (half-open rails are no use: the pair is failed)
+                    error = PeerTimeout([peer], 0.0, f"the rails between rank {self.rank} and "
+                                                     f"rank {peer} did not come up in time",
+                                        network=True)
+                    self._link_failed(peer, error)
+                    raise error
                 self._connected.wait(min(remaining, 0.5))
-        raise ChannelClosed("transport closed while connecting")
+
+    def _link_failed(self, peer: int, error: Exception) -> None:
+        """Under the lock: opening the rails to ``peer`` failed; so does everything with it."""
+        self._links.pop(peer, None)
+        if peer not in self._failed:
+            self._failed[peer] = error
+            self._fail_peer_requests(peer, error)
+        for rail in self._rails.get(peer, ()):
+            if rail is not None:
+                self._drop(rail)
+        self._connected.notify_all()
 
     def _dial(self, peer: int, host: str, port: int, rail: int, deadline: float) -> None:
+        refused_until = time.monotonic() + _REFUSED_RETRY
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PeerTimeout([peer], 0.0, f"could not connect rail {rail} to rank {peer} "
-                                               f"at {host}:{port}")
+                                               f"at {host}:{port}", network=True)
             source = self._hosts[rail % len(self._hosts)]
             try:
                 sock = socket.create_connection(
@@ -287,6 +354,9 @@ class RdmTransport:
                     source_address=(source, 0) if len(self._hosts) > 1 else None)
                 break
             except ConnectionRefusedError:
+                if time.monotonic() > refused_until:  # its listener is gone: so is it
+                    raise PeerUnreachable(peer, f"rank {peer} refuses connections at "
+                                                f"{host}:{port} (its process is gone)") from None
                 time.sleep(0.05)
         try:
             session = handshake.dial(sock, self._key, self._group, self.rank, rail, peer)
@@ -295,12 +365,28 @@ class RdmTransport:
             raise
         self._add_rail(sock, peer, rail, session, dialer=True)
 
-    def _may_dial(self, rank: int, rail: int) -> bool:
-        """May ``rank`` open rail ``rail`` to this rank now (the listener asks)?"""
+    def _may_dial(self, rank: int, rail: int):
+        """May ``rank`` open rail ``rail`` to this rank now (the listener asks)? True,
+        False, or ``handshake.CROSSED`` (this rank is dialing ``rank`` too and has the
+        higher rank: its own rails are kept)."""
         with self._lock:
-            return (self.rank < rank < self.world_size and rail < self.nrails
-                    and not self._closed
-                    and self._rails.get(rank, [None] * self.nrails)[rail] is None)
+            if (self._closed or not 0 <= rank < self.world_size or rank == self.rank
+                    or not 0 <= rail < self.nrails):
+                return False
+            state = self._links.get(rank)
+            if rail == 0 and rank < self.rank and (state is _DIALING or rank in self._up):
+                return handshake.CROSSED  # (a dial that crossed ours may come in late)
+            if ((rank, rail) in self._reserved
+                    or self._rails.get(rank, [None] * self.nrails)[rail] is not None):
+                return False
+            if rail == 0:
+                if rank in self._up or state is _ACCEPTING:
+                    return False
+                self._links[rank] = _ACCEPTING  # (our own dial, if any, gets Crossed)
+            elif state is not _ACCEPTING:
+                return False  # rails after the first come from whoever opened rail 0
+            self._reserved.add((rank, rail))
+            return True
 
     def _accepted(self, sock, peer: int, index: int, session: bytes = b"") -> None:
         """An authenticated connection from ``peer`` for rail ``index`` (the listener)."""
@@ -326,12 +412,20 @@ class RdmTransport:
         mac = RailMac(session, dialer, self._mac[1]) if self._mac[0] else None
         rail = _Rail(sock, peer, index, mac)
         with self._lock:
+            self._reserved.discard((peer, index))
             if self._closed:
                 sock.close()
                 return
             rails = self._rails.setdefault(peer, [None] * self.nrails)
             rails[index] = rail
             self._engine.register(rail.fd, self, rail, rail.events)
+            if None not in rails:
+                self._up.add(peer)
+                self._links.pop(peer, None)
+                notice = self._notices.pop(peer, None)
+                if notice is not None:  # (it failed us before there were rails to tell it)
+                    self._send_notice(peer, notice)
+                    self._pump()
             self._connected.notify_all()
 
     # ------------------------------------------------------------------ requests
@@ -346,6 +440,8 @@ class RdmTransport:
         Larger ones complete when acknowledged. ``callback(request)``, if given, runs on
         the engine's callback thread when the request completes (successfully or not).
         """
+        if peer not in self._up:
+            self._open_rails(peer)
         view = memoryview(buf).cast("B")
         n = view.nbytes
         with self._lock:
@@ -449,7 +545,7 @@ class RdmTransport:
                 req.source = early[0]
                 self._complete_recv(req, early[1])
                 return req
-            alive = [p for p in self._rails if p not in self._failed]
+            alive = [p for p in self._expected if p not in self._failed]
             if not alive:
                 raise next(iter(self._failed.values()), ValueError("no peer connected"))
             self._any.setdefault(tag, deque()).append(req)
@@ -520,19 +616,27 @@ class RdmTransport:
         kind = ABORTED_TIMEOUT if isinstance(error, PeerTimeout) else ABORTED
         payload = bytes([kind]) + (f"rank {self.rank} withdrew a request with this rank: "
                                    f"{error}").encode("utf-8", "replace")[:4000]
-        try:
-            self.ep.send(peer, ABORT_TAG, payload)
-        except Exception:  # noqa: BLE001 - the peer is gone already
-            pass
+        if peer in self._up:
+            self._send_notice(peer, payload)
+        else:  # told when it opens its rails (to send to us: only then does it need to know)
+            self._notices[peer] = payload
         self._fail_peer_requests(peer, error)
+
+    def _send_notice(self, peer: int, payload: bytes):
+        """Under the lock: send ``peer`` an abort notice; its msg_id, or None."""
+        try:
+            return self.ep.send(peer, ABORT_TAG, payload)
+        except Exception:  # noqa: BLE001 - the peer is gone already
+            return None
 
     def _check_usable(self, peer: int) -> None:
         if self._closed:
             raise ChannelClosed(f"rdm transport of {self._label} is closed")
         if peer in self._failed:
             raise self._failed[peer]
-        if peer not in self._rails:
-            raise ValueError(f"rank {peer} is not connected to rank {self.rank}")
+        if peer not in self._expected:
+            raise ValueError(f"rank {peer} is not a peer of rank {self.rank} in this group "
+                             f"(ranks 0..{self.world_size - 1})")
 
     def _complete_recv(self, req: Request, data) -> None:
         n = len(data) if not isinstance(data, memoryview) else data.nbytes
@@ -837,7 +941,7 @@ class RdmTransport:
         self._fail_peer_requests(peer, error)
 
     def _fail_peer_requests(self, peer: int, error: Exception) -> None:
-        if all(p in self._failed for p in self._rails):  # nobody left to send to us
+        if all(p in self._failed for p in self._expected):  # nobody left to send to us
             for q in self._any.values():
                 for req in q:
                     req._finish(error)
@@ -851,28 +955,34 @@ class RdmTransport:
                 self._fail_recv(req, error)
 
     def abort(self, reason: str, kind: int = ABORTED, grace: float = 0.5) -> None:
-        """Tell every connected peer that this rank failed the group, then close.
+        """Tell every peer that this rank failed the group, then close.
 
         Peers' pending and later requests to or from this rank fail with ``PeerAborted``
         carrying ``reason`` and ``kind`` (so every rank can raise the same error class).
-        Waits at most ``grace`` seconds for the notices to be acknowledged.
+        Rails not open yet are opened for it, within half of ``grace``; waits at most
+        ``grace`` seconds in all for the notices to be acknowledged.
         """
         payload = bytes([kind]) + reason.encode("utf-8", "replace")[:4000]
         reqs = []
+        deadline = time.monotonic() + grace
+        if not self._closed:
+            for peer in sorted(self._expected - self._up - set(self._failed)):
+                try:
+                    self._open_rails(peer, deadline - grace / 2)
+                except Exception:  # noqa: BLE001 - best effort: it learns otherwise
+                    pass
         with self._lock:
             if self._closed:
                 return
-            for peer in list(self._rails):
+            for peer in sorted(self._up):
                 if peer not in self._failed:
-                    try:
-                        msg_id = self.ep.send(peer, ABORT_TAG, payload)
-                    except Exception:  # noqa: BLE001 - the peer is gone already
+                    msg_id = self._send_notice(peer, payload)
+                    if msg_id is None:
                         continue
                     req = Request(peer, ABORT_TAG, memoryview(payload), True, self)
                     self._sends[(peer, msg_id)] = req
                     reqs.append(req)
             self._pump()
-        deadline = time.monotonic() + grace
         for req in reqs:
             try:
                 req.wait(deadline)
@@ -920,6 +1030,11 @@ class RdmTransport:
             self.ep.release_claims(rail.peer, rail.index)
         self._drop(rail)
         if rail.peer not in self._failed and not self._closed:
+            if rail.peer not in self._up:  # broke while the rails were being opened
+                self._link_failed(rail.peer, PeerUnreachable(
+                    rail.peer, f"rail {rail.index} to rank {rail.peer} broke while the rails "
+                               f"were being opened: {reason}"))
+                return
             self.ep.rail_failed(rail.index, rail.peer)
             self._pump()
 

@@ -10,6 +10,12 @@ names the group, so a rail of one group is never accepted by another.
                                 | challenge_d (32)
                                 | HMAC-SHA256(key, b"dial" | group | challenge_a | rank | rail | dst)
     acceptor -> dialer   OK     b"NROK" | HMAC-SHA256(key, b"accept" | group | challenge_d | dst)
+                  or     CROSSED b"NRXX" | HMAC-SHA256(key, b"crossed" | group | challenge_d | dst)
+
+Rails are opened on first use, by the rank that sends first (driver.py), so two ranks may
+dial each other at once. The acceptor that is itself dialing the dialer and has the higher
+rank answers CROSSED instead of OK: its own rails will be the pair's, and the dialer
+(``Crossed``) waits for them instead of opening its own.
 
 One listener serves every group of a process: the group id (``group_id(group)``, a hash
 of the public group nonce) and ``dst`` tell the acceptor which group's rank is dialled
@@ -37,6 +43,7 @@ import time
 
 MAGIC = b"NRH2"
 OK = b"NROK"
+CROSSED = b"NRXX"
 _PROOF = struct.Struct("!4sIHI16s32s32s")
 _HELLO_SIZE = 4 + 32
 _OK_SIZE = 4 + 32
@@ -44,6 +51,11 @@ _OK_SIZE = 4 + 32
 
 class HandshakeError(ConnectionError):
     """A connection failed authentication or spoke something else than the handshake."""
+
+
+class Crossed(HandshakeError):
+    """Both ranks dialed each other at once, and the other rank's rails win (it has the
+    higher rank): wait for them instead of opening these."""
 
 
 def group_id(group: bytes) -> bytes:
@@ -99,7 +111,9 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
     ``resolve(group_id, dst)`` returns ``(owner, key, group, may_dial)`` for the group
     and rank dialled, or None (no such group here): ``may_dial(rank, rail)`` says whether
     that rank may open that rail to us now (a rank of this group, a rail not yet
-    connected). The whole handshake must end by ``deadline`` (``time.monotonic()``);
+    connected): True, False, or ``CROSSED`` (we are dialing that rank ourselves, and our
+    rails win: the dialer is told so, authenticated, and ``Crossed`` is raised here). The
+    whole handshake must end by ``deadline`` (``time.monotonic()``);
     without one, ``sock`` must have a timeout set.
 
     Raises
@@ -124,7 +138,15 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
     if not hmac.compare_digest(proof, expect):
         raise HandshakeError("authentication failed (wrong job key or group)")
     my_rank = dst
-    if not may_dial(rank, rail):
+    verdict = may_dial(rank, rail)
+    if verdict is CROSSED:
+        if deadline is not None:
+            _until(sock, deadline)
+        sock.sendall(CROSSED + _mac(key, b"crossed", group, their_challenge,
+                                    struct.pack("!I", my_rank)))
+        raise Crossed(f"rank {rank} and rank {my_rank} dialed each other; rank {my_rank}'s "
+                      f"rails are kept")
+    if not verdict:
         raise HandshakeError(f"rank {rank} may not open rail {rail} here (unknown or duplicate)")
     if deadline is not None:
         _until(sock, deadline)
@@ -140,6 +162,8 @@ def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
 
     Raises
     ------
+    Crossed
+        ``dst`` is dialing us at the same time, and its rails are kept.
     HandshakeError
         The other end is not ``dst`` of this job, or refused us.
     """
@@ -151,6 +175,9 @@ def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
     sock.sendall(_PROOF.pack(MAGIC, my_rank, rail, dst, group_id(group), challenge,
                              _mac(key, b"dial", group, hello[4:], ids)))
     answer = _read_exact(sock, _OK_SIZE)
+    if answer[:4] == CROSSED and hmac.compare_digest(
+            answer[4:], _mac(key, b"crossed", group, challenge, struct.pack("!I", dst))):
+        raise Crossed(f"rank {dst} is dialing rank {my_rank} too; rank {dst}'s rails are kept")
     expect = _mac(key, b"accept", group, challenge, struct.pack("!I", dst))
     if answer[:4] != OK or not hmac.compare_digest(answer[4:], expect):
         raise HandshakeError(f"rank {dst} at {sock.getpeername()} did not prove the job key")

@@ -135,7 +135,10 @@ class Listener:
         except Exception as e:  # noqa: BLE001 - a stranger must never hurt the job
             with self._lock:
                 self._handshakes.pop(conn, None)
-            self._strangers.note(f"refused a connection from {addr}: {e}")
+            if isinstance(e, handshake.Crossed):
+                log.debug("neuron listener: %s", e)  # (normal: both ends sent at once)
+            else:
+                self._strangers.note(f"refused a connection from {addr}: {e}")
             conn.close()
             return
         with self._lock:

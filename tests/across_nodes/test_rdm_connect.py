@@ -1,0 +1,224 @@
+"""Rails opened on first use: only between ranks that talk, one set per pair however the
+first messages cross, and a prompt error naming the peer when they cannot be opened.
+
+Real TCP rails on loopback between transports of one process (which share the process's
+listener, as the groups of a rank do).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from neuron_dist.transport.errors import PeerAborted, PeerUnreachable
+from across_nodes.test_rdm_driver import KEY, _pair
+from neuron_dist.transport.rdm.driver import RdmTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _closing(ts):
+    for t in ts:
+        t.close()
+
+
+def _open_sockets(t) -> list:
+    return [r.sock for rails in t._rails.values() for r in rails if r is not None and r.alive]
+
+
+def _consistent(a, b, rails):
+    """Rails between ``a`` and ``b``: ``rails`` of them at each end, rail i being one and the
+    same connection at both ends."""
+    end = time.monotonic() + 10
+    while not (b.rank in a._up and a.rank in b._up):
+        assert time.monotonic() < end, "rails not up at both ends"
+        time.sleep(0.001)
+    mine, theirs = a._rails[b.rank], b._rails[a.rank]
+    assert len(mine) == len(theirs) == rails
+    for i in range(rails):
+        assert mine[i].alive and theirs[i].alive, i
+        assert mine[i].sock.getsockname() == theirs[i].sock.getpeername(), i
+    assert not a._links and not b._links and not a._reserved and not b._reserved
+
+
+def test_rails_open_on_the_first_send_and_only_to_that_peer():
+    ts = _pair(world=3, open_rails=False)
+    try:
+        assert not any(_open_sockets(t) for t in ts)
+        buf = np.zeros(1000, np.uint8)
+        r = ts[2].irecv(0, 1, buf)
+        time.sleep(0.05)
+        assert not any(_open_sockets(t) for t in ts)  # a receive opens nothing
+        ts[0].isend(2, 1, np.full(1000, 5, np.uint8))
+        r.wait(time.monotonic() + 10)
+        assert (buf == 5).all()
+        _consistent(ts[0], ts[2], 3)
+        assert not _open_sockets(ts[1]) and list(ts[0]._rails) == [2]
+    finally:
+        _closing(ts)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_send_to_each_other_at_once_share_one_set_of_rails(world):
+    """Every rank sends to every other at the same moment, so dials cross: the pairs still
+    end with one set of rails each, and every message arrives intact."""
+    for trial in range(10 if world == 2 else 4):
+        ts = _pair(world=world, rails=3, open_rails=False)
+        try:
+            go = threading.Barrier(world)
+            errors = []
+
+            def run(t):
+                try:
+                    go.wait()
+                    sends = [t.isend(p, 3, np.full(70_000, t.rank, np.uint8))
+                             for p in range(world) if p != t.rank]
+                    for p in range(world):
+                        if p != t.rank:
+                            got = np.zeros(70_000, np.uint8)
+                            t.irecv(p, 3, got).wait(time.monotonic() + 20)
+                            assert (got == p).all(), (t.rank, p)
+                    for s in sends:
+                        s.wait(time.monotonic() + 20)
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+            threads = [threading.Thread(target=run, args=(t,)) for t in ts]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(30)
+            assert not errors, (trial, errors)
+            for a in ts:
+                for b in ts[a.rank + 1:]:
+                    _consistent(a, b, 3)
+        finally:
+            _closing(ts)
+
+
+def test_threads_of_one_rank_sending_first_open_the_rails_once():
+    ts = _pair(open_rails=False)
+    try:
+        go = threading.Barrier(4)
+        got = [np.zeros(10, np.uint8) for _ in range(4)]
+        rs = [ts[1].irecv(0, 10 + k, got[k]) for k in range(4)]
+
+        def send(k):
+            go.wait()
+            ts[0].isend(1, 10 + k, np.full(10, k, np.uint8))
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(20)
+        for k, r in enumerate(rs):
+            r.wait(time.monotonic() + 10)
+            assert (got[k] == k).all()
+        _consistent(ts[0], ts[1], 3)
+    finally:
+        _closing(ts)
+
+
+def test_a_peer_whose_group_is_gone_fails_the_first_send_promptly_by_name():
+    ts = _pair(open_rails=False)
+    ts[1].close()  # (the process's listener stays: it refuses the closed group)
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="rank 1"):
+            ts[0].isend(1, 1, np.zeros(10, np.uint8))
+        assert time.monotonic() - start < 5
+        with pytest.raises(PeerUnreachable, match="rank 1"):  # and stays failed
+            ts[0].isend(1, 1, np.zeros(10, np.uint8))
+    finally:
+        _closing(ts)
+
+
+def test_a_peer_whose_listener_is_gone_fails_the_first_send_promptly_by_name():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    t = RdmTransport(0, 2, host="127.0.0.1", rails=2, key=KEY, group=b"lonely")
+    try:
+        t.connect({0: t.address, 1: gone}, time.monotonic() + 60)
+        start = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="rank 1 refuses connections"):
+            t.isend(1, 1, np.zeros(10, np.uint8))
+        assert time.monotonic() - start < 10
+    finally:
+        t.close()
+
+
+def test_an_abort_reaches_a_peer_this_rank_never_talked_to():
+    ts = _pair(open_rails=False)
+    try:
+        r = ts[1].irecv(0, 1, np.zeros(10, np.uint8))
+        ts[0].abort("rank 0 gave up")
+        with pytest.raises(PeerAborted, match="rank 0 gave up"):
+            r.wait(time.monotonic() + 10)
+    finally:
+        _closing(ts)
+
+
+def test_a_withdrawn_receive_is_told_to_a_peer_that_opens_its_rails_later():
+    """Rank 1 gives up a receive from rank 0 before they ever talked: rank 0 learns it when
+    it opens its rails to send (its later sends fail naming why), and nothing lands."""
+    from neuron_dist.transport.errors import PeerTimeout
+    ts = _pair(open_rails=False)
+    try:
+        buf = np.zeros(100, np.uint8)
+        req = ts[1].irecv(0, 7, buf)
+        assert ts[1].cancel(req, PeerTimeout([0], 0.01, "rank 0 did not send it in time"))
+        try:
+            ts[0].isend(1, 7, np.full(100, 7, np.uint8))
+        except PeerAborted:
+            pass
+        end = time.monotonic() + 10
+        while 1 not in ts[0]._failed:
+            assert time.monotonic() < end
+            time.sleep(0.002)
+        with pytest.raises(PeerAborted, match="withdrew a request"):
+            ts[0].isend(1, 7, np.ones(3, np.uint8))
+        assert not buf.any()
+    finally:
+        _closing(ts)
+
+
+def test_a_crossing_dial_that_comes_in_after_the_rails_are_up_is_told_to_wait():
+    """Both ranks send first; rank 0's dial reaches rank 1's listener only after rank 1's
+    own rails are all up (a slow handshake thread). It must be answered "crossed" (wait for
+    the rails you already accepted), not refused: a refusal would fail the pair."""
+    ts = _pair(open_rails=False)
+    try:
+        real = ts[1]._may_dial
+
+        def late(rank, rail):
+            if rank == 0:
+                time.sleep(0.3)
+            return real(rank, rail)
+        ts[1]._may_dial = late
+        go = threading.Barrier(2)
+        errors = []
+
+        def run(t):
+            try:
+                go.wait()
+                if t.rank == 1:
+                    time.sleep(0.02)  # (rank 0 dials first, so its dial is the late one)
+                t.isend(1 - t.rank, 1, np.full(10, t.rank, np.uint8))
+                got = np.zeros(10, np.uint8)
+                t.irecv(1 - t.rank, 1, got).wait(time.monotonic() + 20)
+                assert (got == 1 - t.rank).all()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(t,)) for t in ts]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert not errors, errors
+        _consistent(ts[0], ts[1], 3)
+    finally:
+        _closing(ts)

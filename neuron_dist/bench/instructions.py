@@ -96,8 +96,8 @@ class ClientRequests:
             self._labels[label] = ctypes.create_string_buffer(label.encode())
 
     def dump(self, label: str) -> None:
-        """Write the counts since the last dump (one file per thread) and zero them; the
-        files say ``label`` (one of ``labels()``)."""
+        """Write the calling thread's counts since its last dump to a file of their own and
+        zero them; the file says ``label`` (one of ``labels()``)."""
         self._request(_DUMP_STATS_AT, ctypes.addressof(self._labels[label]))
 
 
@@ -215,6 +215,8 @@ def _measure(nodes: int, backends: list, args, workdir: str) -> list:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     prefix = os.path.join(workdir, f"callgrind.nodes{nodes}")
+    for old in glob.glob(glob.escape(prefix) + "*"):  # (a --keep directory used before)
+        os.remove(old)
     worker = ["-m", "neuron_dist.bench.instructions", "--worker", "--port", str(port),
               "--nodes", str(nodes), "--backends", ",".join(backends), "--ops", ",".join(args.ops),
               "--counts", ",".join(map(str, args.counts)), "--rounds", str(args.rounds),
@@ -222,26 +224,34 @@ def _measure(nodes: int, backends: list, args, workdir: str) -> list:
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
                 f"--callgrind-out-file={prefix}", f"--log-file={prefix}.log"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    started = time.monotonic()
-    procs = [subprocess.Popen([*valgrind, sys.executable, *worker, "--rank", "0"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-             subprocess.Popen([sys.executable, *worker, "--rank", "1"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-    outputs = []
-    try:
-        for p in procs:
-            left = max(1.0, args.timeout - (time.monotonic() - started))
-            outputs.append(p.communicate(timeout=left)[0])
+    logs = [f"{prefix}.rank{r}.out" for r in (0, 1)]
+    procs = []
+    for r, cmd in enumerate([[*valgrind, sys.executable], [sys.executable]]):
+        with open(logs[r], "w") as out:
+            procs.append(subprocess.Popen([*cmd, *worker, "--rank", str(r)], env=env,
+                                          stdout=out, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.timeout
+    try:  # until both are through, one fails or time is up
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() for p in procs):
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if any(p.returncode for p in procs):
-        tail = "\n".join(f"rank {r}: {ln}" for r, out in enumerate(outputs)
-                         for ln in out.splitlines()[-15:])
-        raise RuntimeError(f"instructions: the run on {nodes} node(s) failed (exit codes "
-                           f"{[p.returncode for p in procs]}):\n{tail}")
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        tail = []
+        for r, path in enumerate([*logs, f"{prefix}.log"]):
+            if not os.path.exists(path):
+                continue
+            with open(path, errors="replace") as f:
+                who = f"rank {r}" if r < 2 else "valgrind"
+                tail += [f"{who}: {ln}" for ln in f.read().splitlines()[-12:]]
+        raise RuntimeError(f"instructions: the run on {nodes} node(s) failed or timed out "
+                           f"(exit codes {codes}):\n" + "\n".join(tail))
     loops = plan(backends, args.ops, args.counts, args.rounds)
     rows = per_op(read_dumps(prefix), loops, args.counts)
     null = {r["op"]: r["instr_per_op"] for r in rows if r["backend"] == "null"}
@@ -351,7 +361,11 @@ def main(argv=None) -> int:
         for nodes, backends in runs:
             print(f"[instructions] {nodes} node(s): {','.join(backends)}", file=sys.stderr,
                   flush=True)
-            rows += _measure(nodes, backends, args, workdir)
+            try:
+                rows += _measure(nodes, backends, args, workdir)
+            except RuntimeError as exc:
+                print(exc, file=sys.stderr)
+                return 1
     meta = {"command": " ".join(["python -m neuron_dist.bench.instructions", *argv]),
             "started": started.isoformat(timespec="seconds"),
             "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -18,13 +18,13 @@ import pytest
 from neuron_dist.bench.instructions import parse_dump, per_op, plan, read_dumps
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(260)
 def test_instructions_tiny_run(tmp_path):
     out = tmp_path / "instr.json"
     cmd = [sys.executable, "-m", "neuron_dist.bench.instructions", "--run", "1:null,neuron",
-           "--ops", "all_reduce", "--counts", "20,60", "--rounds", "2", "--timeout", "120",
+           "--ops", "all_reduce", "--counts", "20,60", "--rounds", "2", "--timeout", "200",
            "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.stdout.startswith("# python -m neuron_dist.bench.instructions --run 1:null,neuron")
     doc = json.loads(out.read_text())

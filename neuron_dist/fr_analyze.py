@@ -3,7 +3,8 @@
     python -m neuron_dist.fr_analyze DIR_OR_FILES...
 
 For each process group found in the dumps it prints, per rank, the last collective that
-completed and the one it is stuck in (or failed in), then its verdict:
+completed and the one it is stuck in (or failed in), each with the algorithm neuron chose
+for it when the record names one (``[algo ...]``), then its verdict:
 
 * ranks *behind*: they never issued the sequence number the others are waiting in;
 * a *mismatch*: two ranks issued the same sequence number with different calls
@@ -78,17 +79,23 @@ def analyse(docs: list[dict]) -> tuple[list[str], bool]:
     return lines, problem
 
 
+def _what(rec: dict) -> str:
+    """A record's call, with the algorithm chosen for it if the record names one."""
+    algo = rec.get("algo")  # (absent from dumps written before it was recorded)
+    return f"{rec['call']} [algo {algo}]" if algo else rec["call"]
+
+
 def _rank_line(rank: int, recs: dict) -> str:
     done = [s for s, r in recs.items() if r["state"] == "completed"]
-    last = f"last completed #{max(done)} {recs[max(done)]['call']}" if done else "nothing completed"
+    last = f"last completed #{max(done)} {_what(recs[max(done)])}" if done else "nothing completed"
     open_ = sorted(s for s, r in recs.items() if r["state"] != "completed")
     if not open_:
         return f"rank {rank}: {last}"
     rec = recs[open_[0]]
     if rec["state"] == "failed":
-        return f"rank {rank}: {last}; FAILED in #{rec['seq']} {rec['call']}: {rec['error']}"
+        return f"rank {rank}: {last}; FAILED in #{rec['seq']} {_what(rec)}: {rec['error']}"
     since = rec["t_start"] or rec["t_issue"]
-    return f"rank {rank}: {last}; {rec['state']} #{rec['seq']} {rec['call']} (issued at {since:.3f})"
+    return f"rank {rank}: {last}; {rec['state']} #{rec['seq']} {_what(rec)} (issued at {since:.3f})"
 
 
 def main(argv=None) -> int:

@@ -37,18 +37,20 @@ import torch.multiprocessing as mp
 OPS = ("all_reduce", "broadcast", "all_gather", "send_recv")
 
 
-def _op(name: str, rank: int, world: int, t: torch.Tensor):
+def make_op(name: str, rank: int, world: int, t: torch.Tensor, group=None):
+    """One operation ``name`` (of ``OPS``) on ``t`` over ``group`` (default: the world) as a
+    callable without arguments; ``send_recv`` is one round trip between ranks 0 and 1."""
     if name == "all_reduce":
-        return lambda: dist.all_reduce(t)
+        return lambda: dist.all_reduce(t, group=group)
     if name == "broadcast":
-        return lambda: dist.broadcast(t, 0)
+        return lambda: dist.broadcast(t, 0, group=group)
     if name == "all_gather":
         out = torch.empty(world * t.numel(), dtype=t.dtype)
-        return lambda: dist.all_gather_into_tensor(out, t)
+        return lambda: dist.all_gather_into_tensor(out, t, group=group)
     peer = 1 - rank  # send_recv: ping-pong between ranks 0 and 1, one round trip per op
     if rank == 0:
-        return lambda: (dist.send(t, peer), dist.recv(t, peer))
-    return lambda: (dist.recv(t, peer), dist.send(t, peer))
+        return lambda: (dist.send(t, peer, group=group), dist.recv(t, peer, group=group))
+    return lambda: (dist.recv(t, peer, group=group), dist.send(t, peer, group=group))
 
 
 def thread_cpu() -> dict:
@@ -91,7 +93,7 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     dist.init_process_group(args.backend, store=store, rank=rank, world_size=world)
     t = torch.ones(max(1, args.bytes // 4))
-    op = _op(args.op, rank, world, t)
+    op = make_op(args.op, rank, world, t)
     for _ in range(200):
         op()
     # Every rank runs the same number of operations: rank 0 decides it from a short probe.

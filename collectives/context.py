@@ -86,10 +86,13 @@ class Context:
         if rec is not None:
             rec.algo = algorithm if rec.algo is None else f"{rec.algo}+{algorithm}"
 
-    def begin(self, call: Call, seq: int, deadline: float) -> None:
-        """Make this context describe a new call (a driver running one call at a time may
-        keep one context for all of them)."""
+    def begin(self, call: Call, seq: int, deadline: float, record=None) -> None:
+        """Make this context (and its ``net_call``) describe a new call (a driver running
+        one call at a time may keep one context for all of them)."""
         self.call, self.seq, self.deadline, self._checked = call, seq, deadline, False
+        self.record = record
+        if self.net_call is not None:
+            self.net_call.begin(call, seq, deadline)
 
     @property
     def checked(self) -> bool:

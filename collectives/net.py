@@ -62,6 +62,13 @@ class NetCall:
         self._heard: dict = {}  # peer -> (descriptor box, request, data dest or None)
         self._pending: list = []
 
+    def begin(self, call: Call, seq: int, deadline: float) -> None:
+        """Make this NetCall describe a new call (one call at a time may reuse one)."""
+        self.call, self.seq, self.deadline = call, seq, deadline
+        self._told.clear()
+        self._heard.clear()
+        self._pending.clear()
+
     def _words(self) -> bytes:
         return _DESC.pack(*self.call.words(self.seq), 0)
 

@@ -18,8 +18,8 @@ handling as every collective; the record names the plan's algorithm (its constan
 ``ALGORITHM``). The lane serves a call only where the selection tables
 (collectives/selection.py) pick the algorithm whose plan it holds. Anything unusual takes
 the general path: async_op, the profiler on, PREMUL_SUM (its factor changes per call), a
-non-contiguous or large tensor, uneven splits, a group that spans nodes, or an engine with
-work queued.
+non-contiguous or large tensor, uneven splits, or an engine with work queued. A group that
+spans nodes has its own lane (express_net.py), built on this one.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ class ExpressLane:
         ctx, call, plan_run = self._ctx, entry.call, entry.plan.run
 
         def run(seq: int, rec) -> None:
-            ctx.begin(call, seq, time.monotonic() + seconds)
+            ctx.begin(call, seq, time.monotonic() + seconds, rec)
             plan_run(ctx, *args)
 
         return (work if self._engine.run_now(run, work, entry.name, call, entry.nbytes, entry.algo)

@@ -37,6 +37,7 @@ from .config import Settings
 from .engine import CollectiveEngine
 from .flat import Flat
 from .express import ExpressLane
+from .express_net import NetExpressLane
 from .flight_recorder import install_signal_handler
 from .errors import (CollectiveMismatchError, GroupAbortedError, NeuronDistError, PeerDiedError,
                      PeerTimeoutError)
@@ -132,8 +133,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         install_signal_handler()
         self._p2p = PointToPoint(rank, size, self._channel, self._net, self._label,
                                  self._on_error, lambda: self._timeout_s, self._timeout_text)
-        self._express = None if self._net is not None else ExpressLane(
-            self._channel, self._engine, self._scratch, self._plans, self._selection, reduce_spec)
+        if self._net is None:
+            self._express = ExpressLane(self._channel, self._engine, self._scratch,
+                                        self._plans, self._selection, reduce_spec)
+        else:
+            self._express = NetExpressLane(
+                self._channel, self._engine, self._scratch, self._plans, self._selection,
+                reduce_spec, NetCall(self._net, self._topo, None, 0, 0.0,
+                                     scratch=self._net_call_scratch), self._algos)
         self._closed = False
         log.info("neuron: group rank %d/%d ready on node %r: shared memory %.1f MiB reserved "
                  "(slot %d KiB x2 per rank; %d KiB per send/recv pair on first use), one-step "

@@ -392,3 +392,43 @@ def test_a_rank_opens_rails_only_to_the_ranks_it_talks_to():
         partner, other = (rank + 2) % 4, 3 - rank
         assert out["before"] == [partner], (rank, out)
         assert out["after"] == out["up"] == sorted([partner, other]), (rank, out)
+
+
+def _express_across_nodes(rank, world):
+    from neuron_dist.flight_recorder import recorder
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    out = {"ok": []}
+    base = torch.arange(6, dtype=torch.float32) + 1
+    for i in range(6):
+        # the same call by the express lane on some ranks and the general path (async_op)
+        # on others, in turn: one algorithm, so the answers agree bit for bit
+        t = base * (rank + 1) + i
+        if (rank + i) % 2:
+            dist.all_reduce(t, async_op=True).wait()
+        else:
+            dist.all_reduce(t)
+        want = sum(base * (r + 1) + i for r in range(world))
+        out["ok"].append(torch.equal(t, want))
+        m = torch.tensor([float(rank), -float(rank)]) + i
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        out["ok"].append(m.tolist() == [world - 1.0 + i, float(i)])
+        for root in range(world):
+            b = torch.full((5,), float(rank * 10 + i), dtype=torch.float64)
+            dist.broadcast(b, root)
+            out["ok"].append(bool((b == root * 10 + i).all()))
+    out["entries"] = sorted(k[0] for k, v in pg._express._entries.items() if v is not None)
+    records = [r for r in recorder._ring if r.op == "all_reduce" and r.state == "completed"]
+    out["algos"] = sorted({str(r.algo) for r in records})  # (both paths: one algorithm)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("names", [["a", "b"], LAYOUTS["2x2"], LAYOUTS["3-nodes-interleaved"]],
+                         ids=["1+1", "2x2", "3-nodes-interleaved"])
+def test_small_collectives_across_nodes_take_the_express_lane(names):
+    results = run_ranks(_express_across_nodes, len(names), env=_env(names), timeout=100)
+    for rank, out in results.items():
+        assert all(out["ok"]), (rank, out["ok"])
+        # (one entry per reduce op, and per root)
+        assert out["entries"] == ["all_reduce"] * 2 + ["broadcast"] * len(names), (rank, out)
+        assert len(out["algos"]) == 1 and "None" not in out["algos"], (rank, out)

@@ -30,6 +30,23 @@ def _open_sockets(t) -> list:
     return [r.sock for rails in t._rails.values() for r in rails if r is not None and r.alive]
 
 
+def _on_threads(ts, fn) -> list:
+    """Run ``fn(t)`` for every transport at once, each on a thread; the errors raised."""
+    errors = []
+
+    def run(t):
+        try:
+            fn(t)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(t,)) for t in ts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return errors
+
+
 def _consistent(a, b, rails):
     """Rails between ``a`` and ``b``: ``rails`` of them at each end, rail i being one and the
     same connection at both ends."""
@@ -70,27 +87,19 @@ def test_ranks_that_send_to_each_other_at_once_share_one_set_of_rails(world):
         ts = _pair(world=world, rails=3, open_rails=False)
         try:
             go = threading.Barrier(world)
-            errors = []
 
             def run(t):
-                try:
-                    go.wait()
-                    sends = [t.isend(p, 3, np.full(70_000, t.rank, np.uint8))
-                             for p in range(world) if p != t.rank]
-                    for p in range(world):
-                        if p != t.rank:
-                            got = np.zeros(70_000, np.uint8)
-                            t.irecv(p, 3, got).wait(time.monotonic() + 20)
-                            assert (got == p).all(), (t.rank, p)
-                    for s in sends:
-                        s.wait(time.monotonic() + 20)
-                except BaseException as e:  # noqa: BLE001
-                    errors.append(e)
-            threads = [threading.Thread(target=run, args=(t,)) for t in ts]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join(30)
+                go.wait()
+                sends = [t.isend(p, 3, np.full(70_000, t.rank, np.uint8))
+                         for p in range(world) if p != t.rank]
+                for p in range(world):
+                    if p != t.rank:
+                        got = np.zeros(70_000, np.uint8)
+                        t.irecv(p, 3, got).wait(time.monotonic() + 20)
+                        assert (got == p).all(), (t.rank, p)
+                for s in sends:
+                    s.wait(time.monotonic() + 20)
+            errors = _on_threads(ts, run)
             assert not errors, (trial, errors)
             for a in ts:
                 for b in ts[a.rank + 1:]:
@@ -200,24 +209,16 @@ def test_a_crossing_dial_that_comes_in_after_the_rails_are_up_is_told_to_wait():
             return real(rank, rail)
         ts[1]._may_dial = late
         go = threading.Barrier(2)
-        errors = []
 
         def run(t):
-            try:
-                go.wait()
-                if t.rank == 1:
-                    time.sleep(0.02)  # (rank 0 dials first, so its dial is the late one)
-                t.isend(1 - t.rank, 1, np.full(10, t.rank, np.uint8))
-                got = np.zeros(10, np.uint8)
-                t.irecv(1 - t.rank, 1, got).wait(time.monotonic() + 20)
-                assert (got == 1 - t.rank).all()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-        threads = [threading.Thread(target=run, args=(t,)) for t in ts]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
+            go.wait()
+            if t.rank == 1:
+                time.sleep(0.02)  # (rank 0 dials first, so its dial is the late one)
+            t.isend(1 - t.rank, 1, np.full(10, t.rank, np.uint8))
+            got = np.zeros(10, np.uint8)
+            t.irecv(1 - t.rank, 1, got).wait(time.monotonic() + 20)
+            assert (got == 1 - t.rank).all()
+        errors = _on_threads(ts, run)
         assert not errors, errors
         _consistent(ts[0], ts[1], 3)
     finally:

@@ -790,3 +790,43 @@ def test_bytes_queued_behind_a_full_socket_move_while_nobody_waits(pair, monkeyp
     r.wait(time.monotonic() + 1)
     s.wait(time.monotonic() + 3)
     assert np.array_equal(src, dst)
+
+
+@pytest.mark.parametrize("n", [100, 300_000], ids=["eager", "large"])
+def test_a_receive_failed_with_its_peer_gets_nothing_that_arrives_later(pair, monkeypatch, n):
+    """Rank 1 withdraws one receive from rank 0, which fails its other receives from rank 0
+    too. A message rank 0 had already queued for one of those arrives afterwards: it is
+    discarded, never written into the failed receive's tensor."""
+    from neuron_dist.transport.errors import PeerTimeout
+    from neuron_dist.transport.rdm import driver as D
+    a, b = pair
+    real = D._send_some
+    held = {r.sock for rails in a._rails.values() for r in rails}
+    hold = threading.Event()
+    hold.set()
+
+    def holding(sock, views):  # rank 0's bytes wait in its queue while held
+        if sock in held and hold.is_set():
+            raise BlockingIOError
+        return real(sock, views)
+    monkeypatch.setattr(D, "_send_some", holding)
+    buf = np.zeros(n, np.uint8)
+    r7 = b.irecv(0, 7, np.zeros(4, np.uint8))
+    r8 = b.irecv(0, 8, buf)
+    a.isend(1, 8, np.full(n, 8, np.uint8))
+    with a._lock:
+        assert any(r.out for rails in a._rails.values() for r in rails)  # queued, not sent
+    assert b.cancel(r7, PeerTimeout([0], 0, "gave up"))
+    with pytest.raises(PeerTimeout, match="gave up"):
+        r8.wait(time.monotonic() + 1)
+    hold.clear()
+    with a._lock:
+        for rails in a._rails.values():
+            for r in rails:
+                a._flush(r)
+    end = time.monotonic() + 5  # until rank 1 has read the message
+    while not (b.ep.stats["discarded"] or buf.any()) and time.monotonic() < end:
+        time.sleep(0.005)
+    time.sleep(0.1)
+    assert not buf.any()
+    assert b.ep.stats["discarded"] >= 1, b.ep.stats

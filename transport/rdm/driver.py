@@ -585,9 +585,6 @@ class RdmTransport:
                     self._recvs.get((peer, req.tag), deque()).remove(req)
                 except ValueError:
                     pass
-                position = self._positions.pop(req, None)
-                if position is not None:
-                    self.ep.cancel_recv(peer, req.tag, position)
                 self._fail_recv(req, error)
             self._break_peer(peer, error)
             self._pump()
@@ -648,8 +645,12 @@ class RdmTransport:
         req._finish()
 
     def _fail_recv(self, req: Request, error: Exception) -> None:
-        """Under the lock: fail a receive; a payload being read into it goes to scratch."""
-        self._positions.pop(req, None)
+        """Under the lock: fail a receive. Its buffer is the caller's again at once: the
+        endpoint withdraws it (the message bound to it is discarded whenever it arrives),
+        and a payload being read into it goes on into scratch memory."""
+        position = self._positions.pop(req, None)
+        if position is not None:
+            self.ep.cancel_recv(req.peer, req.tag, position)
         self._unhook(req.buf.obj, req.peer)
         req._finish(error)
 

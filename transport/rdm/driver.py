@@ -459,8 +459,8 @@ class RdmTransport:
                 data = copy = bytes(view)
             else:
                 copy = self._pool.take(n)
-                copy[:n] = view
                 data = memoryview(copy)[:n]
+                data[:] = view  # (into a bytearray itself, a slice goes through a temporary copy)
             now = time.monotonic()
             sent = ep.send_now(peer, tag, data, now)
             if sent is None:

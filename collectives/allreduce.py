@@ -1,6 +1,7 @@
 """All-reduce over a step channel. Which algorithm runs: the ``all_reduce`` table of
-selection.py (by default one step up to NEURON_DIST_SMALL_BYTES, single copy from 1 MiB
-blocks when the node's ranks can read each other's memory, else two steps).
+selection.py (by default one step up to a slot while a rank reads at most 3 MiB of its
+peers' slots, single copy from 1 MiB blocks when the node's ranks can read each other's
+memory, else one step per chunk for two ranks and two steps for more).
 
 ``one_step``: every rank stages its input in its slot, then reduces all N slots itself (in
 rank order, so results are identical everywhere). One synchronisation, no second pass: the

@@ -52,8 +52,9 @@ def random_bytes(n: int, *seed) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def run(world: int, body, cma: bool = False) -> tuple[FakeGroup, list]:
-    group = FakeGroup(world, SLOT, cma=cma, small_bytes=SMALL)
+def run(world: int, body, cma: bool = False, algo: str = "") -> tuple[FakeGroup, list]:
+    group = FakeGroup(world, SLOT, cma=cma, small_bytes=SMALL,
+                      overrides=parse_overrides(algo, parse_bytes))
     return group, group.run(body, timeout=180)
 
 
@@ -91,8 +92,9 @@ def all_reduce_cases():
                 yield dtype, op, shape
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_all_reduce(world):
+@pytest.mark.parametrize("world,algo", [(w, "") for w in WORLDS] + [
+    (2, "all_reduce=two_step"), (3, "all_reduce=one_step")])  # (what the defaults don't pick)
+def test_all_reduce(world, algo):
     cases = list(all_reduce_cases())
 
     def body(ch):
@@ -106,7 +108,9 @@ def test_all_reduce(world):
             outs.append(out)
         return outs
 
-    _, results = run(world, body)
+    group, results = run(world, body, algo=algo)
+    if algo:  # (the table's choice, as every rank's context asked it)
+        assert allreduce.choose(group.selection, group, 2 * SLOT, 1) == algo.split("=")[1]
     failures = []
     for i, (dtype, op, shape) in enumerate(cases):
         n = math.prod(shape)

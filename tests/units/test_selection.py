@@ -9,7 +9,8 @@ import pytest
 
 from neuron_dist.collectives import alltoall, selection as sel
 from neuron_dist.collectives.selection import (HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
-                                              RING_BYTES, SINGLE_COPY_BYTES, Selection)
+                                              ONE_STEP_PEER_BYTES, RING_BYTES,
+                                              SINGLE_COPY_BYTES, Selection)
 from neuron_dist.config import Settings, parse_bytes
 
 SMALL, SLOT = 64 << 10, 1 << 20
@@ -39,15 +40,24 @@ def test_every_table_ends_with_a_row_that_always_holds_and_runs():
 
 def test_one_node_all_reduce_defaults():
     assert ar(D, 8) == ar(D, SMALL) == "one_step"
-    assert ar(D, SMALL + 4) == "two_step"
+    # one step up to a slot while a rank reads at most ONE_STEP_PEER_BYTES of peers' slots
+    assert ar(D, SLOT) == ar(D, SLOT, ranks=4) == "one_step"
+    assert ar(D, SLOT, ranks=5) == "two_step"
+    most = ONE_STEP_PEER_BYTES // 7 // 4 * 4  # 8 ranks: 7 peers' slots
+    assert ar(D, most, ranks=8) == "one_step" and ar(D, most + 4, ranks=8) == "two_step"
+    assert ar(D, SMALL, ranks=64) == "one_step"  # up to NEURON_DIST_SMALL_BYTES whatever N
     assert ar(D, 16 << 20, ranks=1) == "one_step"  # alone: one step per chunk
-    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=True) == "single_copy"  # blocks of 1 MiB
-    assert ar(D, 2 * SINGLE_COPY_BYTES - 8, cma=True) == "two_step"
-    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=False) == "two_step"
-    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=True, first=False) == "two_step"  # a later phase
+    # beyond a slot: single copy from blocks of 1 MiB; else two ranks take one step per
+    # chunk (as many bytes as two steps, half the synchronisations), more ranks two steps
+    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=True) == "single_copy"
+    assert ar(D, 4 * SINGLE_COPY_BYTES, ranks=4, cma=True) == "single_copy"
+    assert ar(D, SLOT + 4) == ar(D, 2 * SINGLE_COPY_BYTES - 8, cma=True) == "one_step"
+    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=False) == "one_step"
+    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=True, first=False) == "one_step"  # a later phase
+    assert ar(D, SLOT + 4, ranks=3) == ar(D, 4 * SINGLE_COPY_BYTES, ranks=4) == "two_step"
     # NEURON_DIST_SMALL_BYTES above the slot: one step only up to a slot
-    assert ar(Selection(4 << 20, SLOT), SLOT) == "one_step"
-    assert ar(Selection(4 << 20, SLOT), SLOT + 4) == "two_step"
+    assert ar(Selection(4 << 20, SLOT), SLOT, ranks=8) == "one_step"
+    assert ar(Selection(4 << 20, SLOT), SLOT + 4, ranks=8) == "two_step"
 
 
 def test_one_node_gather_and_scatter_defaults():
@@ -139,8 +149,9 @@ def test_overrides_force_an_algorithm_where_it_can_run():
 def test_override_ranges_and_order():
     s = over("all_reduce:0-64K=two_step, all_reduce:1M-=one_step")
     assert ar(s, 8) == ar(s, (64 << 10) - 4) == "two_step"
-    assert ar(s, 64 << 10) == "one_step"  # the default row: (64 K) <= small
-    assert ar(s, (64 << 10) + 4) == "two_step"  # default
+    # between the ranges, the default rows (64 ranks: one step only up to small)
+    assert ar(s, 64 << 10, ranks=64) == "one_step"
+    assert ar(s, (64 << 10) + 4, ranks=64) == "two_step"
     assert ar(s, 1 << 20) == ar(s, 1 << 30) == "one_step"
     s = over("all_reduce:-4K=direct,all_reduce=ring")  # first matching entry wins
     assert net(s, 4092, 3) == "direct" and net(s, 4096, 3) == "ring"

@@ -400,9 +400,9 @@ def test_crc_catches_corruption_and_the_rail_is_dropped(caplog):
     caplog.set_level(logging.WARNING, logger="neuron_dist.rdm")
     ts = [RdmTransport(r, 2, host="127.0.0.1", rails=2, key=KEY, group=GROUP,
                        segment_bytes=256 << 10, crc=True, rto=0.5) for r in range(2)]
-    # rank 1 dials rank 0 through the proxy; byte 78 + 64 + 1000 is inside the payload of the
-    # first DATA frame on rail 0 (after the 78-byte handshake proof and the frame header)
-    proxy = _CorruptingProxy(_host_port(ts[0]), at=78 + 64 + 1000)
+    # rank 1 dials rank 0 through the proxy; the byte flipped is inside the payload of the
+    # first DATA frame on rail 0 (after the handshake proof and the frame header)
+    proxy = _CorruptingProxy(_host_port(ts[0]), at=handshake._PROOF.size + F.HEADER_SIZE + 1000)
     try:
         addrs = {0: proxy.address, 1: ts[1].address}
         threads = [threading.Thread(target=t.connect, args=(addrs, time.monotonic() + 10)) for t in ts]

@@ -164,7 +164,9 @@ def test_an_abort_reaches_a_peer_this_rank_never_talked_to():
     ts = _pair(open_rails=False)
     try:
         r = ts[1].irecv(0, 1, np.zeros(10, np.uint8))
-        ts[0].abort("rank 0 gave up")
+        # (the default grace gives the rails a quarter second to open: a loaded machine
+        # may take longer, and the peer would then hear nothing)
+        ts[0].abort("rank 0 gave up", grace=5.0)
         with pytest.raises(PeerAborted, match="rank 0 gave up"):
             r.wait(time.monotonic() + 10)
     finally:

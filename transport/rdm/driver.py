@@ -1020,7 +1020,13 @@ class RdmTransport:
         rail.fd = -1
 
     def _rail_down(self, rail: _Rail, reason: str) -> None:
-        """Under the lock: ``rail`` broke; its traffic moves to the peer's other rails."""
+        """Under the lock: ``rail`` broke; its traffic moves to the peer's other rails.
+
+        While the rails are being opened, a broken one fails the pair (the dialer stops
+        dialing), unless the peer has dialed every rail and been answered: it holds them
+        up and sends already, though the listener's threads may not have handed the last
+        ones over here yet (``_answered_all``); then it is one rail lost, as a moment later.
+        """
         if not rail.alive:
             return
         if not self._closed:
@@ -1031,13 +1037,20 @@ class RdmTransport:
             self.ep.release_claims(rail.peer, rail.index)
         self._drop(rail)
         if rail.peer not in self._failed and not self._closed:
-            if rail.peer not in self._up:  # broke while the rails were being opened
+            if rail.peer not in self._up and not self._answered_all(rail.peer):
                 self._link_failed(rail.peer, PeerUnreachable(
                     rail.peer, f"rail {rail.index} to rank {rail.peer} broke while the rails "
                                f"were being opened: {reason}"))
                 return
             self.ep.rail_failed(rail.index, rail.peer)
             self._pump()
+
+    def _answered_all(self, peer: int) -> bool:
+        """Under the lock: has ``peer`` dialed every rail to this rank and been answered OK
+        (each one here, or reserved until the listener's thread hands it over)?"""
+        rails = self._rails.get(peer)
+        return rails is not None and all(r is not None or (peer, i) in self._reserved
+                                         for i, r in enumerate(rails))
 
     # ------------------------------------------------------------------ teardown
 

@@ -666,6 +666,65 @@ def _host_port_of(address):
     return host.strip("[]"), int(port)
 
 
+class _NoAnswer:
+    """A socket whose ``sendall`` of the acceptor's OK fails (the dialer hung up, or the
+    listener dropped the connection in between); everything else goes to ``sock``."""
+
+    def __init__(self, sock):
+        self._sock = sock
+
+    def sendall(self, data):
+        if bytes(data[:4]) == handshake.OK:
+            raise ConnectionResetError("the dialer is gone")
+        return self._sock.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_a_rail_granted_to_a_handshake_that_then_fails_is_given_back():
+    """Fault: once the listener granted a dialer a rail, the transport kept it reserved for
+    that dial; when the handshake failed afterwards (no OK could be sent, or the listener
+    dropped the connection), the reservation stayed and every later dial of that peer was
+    refused as a duplicate, so the pair could never open its rails."""
+    a, b = socket.socketpair()
+    released = []
+    dialer = threading.Thread(target=lambda: _swallow(handshake.dial, b, KEY, GROUP, 0, 0, 1))
+    dialer.start()
+    try:
+        with pytest.raises(ConnectionResetError):
+            handshake.accept(_NoAnswer(a), lambda gid, dst: (
+                None, KEY, GROUP, lambda rank, rail: True,
+                lambda rank, rail: released.append((rank, rail))),
+                deadline=time.monotonic() + 10)
+    finally:
+        a.close()
+        b.close()
+        dialer.join(10)
+    assert released == [(0, 0)]
+    # ... and the transport gives it back: the next dial of that rail is granted, and the
+    # pair then opens its rails and talks
+    ts = _pair(rails=2, open_rails=False)
+    try:
+        assert ts[1]._may_dial(0, 0) is True and ts[1]._may_dial(0, 0) is False
+        ts[1]._release(0, 0)
+        got = np.zeros(10, np.uint8)
+        r = ts[1].irecv(0, 1, got)
+        ts[0].isend(1, 1, np.full(10, 7, np.uint8))
+        r.wait(time.monotonic() + 10)
+        assert (got == 7).all() and 0 in ts[1]._up
+    finally:
+        for t in ts:
+            t.close()
+
+
+def _swallow(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the dialer's side of a failed handshake
+        pass
+
+
 def test_a_handshake_that_trickles_ends_at_its_one_deadline():
     """A stranger sending a byte every 0.1 s used to hold a connection as long as it liked
     (the timeout was per read); the whole handshake now has one deadline."""
@@ -683,7 +742,8 @@ def test_a_handshake_that_trickles_ends_at_its_one_deadline():
     start = time.monotonic()
     try:
         with pytest.raises((handshake.HandshakeError, OSError)):
-            handshake.accept(a, lambda gid, dst: (None, KEY, GROUP, lambda rank, rail: True),
+            handshake.accept(a, lambda gid, dst: (None, KEY, GROUP, lambda rank, rail: True,
+                                                 lambda rank, rail: None),
                              deadline=time.monotonic() + 0.5)
         # (with a deadline per read it would never end: the bytes keep coming)
         assert time.monotonic() - start < 5

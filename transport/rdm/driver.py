@@ -388,6 +388,21 @@ class RdmTransport:
             self._reserved.add((rank, rail))
             return True
 
+    def _release(self, rank: int, rail: int) -> None:
+        """The listener granted ``rank`` rail ``rail`` (``_may_dial``), then its handshake
+        failed: forget the reservation, so that a dial again can be granted. When it was
+        the rank's first rail and no other is here or on its way, the link is as if never
+        dialed; a later rail lost this way leaves the link half open, and the dialer, whose
+        dial failed, fails the pair (its rails break at both ends)."""
+        with self._lock:
+            self._reserved.discard((rank, rail))
+            rails = self._rails.get(rank)
+            if (self._links.get(rank) is _ACCEPTING and rank not in self._up
+                    and (rails is None or all(r is None for r in rails))
+                    and not any(p == rank for p, _ in self._reserved)):
+                self._links.pop(rank, None)
+                self._connected.notify_all()
+
     def _accepted(self, sock, peer: int, index: int, session: bytes = b"") -> None:
         """An authenticated connection from ``peer`` for rail ``index`` (the listener)."""
         self._add_rail(sock, peer, index, session, dialer=False)

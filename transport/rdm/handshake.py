@@ -108,13 +108,15 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
     """Authenticate a dialer on the accepted ``sock``; return ``(owner, rank, rail,
     session)``, ``session`` being the connection's ``session_key``.
 
-    ``resolve(group_id, dst)`` returns ``(owner, key, group, may_dial)`` for the group
-    and rank dialled, or None (no such group here): ``may_dial(rank, rail)`` says whether
-    that rank may open that rail to us now (a rank of this group, a rail not yet
+    ``resolve(group_id, dst)`` returns ``(owner, key, group, may_dial, release)`` for the
+    group and rank dialled, or None (no such group here): ``may_dial(rank, rail)`` says
+    whether that rank may open that rail to us now (a rank of this group, a rail not yet
     connected): True, False, or ``CROSSED`` (we are dialing that rank ourselves, and our
-    rails win: the dialer is told so, authenticated, and ``Crossed`` is raised here). The
-    whole handshake must end by ``deadline`` (``time.monotonic()``);
-    without one, ``sock`` must have a timeout set.
+    rails win: the dialer is told so, authenticated, and ``Crossed`` is raised here). A rail
+    granted (True) is the caller's to hand to ``owner`` once this returns; if the handshake
+    fails after the grant, ``release(rank, rail)`` gives it back here. The whole handshake
+    must end by ``deadline`` (``time.monotonic()``); without one, ``sock`` must have a
+    timeout set.
 
     Raises
     ------
@@ -133,7 +135,7 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
     if found is None:
         raise HandshakeError(f"rank {rank} dialled rank {dst} of a group this process does "
                              f"not have (wrong job, or a group that closed)")
-    owner, key, group, may_dial = found
+    owner, key, group, may_dial, release = found
     expect = _mac(key, b"dial", group, challenge, struct.pack("!IHI", rank, rail, dst))
     if not hmac.compare_digest(proof, expect):
         raise HandshakeError("authentication failed (wrong job key or group)")
@@ -148,9 +150,13 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
                       f"rails are kept")
     if not verdict:
         raise HandshakeError(f"rank {rank} may not open rail {rail} here (unknown or duplicate)")
-    if deadline is not None:
-        _until(sock, deadline)
-    sock.sendall(OK + _mac(key, b"accept", group, their_challenge, struct.pack("!I", my_rank)))
+    try:
+        if deadline is not None:
+            _until(sock, deadline)
+        sock.sendall(OK + _mac(key, b"accept", group, their_challenge, struct.pack("!I", my_rank)))
+    except BaseException:
+        release(rank, rail)
+        raise
     return owner, rank, rail, session_key(key, group, challenge, their_challenge, rank, rail,
                                           my_rank)
 

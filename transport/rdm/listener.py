@@ -145,5 +145,6 @@ class Listener:
             evicted = self._handshakes.pop(conn, None) is None
         if evicted:  # (it was closed under us: the dialer retries)
             conn.close()
+            owner._release(peer, rail)
             return
         owner._accepted(conn, peer, rail, session)

@@ -107,7 +107,7 @@ class Progress:
     def _resolve(self, gid: bytes, rank: int):
         with self._lock:
             t = self._groups.get((gid, rank))
-        return None if t is None else (t, t._key, t._group, t._may_dial)
+        return None if t is None else (t, t._key, t._group, t._may_dial, t._release)
 
     def register(self, fd: int, transport, rail, events: int) -> None:
         self._handlers[fd] = (transport, rail)

@@ -98,8 +98,8 @@ Assumptions
       counted from the code.
     * Steps are not overlapped with copies except where the code double-buffers (the model
       adds every step's cost); network phases do not overlap local phases.
-    * Thread and connection counts are not modelled: direct exchange opens rails to N-1
-      peers (4 TCP connections and 8 threads per peer and rank with 4 rails); its receive
+    * Connection counts are not modelled: direct exchange opens rails to N-1 peers (4 TCP
+      connections per peer and rank with 4 rails; no thread per rail); its receive
       buffers hold (N-1) x n bytes per node ('!' in the tables where that passes 64 GiB).
 
 Output: fitted parameters with their fit error; the check (predicted vs measured for every

@@ -13,6 +13,7 @@ from .context import Context, steps_for
 
 def broadcast(ctx: Context, buf, root: int) -> None:
     """Make the uint8 tensor ``buf`` on every rank equal to the root's."""
+    ctx.chose(OneSlot.ALGORITHM)
     cap = ctx.channel.slot_bytes
     n = buf.numel()
     if n <= cap:
@@ -34,7 +35,7 @@ class OneSlot:
     most one slot): ``views[p]`` is the root's slot of step parity ``p`` viewed like them."""
 
     __slots__ = ("views", "root")
-    ALGORITHM = None  # (broadcast has one algorithm inside a node: no selection table)
+    ALGORITHM = "slots"  # (the one algorithm inside a node: no selection table)
 
     def __init__(self, channel, like, root: int):
         self.root = root

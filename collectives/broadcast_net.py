@@ -19,6 +19,7 @@ def broadcast(ctx: Context, buf, root: int) -> None:
     """Make uint8 ``buf`` equal to the root's everywhere."""
     net_call = ctx.net_call
     topo = net_call.topo
+    ctx.chose("leaders")  # (the one layout across nodes: no selection table)
     root_node = topo.node_of(root)
     if topo.rank == root:
         for b in range(len(topo.nodes)):

@@ -419,6 +419,8 @@ def _express_across_nodes(rank, world):
     out["entries"] = sorted(k[0] for k, v in pg._express._entries.items() if v is not None)
     records = [r for r in recorder._ring if r.op == "all_reduce" and r.state == "completed"]
     out["algos"] = sorted({str(r.algo) for r in records})  # (both paths: one algorithm)
+    out["broadcast_algos"] = sorted({str(r.algo) for r in recorder._ring
+                                     if r.op == "broadcast" and r.state == "completed"})
     return out
 
 
@@ -432,3 +434,4 @@ def test_small_collectives_across_nodes_take_the_express_lane(names):
         # (one entry per reduce op, and per root)
         assert out["entries"] == ["all_reduce"] * 2 + ["broadcast"] * len(names), (rank, out)
         assert len(out["algos"]) == 1 and "None" not in out["algos"], (rank, out)
+        assert out["broadcast_algos"] == ["leaders+slots"], (rank, out)

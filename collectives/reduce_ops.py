@@ -25,6 +25,8 @@ CODES = {name: i + 1 for i, name in enumerate(
     (SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM, BAND, BOR, BXOR))}
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_WIDENED = (SUM, AVG, PREMUL_SUM, PRODUCT)  # what low-precision dtypes accumulate in float32
+_BOOL = torch.bool
 _BOOL_KIND = {SUM: BOR, MAX: BOR, BOR: BOR, PRODUCT: BAND, MIN: BAND, BAND: BAND, BXOR: BXOR}
 
 
@@ -69,12 +71,6 @@ _KERNELS = {
 _BOOL_KERNELS = {BOR: torch.logical_or, BAND: torch.logical_and, BXOR: torch.logical_xor}
 
 
-def _binary(kind: str, dtype: torch.dtype):
-    if dtype is torch.bool:
-        return _BOOL_KERNELS[_BOOL_KIND[kind]]
-    return _KERNELS[kind]
-
-
 class Scratch:
     """Reusable work buffers, grown on demand (bounded by the slot or chunk size).
 
@@ -100,18 +96,16 @@ def reduce_into(out: torch.Tensor, inputs: list, spec: ReduceSpec, nranks: int,
     ``out`` may alias ``inputs[0]`` or ``inputs[1]`` (the kernels are elementwise and those
     are read before ``out`` is written), no later input. AVG divides by ``nranks`` at the end.
     """
-    n = out.numel()
-    if n == 0:
-        return
+    kind, dtype = spec.kind, out.dtype
     if len(inputs) == 1:
         out.copy_(inputs[0])
-        if spec.kind == AVG:
+        if kind == AVG:
             _finish_avg(out, nranks)
         return
-    op = _binary(spec.kind, out.dtype)
-    accumulate = out.dtype in _LOW_PRECISION and spec.kind in (SUM, AVG, PREMUL_SUM, PRODUCT)
+    op = _BOOL_KERNELS[_BOOL_KIND[kind]] if dtype is _BOOL else _KERNELS[kind]
+    accumulate = dtype in _LOW_PRECISION and kind in _WIDENED
     if accumulate:
-        acc = scratch.get(n).view(out.shape)
+        acc = scratch.get(out.numel()).view(out.shape)
         acc.copy_(inputs[0])  # widen first, so even the first pair adds in float32
         rest = inputs[1:]
     else:
@@ -120,7 +114,7 @@ def reduce_into(out: torch.Tensor, inputs: list, spec: ReduceSpec, nranks: int,
         rest = inputs[2:]
     for x in rest:
         op(acc, x, out=acc)
-    if spec.kind == AVG:
+    if kind == AVG:
         _finish_avg(acc, nranks)
     if accumulate:
         out.copy_(acc)

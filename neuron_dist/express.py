@@ -39,6 +39,7 @@ from .work import NeuronWork
 
 _MAX_ENTRIES = 256
 _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM
+_SUM = dist.ReduceOp.SUM
 _MISSING = object()
 
 
@@ -171,10 +172,15 @@ class ExpressLane:
 
     def all_reduce(self, t, opts, seconds: float):
         """``dist.all_reduce(t)``: the completed Work, or None (take the general path)."""
-        if not self._usable(t):
+        # (_usable, written out: this is the most frequent small call)
+        if not (type(t) is torch.Tensor and t.is_cpu and t.is_contiguous()
+                and not _profiler._is_profiler_enabled):
             return None
         op = opts.reduceOp
-        key = ("all_reduce", t.dtype, t.shape, op.op)
+        # SUM, the usual op, is told by a comparison: reading the op's enum (``op.op``) and
+        # hashing and comparing it in the key are pybind calls (several µs together).
+        key = (("all_reduce", t.dtype, t.shape) if op == _SUM
+               else ("all_reduce", t.dtype, t.shape, op.op))
         entry = self._entries.get(key, _MISSING)
         if entry is _MISSING:
             entry = self._remember(key, self._all_reduce_entry(t, op))
@@ -248,7 +254,8 @@ class ExpressLane:
         work = entry.work
         # references: entry.work, the local `work`, getrefcount's argument
         if work is not None and sys.getrefcount(work) == 3 and work._future is None:
-            work._restart(outputs)
+            # NeuronWork._restart, written out (a call costs more than these stores)
+            work._outputs, work._finished, work._exception, work._source = outputs, False, None, -1
         else:
             work = entry.work = NeuronWork(outputs, entry.name)
         ctx, call, plan_run = self._ctx, entry.call, entry.plan.run

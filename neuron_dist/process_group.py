@@ -60,6 +60,7 @@ ACROSS_NODES = SimpleNamespace(
     reduce=rooted_net.reduce, gather=rooted_net.gather, scatter=rooted_net.scatter,
     all_to_all=alltoall_net.all_to_all, barrier=barrier_net.barrier)
 _UNSET = timedelta(milliseconds=-1)
+_NO_TIME = timedelta(0)
 
 
 _SPECS: dict = {}
@@ -238,7 +239,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     # ------------------------------------------------------------- machinery
     def _deadline_seconds(self, opts) -> float:
         t = getattr(opts, "timeout", _UNSET)
-        if t is None or t == _UNSET or t.total_seconds() <= 0:
+        if t is None or t <= _NO_TIME:  # (unset: c10d's -1 ms; a comparison, not a call)
             return self._timeout_seconds
         return t.total_seconds()
 

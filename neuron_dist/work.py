@@ -85,11 +85,10 @@ class NeuronWork(dist.Work):
         by the caller before its work is returned): no future, hooks or waiters exist."""
         self._finished = True
 
-    def _restart(self, outputs) -> None:
-        """Make this completed work pending again for a new call with ``outputs``. Only for
-        a work nobody else can reach: its maker has checked that it holds the only
-        reference (``sys.getrefcount``) and that no future was made from it."""
-        self._outputs, self._finished, self._exception, self._source = outputs, False, None, -1
+    # (Restarting a completed work for a new call, when nobody else can reach it, is done
+    # by express.py's ``_run``: its maker checks with ``sys.getrefcount`` that it holds the
+    # only reference and that no future was made from it, then resets ``_outputs``,
+    # ``_finished``, ``_exception`` and ``_source``.)
 
     def _look(self) -> None:
         """Complete a lazily completed work whose operation has finished."""

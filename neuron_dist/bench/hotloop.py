@@ -89,6 +89,8 @@ def _say(line: str) -> None:
 def _rank(rank: int, world: int, port: int, args) -> None:
     os.environ["NEURON_DIST_NODE_NAME"] = f"hotloop-node{rank * args.nodes // world}"
     import neuron_dist  # noqa: F401 - registers the backend in spawned processes
+    from neuron_dist.bench import null_pg
+    null_pg.register()  # --backend null: the dispatch floor (its ranks never synchronise)
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     dist.init_process_group(args.backend, store=store, rank=rank, world_size=world)

@@ -33,6 +33,18 @@ from .mailbox import ShmMailbox
 from . import procid
 from .segment import Segment
 
+class _Words(dict):
+    """Number of descriptor words -> its ``struct.Struct`` (each format parsed once; a
+    lookup is a plain dict lookup, not a Python call)."""
+
+    def __missing__(self, n: int) -> struct.Struct:
+        s = self[n] = struct.Struct(f"{n}q")
+        return s
+
+
+_WORDS = _Words()
+
+
 LIVENESS_PERIOD = 0.2  # seconds between checks that waited-for peers still run
 SLEEP_SLICE = 2e-3  # longest futex sleep before looking again (bounds a missed wake-up)
 
@@ -63,14 +75,16 @@ class ShmChannel:
         self._yield_seconds = yield_seconds
         self._max_sleep = max_sleep
         self._closed = False
-        self._epoch = 0
+        self.epoch = 0  # steps this rank has completed on this channel (read often: no property)
         self._w = memoryview(segment.map).cast("q")
         self._bytes = torch.frombuffer(segment.map, dtype=torch.uint8)
         n = self.size
         self._step_word = [layout.region(k) // 8 for k in range(n)]
         self._abort_word = [(layout.region(k) + L.ABORT_OFF) // 8 for k in range(n)]
         self._pid_word = [(layout.region(k) + L.PID_OFF) // 8 for k in range(n)]
-        self._desc_word = [(layout.region(k) + L.DESC_OFF) // 8 for k in range(n)]
+        # byte offsets of every rank's two descriptor buffers (parity = seq & 1)
+        self._desc_off = [[layout.region(k) + L.DESC_OFF + p * L.DESC_WORDS * 8 for p in (0, 1)]
+                          for k in range(n)]
         self._sleep_word = [(layout.region(k) + L.SLEEP_OFF) // 8 for k in range(n)]
         base = self._bytes.data_ptr()
         self._step_addr = [base + layout.region(k) for k in range(n)]
@@ -95,11 +109,11 @@ class ShmChannel:
     # ----------------------------------------------------------------- steps
     def my_slot(self, dtype=None):
         """My slot for the next step, as uint8 or (cached view) as ``dtype``."""
-        return self.slot(self.rank, (self._epoch + 1) & 1, dtype)
+        return self.slot(self.rank, (self.epoch + 1) & 1, dtype)
 
     def peer_slot(self, rank: int, dtype=None):
         """``rank``'s slot of the step just completed, as uint8 or ``dtype``."""
-        return self.slot(rank, self._epoch & 1, dtype)
+        return self.slot(rank, self.epoch & 1, dtype)
 
     def slot(self, rank: int, parity: int, dtype=None):
         """``rank``'s slot of step parity ``parity`` (``epoch & 1`` of the step that fills
@@ -117,41 +131,31 @@ class ShmChannel:
         return self.slot(rank, parity, like.dtype)[:like.numel()].view(like.shape)
 
     def step(self, deadline: float, descriptor=None) -> None:
-        e = self._epoch + 1
+        e = self.epoch + 1
         if descriptor is not None:
-            off = self._desc_word[self.rank] * 8 + (descriptor[0] & 1) * L.DESC_WORDS * 8
-            struct.pack_into(f"{len(descriptor)}q", self.segment.map, off, *descriptor)
-        w = self._w
+            _WORDS[len(descriptor)].pack_into(
+                self.segment.map, self._desc_off[self.rank][descriptor[0] & 1], *descriptor)
+        w, others = self._w, self._others
         w[self._step_word[self.rank]] = e
-        for k in self._others:
+        for k in others:
             if w[self._sleep_word[k]]:
                 futex.wake(self._step_addr[self.rank])
                 break
-        self._wait_step(e, deadline)
-        self._epoch = e
-
-    @property
-    def epoch(self) -> int:
-        """Steps this rank has completed on this channel."""
-        return self._epoch
-
-    def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
-        off = self._desc_word[rank] * 8 + (seq & 1) * L.DESC_WORDS * 8
-        return struct.unpack_from(f"{nwords}q", self.segment.map, off)
-
-    def _wait_step(self, e: int, deadline: float) -> None:
-        w = self._w
         sw = self._step_word
-        for k in self._others:
+        for k in others:
             if w[sw[k]] < e:  # someone is behind: wait (no list built when nobody is)
-                self._poll([k for k in self._others if w[sw[k]] < e], e, deadline)
+                self._poll([k for k in others if w[sw[k]] < e], e, deadline)
                 break
         # A peer that gave up (timeout, error) may have published this step before it did:
         # its counter alone does not prove it is still with us.
         aw = self._abort_word
-        for k in self._others:
+        for k in others:
             if w[aw[k]]:
                 raise PeerAborted(k, self.abort_reason(k), w[aw[k]])
+        self.epoch = e
+
+    def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
+        return _WORDS[nwords].unpack_from(self.segment.map, self._desc_off[rank][seq & 1])
 
     def _poll(self, pending, e: int, deadline: float) -> None:
         w = self._w

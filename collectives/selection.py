@@ -222,7 +222,7 @@ class Selection:
     """A group's selection: the tables above with its overrides in front, and its settings
     (``small_bytes``: NEURON_DIST_SMALL_BYTES, ``slot_bytes``: the shared-memory slot)."""
 
-    __slots__ = ("small_bytes", "slot_bytes", "_rows")
+    __slots__ = ("small_bytes", "slot_bytes", "_rows", "_memo")
 
     def __init__(self, small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20,
                  overrides: tuple = ()):
@@ -232,16 +232,32 @@ class Selection:
             front = tuple((o.algorithm, _in_range(o.lo, o.hi)) for o in overrides
                           if o.table == table)
             self._rows[table] = front + rows
+        # (table, nbytes, ranks, situation) -> algorithm: the rows are pure functions of
+        # these, and reading them is ~10k instructions, a tenth of a small collective
+        self._memo: dict = {}
 
     def select(self, table: str, nbytes: int, ranks: int, **situation) -> str:
         """The algorithm ``table`` picks for a call of ``nbytes`` among ``ranks`` ranks
         (the other fields of ``Situation`` as keywords)."""
+        key = (table, nbytes, ranks, *situation.items())
+        algorithm = self._memo.get(key)
+        if algorithm is None:
+            algorithm = self._select(table, nbytes, ranks, situation)
+            if len(self._memo) >= _MEMO_ENTRIES:
+                self._memo.clear()
+            self._memo[key] = algorithm
+        return algorithm
+
+    def _select(self, table: str, nbytes: int, ranks: int, situation: dict) -> str:
         s = Situation(nbytes, ranks, small_bytes=self.small_bytes, slot_bytes=self.slot_bytes,
                       **situation)
         for algorithm, holds in self._rows[table]:
             if holds(s) and RUNS.get(algorithm, _always)(s):
                 return algorithm
         raise AssertionError(f"selection table {table} has no row for {nbytes} B")  # pragma: no cover
+
+
+_MEMO_ENTRIES = 4096  # choices a Selection remembers (then it starts again)
 
 
 def _in_range(lo: int, hi: int | None):

@@ -134,8 +134,8 @@ class PointToPoint:
         if self._net is not None:
             return self._post_net(t, peer, tag, is_send, name)
         f = Flat(t, read=is_send)
-        req = Request(peer, int(tag), f.bytes, is_send,
-                      time.monotonic() + self._timeout())
+        data = f.bytes  # (a torch view: made once)
+        req = Request(peer, int(tag), data, is_send, time.monotonic() + self._timeout())
         work = NeuronWork([t], f"{req.describe()} in group {self._label()}")
         engine = self._engine()
 
@@ -146,7 +146,7 @@ class PointToPoint:
 
         req.callback = done
         work.driver = lambda deadline: engine.drive(req, deadline)
-        stats.add_call(f.bytes.numel())
+        stats.add_call(data.numel())
         engine.post(req)
         return work
 

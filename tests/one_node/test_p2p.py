@@ -287,3 +287,32 @@ def small_after_big(rank, world):
 
 def test_small_sends_keep_order_behind_queued_ones():
     assert all(run_ranks(small_after_big, 2, env=SMALL_MAILBOX, timeout=60).values())
+
+
+def kept_send_works(rank, world):
+    """A send that completes as it is posted hands back the last such Work again when
+    nothing else holds it; one the caller kept, or made a future from, stays its own."""
+    first, second = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    if rank == 0:
+        kept = dist.isend(first, 1)
+        kept.wait()
+        fut = dist.isend(second, 1).get_future()
+        fut.wait()
+        for i in range(3):
+            dist.send(torch.full((4,), 3.0 + i), 1)
+        return (kept.is_completed(), kept.result()[0] is first, fut.value()[0] is second,
+                kept is not fut)
+    got = []
+    for _ in range(5):
+        t = torch.empty(4)
+        dist.recv(t, 0)
+        got.append(t[0].item())
+    return got
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_send_work_someone_holds_is_never_reused(nodes):
+    env = (lambda r: {"NEURON_DIST_NODE_NAME": f"kept-node{r}"}) if nodes == 2 else None
+    results = run_ranks(kept_send_works, 2, env=env, timeout=90)
+    assert results[0] == (True, True, True, True), results
+    assert results[1] == [1.0, 2.0, 3.0, 4.0, 5.0], results

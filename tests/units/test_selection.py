@@ -212,3 +212,17 @@ def test_the_thresholds_are_defined_only_in_selection_py():
                     found += [f"{path.relative_to(repo)}:{node.lineno} {t.id}"
                               for t in node.targets if isinstance(t, ast.Name) and t.id in names]
     assert not found, found
+
+
+def test_a_remembered_choice_is_the_choice_for_that_very_situation():
+    """Selection remembers its answers: asked again it answers the same, and a question
+    that differs in any field (table, size, ranks, a keyword) is answered afresh."""
+    s = Selection(SMALL, SLOT)
+    big = 4 * SINGLE_COPY_BYTES
+    assert ar(s, big, cma=True) == "single_copy"
+    assert ar(s, big, cma=False) != "single_copy"  # (cma differs: not the remembered one)
+    assert ar(s, big, cma=True, first=False) != "single_copy"
+    assert ar(s, big, cma=True) == "single_copy"
+    assert net(s, RING_BYTES, 4) == "ring" and net(s, RING_BYTES, 2) != "ring"
+    forced = over("all_reduce=two_step")
+    assert ar(forced, 8) == "two_step" and ar(s, 8) == "one_step"  # per Selection

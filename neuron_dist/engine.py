@@ -89,9 +89,9 @@ class CollectiveEngine:
         is complete; False, with nothing done, otherwise. ``algo``: the algorithm, when the
         caller knows it already (the express lane's plans).
 
-        This is the small collectives' path, so it does ``_execute``'s work itself in the
-        usual case (a healthy group, no DEBUG trace): each Python call saved is ~1k
-        instructions of a small collective's ~100k.
+        This is the small collectives' path (about 100k instructions per call in all), so it
+        does ``_execute``'s work itself in the usual case (a healthy group, no DEBUG trace)
+        and leaves the rare cases to ``_execute``.
         """
         with self._mutex:
             if self._busy or self._queue or self._stopped:

@@ -270,3 +270,61 @@ def test_a_rail_that_breaks_before_the_acceptor_took_the_last_one_costs_only_tha
     finally:
         release.set()
         _closing(ts)
+
+
+def test_a_rail_that_breaks_before_the_dialer_took_the_last_one_costs_only_that_rail():
+    """Fault (seen once in CI, the rail-cut all_reduce test): the acceptor holds the rails
+    up once it has taken the last one, and sends; the dialer takes that rail a moment
+    after its handshake was answered. A rail that broke in between failed the pair at
+    the dialer ("broke while the rails were being opened"), where a moment later it would
+    have cost one rail."""
+    ts = _pair(open_rails=False)
+    release, taking_last = threading.Event(), threading.Event()
+    last = ts[0].nrails - 1
+    try:
+        real = ts[0]._add_rail
+
+        def late(sock, peer, index, session=b"", dialer=False):
+            if index == last:
+                taking_last.set()
+                release.wait(10)
+            return real(sock, peer, index, session, dialer)
+        ts[0]._add_rail = late
+        errors = []
+
+        def first_send():
+            try:
+                ts[0].isend(1, 1, np.full(10, 1, np.uint8))  # rank 0 dials every rail
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        sender = threading.Thread(target=first_send)
+        sender.start()
+        end = time.monotonic() + 10
+        while not (taking_last.is_set() and 0 in ts[1]._up):  # the acceptor holds them up
+            assert time.monotonic() < end, "rank 1 did not take every rail"
+            time.sleep(0.002)
+        assert 1 not in ts[0]._up
+        ts[1]._rails[0][0].sock.shutdown(socket.SHUT_RDWR)
+        while ts[0]._rails[1][0].alive:  # rank 0 sees rail 0 break while still dialing
+            assert time.monotonic() < end, "rank 0 did not see rail 0 break"
+            time.sleep(0.002)
+        release.set()
+        sender.join(10)
+        assert not errors, errors
+        src = np.random.default_rng(8).integers(0, 256, 1 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        first = np.zeros(10, np.uint8)
+        ts[1].irecv(0, 1, first).wait(time.monotonic() + 10)
+        r = ts[1].irecv(0, 2, dst)
+        ts[0].isend(1, 2, src).wait(time.monotonic() + 10)
+        r.wait(time.monotonic() + 10)
+        assert (first == 1).all() and np.array_equal(src, dst)
+        back = np.zeros(100, np.uint8)
+        r = ts[0].irecv(1, 3, back)
+        ts[1].isend(0, 3, np.full(100, 3, np.uint8))
+        r.wait(time.monotonic() + 10)
+        assert (back == 3).all() and 1 in ts[0]._up
+        assert not ts[0]._rails[1][0].alive and ts[0]._rails[1][last].alive
+    finally:
+        release.set()
+        _closing(ts)

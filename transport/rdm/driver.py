@@ -1037,10 +1037,13 @@ class RdmTransport:
     def _rail_down(self, rail: _Rail, reason: str) -> None:
         """Under the lock: ``rail`` broke; its traffic moves to the peer's other rails.
 
-        While the rails are being opened, a broken one fails the pair (the dialer stops
-        dialing), unless the peer has dialed every rail and been answered: it holds them
-        up and sends already, though the listener's threads may not have handed the last
-        ones over here yet (``_answered_all``); then it is one rail lost, as a moment later.
+        While the rails are being opened, a broken one fails the pair at the acceptor,
+        unless the peer has dialed every rail and been answered: it holds them up and sends
+        already, though the listener's threads may not have handed the last ones over here
+        yet (``_answered_all``); then it is one rail lost, as a moment later. At the dialer
+        it is one rail lost too: the acceptor may hold every rail up already (its answer to
+        the last dial is on its way here) and send on them; the dials left decide. When the
+        acceptor failed the pair, it refuses them, and the dialer fails it too.
         """
         if not rail.alive:
             return
@@ -1052,7 +1055,8 @@ class RdmTransport:
             self.ep.release_claims(rail.peer, rail.index)
         self._drop(rail)
         if rail.peer not in self._failed and not self._closed:
-            if rail.peer not in self._up and not self._answered_all(rail.peer):
+            if (rail.peer not in self._up and not self._answered_all(rail.peer)
+                    and self._links.get(rail.peer) is not _DIALING):
                 self._link_failed(rail.peer, PeerUnreachable(
                     rail.peer, f"rail {rail.index} to rank {rail.peer} broke while the rails "
                                f"were being opened: {reason}"))

@@ -62,6 +62,24 @@ def _consistent(a, b, rails):
     assert not a._links and not b._links and not a._reserved and not b._reserved
 
 
+def _first_message_then_traffic_both_ways(ts):
+    """Rank 1 gets rank 0's first message (tag 1, ten 1s), then 1 MiB goes from 0 to 1 and
+    100 bytes come back, all intact."""
+    src = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    first = np.zeros(10, np.uint8)
+    ts[1].irecv(0, 1, first).wait(time.monotonic() + 10)
+    r = ts[1].irecv(0, 2, dst)
+    ts[0].isend(1, 2, src).wait(time.monotonic() + 10)
+    r.wait(time.monotonic() + 10)
+    assert (first == 1).all() and np.array_equal(src, dst)
+    back = np.zeros(100, np.uint8)
+    r = ts[0].irecv(1, 3, back)
+    ts[1].isend(0, 3, np.full(100, 3, np.uint8))
+    r.wait(time.monotonic() + 10)
+    assert (back == 3).all()
+
+
 def test_rails_open_on_the_first_send_and_only_to_that_peer():
     ts = _pair(world=3, open_rails=False)
     try:
@@ -253,19 +271,8 @@ def test_a_rail_that_breaks_before_the_acceptor_took_the_last_one_costs_only_tha
             assert time.monotonic() < end, "rank 1 did not see rail 0 break"
             time.sleep(0.002)
         release.set()
-        src = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        first = np.zeros(10, np.uint8)
-        ts[1].irecv(0, 1, first).wait(time.monotonic() + 10)
-        r = ts[1].irecv(0, 2, dst)
-        ts[0].isend(1, 2, src).wait(time.monotonic() + 10)
-        r.wait(time.monotonic() + 10)
-        assert (first == 1).all() and np.array_equal(src, dst)
-        back = np.zeros(100, np.uint8)
-        r = ts[0].irecv(1, 3, back)
-        ts[1].isend(0, 3, np.full(100, 3, np.uint8))
-        r.wait(time.monotonic() + 10)
-        assert (back == 3).all() and 0 in ts[1]._up
+        _first_message_then_traffic_both_ways(ts)
+        assert 0 in ts[1]._up
         assert not ts[1]._rails[0][0].alive and ts[1]._rails[0][2].alive
     finally:
         release.set()
@@ -311,19 +318,8 @@ def test_a_rail_that_breaks_before_the_dialer_took_the_last_one_costs_only_that_
         release.set()
         sender.join(10)
         assert not errors, errors
-        src = np.random.default_rng(8).integers(0, 256, 1 << 20, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        first = np.zeros(10, np.uint8)
-        ts[1].irecv(0, 1, first).wait(time.monotonic() + 10)
-        r = ts[1].irecv(0, 2, dst)
-        ts[0].isend(1, 2, src).wait(time.monotonic() + 10)
-        r.wait(time.monotonic() + 10)
-        assert (first == 1).all() and np.array_equal(src, dst)
-        back = np.zeros(100, np.uint8)
-        r = ts[0].irecv(1, 3, back)
-        ts[1].isend(0, 3, np.full(100, 3, np.uint8))
-        r.wait(time.monotonic() + 10)
-        assert (back == 3).all() and 1 in ts[0]._up
+        _first_message_then_traffic_both_ways(ts)
+        assert 1 in ts[0]._up
         assert not ts[0]._rails[1][0].alive and ts[0]._rails[1][last].alive
     finally:
         release.set()

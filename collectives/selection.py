@@ -233,7 +233,7 @@ class Selection:
                           if o.table == table)
             self._rows[table] = front + rows
         # (table, nbytes, ranks, situation) -> algorithm: the rows are pure functions of
-        # these, and reading them is ~10k instructions, a tenth of a small collective
+        # these, and a dict lookup costs less than building a Situation and its rows' calls
         self._memo: dict = {}
 
     def select(self, table: str, nbytes: int, ranks: int, **situation) -> str:

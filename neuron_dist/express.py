@@ -177,8 +177,9 @@ class ExpressLane:
                 and not _profiler._is_profiler_enabled):
             return None
         op = opts.reduceOp
-        # SUM, the usual op, is told by a comparison: reading the op's enum (``op.op``) and
-        # hashing and comparing it in the key are pybind calls (several µs together).
+        # SUM, the usual op, is told by one comparison: reading the op's enum (``op.op``),
+        # hashing it and comparing it in the key are pybind calls (callgrind: about 3k,
+        # 2k and 5k instructions; the comparison about 2k).
         key = (("all_reduce", t.dtype, t.shape) if op == _SUM
                else ("all_reduce", t.dtype, t.shape, op.op))
         entry = self._entries.get(key, _MISSING)

@@ -86,7 +86,7 @@ class PointToPoint:
         """The finished Work of a send of ``t`` that completed as it was posted.
 
         c10d waits on a synchronous send's Work and drops it, so the last such Work is
-        made again (~10k instructions saved: a c10d object) when nothing else can reach
+        made again (not a c10d object made and freed per send) when nothing else can reach
         it: ``sys.getrefcount`` counts every reference, C++'s included, and none may exist
         beyond ``self._spare`` and this frame's. A Work someone kept (isend), or made a
         future or hook from, is never touched again.

@@ -145,7 +145,7 @@ class PointToPoint:
             work._complete(r.error, r.source)
 
         req.callback = done
-        work.driver = lambda deadline: engine.drive(req, deadline)
+        work.op = _ShmOp(engine, req)
         stats.add_call(data.numel())
         engine.post(req)
         return work
@@ -166,14 +166,8 @@ class PointToPoint:
         else:
             f = Flat(t, read=is_send)
             buf = as_bytes(f.bytes)
-        nbytes = buf.nbytes
-
-        def describe():
-            who = f"rank {peer}" if peer is not None else "any rank"
-            return (f"{name} {'to' if is_send else 'from'} {who} (tag {tag}, "
-                    f"{nbytes} bytes) in group {self._label()}")
-
-        stats.add_call(nbytes)
+        op = _NetOp(self, peer, tag, is_send, name, buf.nbytes, f)
+        stats.add_call(op.nbytes)
         net = self._net
         try:
             if peer is None:
@@ -181,57 +175,116 @@ class PointToPoint:
             elif is_send:
                 req = net.isend(peer, P2P_TAG_BASE + int(tag), buf)
                 if req.test():
-                    return self._sent(t, describe)
+                    return self._sent(t, op)
             else:
                 req = net.irecv(peer, P2P_TAG_BASE + int(tag), buf)
         except (PeerDied, PeerAborted, ChannelClosed) as e:
-            raise self._on_error(e, describe())[0] from None
-        work = NeuronWork([t], describe)
-        op_deadline = time.monotonic() + self._timeout()
-        token = [True]  # whoever pops it completes the work (list.pop is atomic)
-
-        def finish(req):
-            try:
-                token.pop()
-            except IndexError:
-                return
-            error = req.error
-            if error is not None:
-                error = self._on_error(error, work.what)[0]
-            elif f is not None and not is_send:
-                f.finish()  # a receive into a non-contiguous tensor: copy it back
-            work._complete(error, req.source if req.source is not None else -1)
-
-        def drive(deadline):
-            try:
-                req.wait(min(deadline, op_deadline))
-            except PeerTimeout as e:
-                if deadline < op_deadline:
-                    raise PeerTimeoutError(f"{work.what}: Timed out in Work.wait") from None
-                who = f"rank {peer}" if peer is not None else "any rank"
-                error = PeerTimeoutError(
-                    f"{work.what}: Timed out after {self._timeout_text()}: {who} did not "
-                    f"{'receive' if is_send else 'send'} it")
-                # Withdrawn before the Work fails: the tensor is the caller's again, a late
-                # message never lands in it, and later traffic with that peer fails loudly
-                # instead of matching the wrong message (the peer is told).
-                if not net.cancel(req, e):
-                    finish(req)  # it completed in the meantime after all
-                    return
-                try:
-                    token.pop()
-                except IndexError:
-                    return
-                work._complete(error, -1)
-                return
-            except Exception:  # noqa: BLE001 - finish() reports it
-                pass
-            finish(req)
-
+            raise self._on_error(e, op())[0] from None
+        op.req = req
+        op.deadline = time.monotonic() + self._timeout()
         # Completed by whoever looks (wait, is_completed, ...): no completion callback, so
         # no hand-off to the transport's callback thread per message. A future or hook
-        # arms the callback.
-        work.driver = drive
-        work.poll = lambda: finish(req) if req.done() else None
-        work.arm = lambda: req.on_complete(finish)
+        # arms the callback. (The op describes the work: it is callable.)
+        op.work = work = NeuronWork([t], op)
+        work.op = op
         return work
+
+
+class _ShmOp:
+    """A one-node send/recv as its Work sees it (``NeuronWork.op``): the waiting thread
+    drives the group's send/recv engine; the request's callback completes the Work."""
+
+    __slots__ = ("engine", "req")
+
+    def __init__(self, engine, req):
+        self.engine, self.req = engine, req
+
+    def drive(self, deadline: float) -> None:
+        self.engine.drive(self.req, deadline)
+
+    def poll(self) -> None:
+        pass
+
+    def arm(self) -> None:
+        pass
+
+
+class _NetOp:
+    """A send/recv of a group that spans nodes as its Work sees it (``NeuronWork.op``):
+    what makes progress (``drive``), what completes the Work once its request has finished
+    (``poll``, ``finish``), what makes it complete by itself (``arm``), and, called, the
+    Work's description.
+
+    One object per message instead of closures and bound methods: a pending receive keeps
+    3.5 container objects alive instead of 28.5 (test_multinode.py counts them), and so
+    wakes the cyclic garbage collector, whose full passes over torch's objects take tens
+    of ms, less often.
+    """
+
+    __slots__ = ("face", "peer", "tag", "is_send", "name", "nbytes", "flat", "req", "work",
+                 "deadline", "open", "armed")
+
+    def __init__(self, face, peer, tag, is_send, name, nbytes, flat):
+        self.face, self.peer, self.tag, self.is_send = face, peer, tag, is_send
+        self.name, self.nbytes, self.flat = name, nbytes, flat
+        self.open = [True]  # whoever pops it completes the work (list.pop is atomic)
+        self.armed = False
+
+    def __call__(self) -> str:
+        who = f"rank {self.peer}" if self.peer is not None else "any rank"
+        return (f"{self.name} {'to' if self.is_send else 'from'} {who} (tag {self.tag}, "
+                f"{self.nbytes} bytes) in group {self.face._label()}")
+
+    def finish(self, req) -> None:
+        try:
+            self.open.pop()
+        except IndexError:
+            return
+        work, self.work = self.work, None  # (the Work's description refers to this object)
+        error = req.error
+        if error is not None:
+            error = self.face._on_error(error, work.what)[0]
+        elif self.flat is not None and not self.is_send:
+            self.flat.finish()  # a receive into a non-contiguous tensor: copy it back
+        work._complete(error, req.source if req.source is not None else -1)
+
+    def poll(self) -> None:
+        if self.req.done():
+            self.finish(self.req)
+
+    def arm(self) -> None:
+        if not self.armed:
+            self.armed = True
+            self.req.on_complete(self.finish)
+
+    def drive(self, deadline: float) -> None:
+        req, op_deadline = self.req, self.deadline
+        try:
+            req.wait(min(deadline, op_deadline))
+        except PeerTimeout:
+            work = self.work
+            if work is None:
+                return  # completed meanwhile, by a thread that ran finish()
+            if deadline < op_deadline:
+                raise PeerTimeoutError(f"{work.what}: Timed out in Work.wait") from None
+            face = self.face
+            who = f"rank {self.peer}" if self.peer is not None else "any rank"
+            error = PeerTimeoutError(
+                f"{work.what}: Timed out after {face._timeout_text()}: {who} did not "
+                f"{'receive' if self.is_send else 'send'} it")
+            # Withdrawn before the Work fails: the tensor is the caller's again, a late
+            # message never lands in it, and later traffic with that peer fails loudly
+            # instead of matching the wrong message (the peer is told).
+            if not face._net.cancel(req, error):
+                self.finish(req)  # it completed in the meantime after all
+                return
+            try:
+                self.open.pop()
+            except IndexError:
+                return
+            self.work = None
+            work._complete(error, -1)
+            return
+        except Exception:  # noqa: BLE001 - finish() reports it
+            pass
+        self.finish(req)

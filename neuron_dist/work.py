@@ -5,7 +5,7 @@ A Work completes exactly once, with its output tensors or an exception. ``wait``
 ``torch.futures.Future`` completed with the list of output tensors, which DDP comm hooks
 and funcol rely on. Who makes progress while a caller waits depends on the operation:
 collectives are executed by their group's engine (or inline), send/recv are driven by the
-caller's own ``wait`` through ``driver`` so no thread hand-off sits on the critical path;
+caller's own ``wait`` through its ``op`` so no thread hand-off sits on the critical path;
 a network send/recv completes when someone looks (``wait``, ``is_completed``, ...) or,
 once a future or hook asks for it, by itself.
 
@@ -55,12 +55,12 @@ class NeuronWork(dist.Work):
         self._source = -1
         self._hooks = None
         self._waiters = 0
-        self.driver = None  # callable(deadline) that makes progress until done (send/recv)
-        # A network send/recv completes lazily: ``poll()`` completes this work if its
-        # request has finished, ``arm()`` makes it complete by itself when the request
-        # does (for futures and hooks, which must not wait for a caller to look).
-        self.poll = None
-        self.arm = None
+        # A send/recv's progress (None for collectives): ``op.drive(deadline)`` makes
+        # progress until done. A network send/recv completes lazily: ``op.poll()``
+        # completes this work if its request has finished, ``op.arm()`` makes it complete
+        # by itself when the request does (for futures and hooks, which must not wait for
+        # a caller to look).
+        self.op = None
         self.engine = None  # the CollectiveEngine that runs this work, if queued
 
     @property
@@ -92,14 +92,14 @@ class NeuronWork(dist.Work):
 
     def _look(self) -> None:
         """Complete a lazily completed work whose operation has finished."""
-        poll = self.poll
-        if poll is not None and not self._finished:
-            poll()
+        op = self.op
+        if op is not None and not self._finished:
+            op.poll()
 
     def _arm(self) -> None:
-        arm, self.arm = self.arm, None
-        if arm is not None and not self._finished:
-            arm()
+        op = self.op
+        if op is not None and not self._finished:
+            op.arm()
 
     def add_done_hook(self, hook) -> None:
         """Call ``hook()`` once this work is complete (now, if it already is)."""
@@ -121,10 +121,10 @@ class NeuronWork(dist.Work):
             self._exception = exception
             self._source = source
             self._finished = True
-            # The driver's closure refers back to this work: dropping it lets reference
-            # counting free both (a cycle per message would wake the cyclic collector,
-            # whose full passes over torch's objects cost tens of ms).
-            self.driver = self.poll = self.arm = None
+            # The op refers back to this work: dropping it lets reference counting free
+            # both (a cycle per message would wake the cyclic collector, whose full
+            # passes over torch's objects cost tens of ms).
+            self.op = None
             future, hooks = self._future, self._hooks
             self._hooks = None
         try:
@@ -145,9 +145,9 @@ class NeuronWork(dist.Work):
             seconds = _seconds(timeout)
             deadline = started + seconds if seconds else float("inf")
             try:
-                driver = self.driver  # (None once complete)
-                if driver is not None:
-                    driver(deadline)
+                op = self.op  # (None once complete)
+                if op is not None:
+                    op.drive(deadline)
                     if not self._finished:  # another thread is completing it right now
                         self._block(deadline, seconds)
                 elif self.engine is not None and self.engine.is_engine_thread():

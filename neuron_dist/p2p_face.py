@@ -272,7 +272,7 @@ class _NetOp:
             return
         try:
             req.wait(min(deadline, op_deadline))
-        except PeerTimeout:
+        except PeerTimeout as e:
             work = self.work
             if work is None:
                 return  # completed meanwhile, by a thread that ran finish()
@@ -286,7 +286,7 @@ class _NetOp:
             # Withdrawn before the Work fails: the tensor is the caller's again, a late
             # message never lands in it, and later traffic with that peer fails loudly
             # instead of matching the wrong message (the peer is told).
-            if not face._net.cancel(req, error):
+            if not face._net.cancel(req, e):
                 self.finish(req)  # it completed in the meantime after all
                 return
             try:

@@ -39,33 +39,42 @@ def overlap(rank, world):
     late = time.perf_counter() - t0
     dist.broadcast(lateness := torch.tensor([late]), 0)
     late = lateness.item()
-    timings = {}
-    for mode in ("sync", "async"):
-        dist.barrier()
-        if rank == 1:
-            time.sleep(late)
-            dist.all_reduce(x)
-            continue
-        t0 = time.perf_counter()
-        if mode == "sync":
-            dist.all_reduce(x)
-            returned = time.perf_counter() - t0
-            compute()
-        else:
-            w = dist.all_reduce(x, async_op=True)
-            returned = time.perf_counter() - t0
-            compute()
-            w.wait()
-        timings[mode] = (time.perf_counter() - t0, returned)
-    return timings, late
+    rounds = []
+    for _ in range(ROUNDS):
+        timings = {}
+        for mode in ("sync", "async"):
+            dist.barrier()
+            if rank == 1:
+                time.sleep(late)
+                dist.all_reduce(x)
+                continue
+            t0 = time.perf_counter()
+            if mode == "sync":
+                dist.all_reduce(x)
+                returned = time.perf_counter() - t0
+                compute()
+            else:
+                w = dist.all_reduce(x, async_op=True)
+                returned = time.perf_counter() - t0
+                compute()
+                w.wait()
+            timings[mode] = (time.perf_counter() - t0, returned)
+        rounds.append(timings)
+    return rounds, late
+
+
+ROUNDS = 3
 
 
 def test_async_returns_at_once_and_overlaps():
-    timings, late = run_ranks(overlap, 2, timeout=180)[0]
-    (t_sync, _), (t_async, returned) = timings["sync"], timings["async"]
-    assert returned < 0.01, returned  # async_op returns before the peer even arrived
+    # The best of a few rounds: one stall of a loaded machine must not decide. A synchronous
+    # all_reduce fails every round (it returns only after the late peer, ~0.2 s).
+    rounds, late = run_ranks(overlap, 2, timeout=180)[0]
+    returned = min(r["async"][1] for r in rounds)
+    assert returned < 0.01, rounds  # async_op returns before the peer even arrived
     # the compute ran while the engine waited for the late peer
-    assert t_async < 0.8 * t_sync, timings
+    best = min(r["async"][0] / r["sync"][0] for r in rounds)
+    assert best < 0.8, rounds
 
 
 def future_callbacks(rank, world):

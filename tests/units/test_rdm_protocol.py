@@ -369,14 +369,20 @@ class StreamNet(Net):
     Every receive is posted; once a receive completes, the test writes a sentinel into its
     buffer at once (the caller reuses it), so a byte written into it later is caught."""
 
-    def __init__(self, eps, seed, stall=(0.0, 0.2)):
+    def __init__(self, eps, seed, stall=(0.0, 0.2), whole=0.0):
         super().__init__(eps, seed=seed, delay=(0.001, 0.01))
         self.stall = stall
+        self.whole = whole  # share of frames found read ahead whole: land_whole first
         self.landing = []  # (time, ep, rail, frame bytes, target view)
         self.results = []  # posted messages, as they completed
 
     def _arrive(self, ep, rail, data):
         h = F.decode_header(data[:F.HEADER_SIZE])
+        end = F.HEADER_SIZE + h.length
+        if self.rng.random() < self.whole and ep.land_whole(
+                rail, data[:F.HEADER_SIZE], h, memoryview(data)[F.HEADER_SIZE:end],
+                memoryview(data)[end:], self.now):
+            return
         target = ep.data_target(rail, h)
         if target is None:
             ep.receive(rail, data, self.now)
@@ -404,11 +410,14 @@ class StreamNet(Net):
                 e.data[:] = b"\xee" * e.data.nbytes  # the caller reuses its buffer
 
 
+@pytest.mark.parametrize("whole", [0.0, 0.5])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_stalled_readers_never_write_into_a_completed_receive(seed):
+def test_stalled_readers_never_write_into_a_completed_receive(seed, whole):
+    """``whole``: the share of frames the driver finds read ahead whole, which it offers to
+    ``land_whole`` first (the fast path meets resends and stalled readers of the others)."""
     rng = random.Random(seed)
     eps = make(2, rails=3, segment_bytes=64, rto=0.02, max_rto=0.05, max_retries=1000)
-    net = StreamNet(eps, seed)
+    net = StreamNet(eps, seed, whole=whole)
     msgs = [payload(rng, rng.choice((1, 40, 64, 65, 200))) for _ in range(40)]
     bufs = [bytearray(len(m)) for m in msgs]
     for b in bufs:
@@ -455,6 +464,59 @@ def test_a_cancelled_receive_gets_no_byte_and_its_message_is_discarded():
     assert ep.cancel_recv(0, 5, pos) == []
     ep.receive(0, F.encode(F.DATA, 0, 1, msg_id=2, tag=5, seq=2, total=2, payload=b"zz"), 0.0)
     assert ep.events() == [] and ep.stats["discarded"] == 2 and ep.reassembly_bytes == 0
+
+
+def _whole(ep, frame, rail=0, now=0.0):
+    """Offer ``frame`` (read ahead whole) to ``land_whole``, as the driver does."""
+    h = F.decode_header(frame[:F.HEADER_SIZE])
+    end = F.HEADER_SIZE + h.length
+    view = memoryview(frame)
+    return ep.land_whole(rail, frame[:F.HEADER_SIZE], h, view[F.HEADER_SIZE:end], view[end:],
+                         now)
+
+
+def test_whole_frames_land_in_one_step_and_only_where_the_general_path_would():
+    """``land_whole`` takes a one-segment message that is next in its stream, into its
+    posted buffer or a private copy, and declines every other case, which then takes the
+    general path: duplicates, withdrawn receives, messages out of order, pieces of larger
+    messages, buffers too small, a peer over its memory budget."""
+    ep = Endpoint(1, 2, rails=2, segment_bytes=64, max_message_bytes=1024,
+                  max_reassembly_bytes=8)
+    msg = lambda i, data, tag=3, **kw: F.encode(  # noqa: E731
+        F.DATA, 0, 1, msg_id=i, tag=tag, seq=kw.pop("seq", i), total=kw.pop("total", len(data)),
+        payload=data, **kw)
+    buf = bytearray(4)
+    ep.post_recv(0, 3, buf)
+    first = msg(0, b"abcd")
+    assert _whole(ep, first)
+    (e,) = ep.events()
+    assert e.posted and bytes(e.data) == b"abcd" == buf and e.msg_id == 0
+    buf[:] = b"USER"  # the caller's again
+    assert not _whole(ep, first, rail=1)  # a resend of it: a duplicate
+    ep.receive(1, first, 0.0)
+    assert buf == b"USER" and ep.events() == [] and ep.stats["duplicates"] == 1
+    acks = [a for tx in ep.poll_transmit(0.0) for a in F.decode(tx.data).acks]
+    assert acks == [(0, 0), (0, 0)]
+    # nothing posted: a private copy, kept as an early message within the budget
+    assert _whole(ep, msg(1, b"efg"))
+    (e,) = ep.events()
+    assert not e.posted and bytes(e.data) == b"efg" and ep.reassembly_bytes == 3
+    assert not _whole(ep, msg(2, b"hijklm"))  # 3 + 6 bytes exceed the budget of 8
+    assert ep.events() == []
+    assert bytes(ep.post_recv(0, 3, bytearray(3))) == b"efg" and ep.reassembly_bytes == 0
+    # out of order: message 3 comes before message 2 (declined; the general path holds it)
+    assert not _whole(ep, msg(3, b"no"))
+    # a withdrawn receive: its message is discarded by the general path, never landed
+    pos = ep.post_recv(0, 3, bytearray(6))
+    assert ep.cancel_recv(0, 3, pos) == []
+    assert not _whole(ep, msg(2, b"hijklm"))
+    # a buffer too small, a piece of a larger message, another tag's first message
+    small = bytearray(1)
+    ep.post_recv(0, 4, small)
+    assert not _whole(ep, msg(4, b"xy", tag=4, seq=0))
+    assert not _whole(ep, msg(5, b"ab", tag=5, seq=0, total=4))
+    assert _whole(ep, msg(6, b"z", tag=6, seq=0))
+    assert small == bytearray(1)
 
 
 def test_a_cancelled_send_is_never_sent_or_resent_again():

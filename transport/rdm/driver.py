@@ -25,8 +25,11 @@ thread drives it only while nobody waits.
   the payload, read straight into the place ``Endpoint.data_target`` gives (the posted
   receive buffer or the message's reassembly buffer, claimed for this rail until it
   lands: see "Buffer ownership" in protocol.py), so large messages are copied once, by
-  the kernel; then the acks riding behind it, if any. ACKs, duplicates and odd frames are
-  read aside and go through ``Endpoint.receive``. Once the socket has nothing more, the
+  the kernel; then the acks riding behind it, if any. A small frame found whole in the
+  read-ahead buffer (header, payload and acks from one ``recv``) is offered to
+  ``Endpoint.land_whole`` first, which copies and delivers a one-segment message that is
+  next in its stream in one step. ACKs, duplicates and odd frames are read aside and go
+  through ``Endpoint.receive``. Once the socket has nothing more, the
   acks of everything just read go out in one frame. A header that fails validation means
   the byte stream cannot be trusted any more: the rail is closed (and logged); its
   unacknowledged segments are resent on the other rails.
@@ -786,10 +789,17 @@ class RdmTransport:
                           self._label, rail.index, rail.peer, e)
                 self._rail_down(rail, f"malformed frame: {e}")
                 return
+            lo, end = rail.lo, rail.lo + h.length + h.trailer_bytes
+            if mac is None and end <= rail.hi:  # the whole frame is read ahead already
+                inbuf, mid = rail.inbuf, lo + h.length
+                if ep.land_whole(rail.index, rail.hbuf, h, inbuf[lo:mid], inbuf[mid:end],
+                                 time.monotonic()):
+                    rail.lo = end
+                    self._stage(rail, _HEADER, rail.hview)
+                    return
             rail.header = h
             target = ep.data_target(rail.index, h)
             if target is not None:  # claimed for this rail: see "Buffer ownership"
-                lo, end = rail.lo, rail.lo + h.length + h.trailer_bytes
                 if mac is None and end <= rail.hi:  # all read ahead already: land it now
                     inbuf = rail.inbuf
                     target[:] = inbuf[lo:lo + h.length]

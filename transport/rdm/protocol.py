@@ -77,7 +77,10 @@ Buffer ownership (one writer per byte, nothing after the end)
     as it arrives (acked, delivered nowhere), and the rails still holding claims on it are
     returned, so the driver can wait until their readers are out of it before it gives
     the buffer back. ``cancel_send`` forgets a message: none of its segments is sent or
-    resent again.
+    resent again. ``land_whole`` is the one-step form for a whole one-segment frame the
+    driver already holds: the copy happens inside the call, so it needs no claim, and it
+    declines (leaving the general path to decide) anything but a message next in its
+    stream whose position is neither taken nor withdrawn.
 
 Ordering guarantee
     Messages are delivered (``MessageReceived``) exactly once, intact, and per
@@ -739,6 +742,58 @@ class Endpoint:
         self._ack(state, rail, header.msg_id, header.offset, header.total, now)
         if r.complete:
             self._finish(header.src, state, r)
+
+    def land_whole(self, rail: int, header_bytes, header: F.Header, payload, trailer,
+                   now: float) -> bool:
+        """The fast path of the commonest frame: a whole one-segment message, next in its
+        stream, read (with its piggybacked acks) in one piece. It is copied into its posted
+        receive buffer, or, when none is posted yet, into a private copy kept as an early
+        message (within ``max_reassembly_bytes``), and delivered: what ``data_target``, the
+        copy and ``data_landed`` would do, without a reassembly record or a claim (the copy
+        happens inside this call, so no other rail can meet the range meanwhile). False
+        (nothing done) whenever any other case applies: then take the general path.
+        """
+        if (self.crc or header.offset or header.length != header.total or not header.length
+                or header.type != F.DATA or header.dst != self.rank
+                or header.flags & F.FLAG_CRC):
+            return False
+        src, msg_id, seq, total = header.src, header.msg_id, header.seq, header.total
+        state = self._peers.get(src)  # (None: failed, or not heard from yet)
+        if (state is None or msg_id in state.partial or msg_id in state.recv_done
+                or msg_id >= state.recv_done.low + self.max_open_messages):
+            return False
+        stream = state.streams.get(header.tag)
+        if stream is None:
+            if seq:
+                return False
+            stream = state.streams[header.tag] = _Stream()
+        elif seq != stream.next_deliver or seq in stream.owner or seq in stream.cancelled:
+            return False
+        posted = stream.bound.get(seq)
+        if posted is None:
+            if state.held + total > self.max_reassembly_bytes:
+                return False  # (the general path drops it, and counts that)
+            data = bytearray(payload)
+            state.held += total
+            self.reassembly_bytes += total
+        elif posted.nbytes < total:
+            return False
+        else:
+            data = posted[:total]
+            data[:] = payload
+            del stream.bound[seq]
+        if header.nacks:
+            self._on_ack(src, state, F.ACK_ENTRY.iter_unpack(trailer))
+        state.recv_done.add(msg_id)
+        self._ack(state, rail, msg_id, 0, total, now)
+        stream.next_deliver = seq + 1
+        if posted is None:
+            self._arrivals += 1
+            stream.early.append((self._arrivals, data))
+        self._events.append(MessageReceived(src, header.tag, msg_id, data, posted is not None))
+        if stream.ready:
+            self._deliver_ready(src, state, stream)
+        return True
 
     def poll_transmit(self, now: float) -> list[Transmit]:
         """Frames to send now: acks, resends (timed out or moved off a dead rail), new segments.

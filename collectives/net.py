@@ -78,8 +78,8 @@ class NetCall:
         if peer not in self._told:
             self._told.add(peer)
             if _nbytes(data) <= PIGGYBACK_BYTES:
-                req = self.net.isend(
-                    peer, COLLECTIVE_TAG, self._words() + bytes(memoryview(data).cast("B")))
+                # one copy, into an immutable bytes object the transport keeps as it is
+                req = self.net.isend(peer, COLLECTIVE_TAG, b"".join((self._words(), data)))
                 self._pending.append(req)
                 return req
             self._pending.append(self.net.isend(peer, COLLECTIVE_TAG, self._words()))

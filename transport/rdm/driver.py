@@ -451,9 +451,10 @@ class RdmTransport:
     def isend(self, peer: int, tag: int, buf, callback=None) -> Request:
         """Send the bytes of ``buf`` (kept unchanged until the request completes).
 
-        Messages up to ``EAGER_BYTES`` are copied and the request completes at once (like
-        MPI's eager protocol): the copy stays with the protocol until the peer acknowledges
-        it, so a small send costs no round trip. When nothing waits to go to the peer
+        Messages up to ``EAGER_BYTES`` are copied (a ``bytes`` object, immutable, is kept
+        as it is) and the request completes at once (like MPI's eager protocol): the copy
+        stays with the protocol until the peer acknowledges it, so a small send costs no
+        round trip. When nothing waits to go to the peer
         before it, its frame is written to the socket right here (``Endpoint.send_now``).
         Larger ones complete when acknowledged. ``callback(request)``, if given, runs on
         the engine's callback thread when the request completes (successfully or not).
@@ -473,25 +474,28 @@ class RdmTransport:
                 if callback is not None or ep.mid_transfer():
                     self._engine.kick()  # see _bulk_pending
                 return req
-            if n <= _SMALL_COPY:
-                data = copy = bytes(view)
+            pooled = None
+            if type(buf) is bytes:
+                data = buf  # immutable: kept as it is until acknowledged, no copy
+            elif n <= _SMALL_COPY:
+                data = bytes(view)
             else:
-                copy = self._pool.take(n)
-                data = memoryview(copy)[:n]
+                pooled = self._pool.take(n)
+                data = memoryview(pooled)[:n]
                 data[:] = view  # (into a bytearray itself, a slice goes through a temporary copy)
             now = time.monotonic()
             sent = ep.send_now(peer, tag, data, now)
             if sent is None:
                 msg_id = ep.send(peer, tag, data)
-                if n > _SMALL_COPY:
-                    self._copies[(peer, msg_id)] = copy
+                if pooled is not None:
+                    self._copies[(peer, msg_id)] = pooled
                 self._pump()
                 if ep.mid_transfer():
                     self._engine.kick()
             else:
                 msg_id, tx = sent
-                if n > _SMALL_COPY:
-                    self._copies[(peer, msg_id)] = copy
+                if pooled is not None:
+                    self._copies[(peer, msg_id)] = pooled
                 self._put(tx)
                 due = self._due
                 if due is None or due > now + ep.rto:

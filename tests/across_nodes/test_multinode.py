@@ -370,6 +370,7 @@ def _rails_after_collectives(rank, world):
     dist.reduce_scatter_tensor(t, out)
     dist.barrier()
     before = sorted(pg._net._rails)
+    dist.barrier()  # (every rank has looked before any rank sends below)
     other = 3 - rank  # on the other node, not the partner: a send opens rails
     if rank < 2:
         dist.send(torch.full((10,), float(rank)), other)

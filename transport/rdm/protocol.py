@@ -766,14 +766,17 @@ class Endpoint:
         if stream is None:
             if seq:
                 return False
-            stream = state.streams[header.tag] = _Stream()
+            stream = self._stream(state, header.tag)
         elif seq != stream.next_deliver or seq in stream.owner or seq in stream.cancelled:
             return False
         posted = stream.bound.get(seq)
         if posted is None:
             if state.held + total > self.max_reassembly_bytes:
                 return False  # (the general path drops it, and counts that)
-            data = bytearray(payload)
+            try:
+                data = bytearray(payload)
+            except MemoryError:
+                return False  # (the general path drops it unacked: the sender retries)
             state.held += total
             self.reassembly_bytes += total
         elif posted.nbytes < total:

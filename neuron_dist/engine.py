@@ -10,6 +10,21 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   ``run_now``; the express lane calls it directly). Waking a thread costs 25-55 µs here,
   more than a whole small collective, so the inline path is what makes small synchronous
   collectives fast. Otherwise the task is queued behind the others and the caller waits.
+* async_op=True, small, in a one-node group, with the engine idle (``try_now``): the
+  caller runs it at once with its channel's ``defer_once`` set. If every peer is there
+  already, it completes then and there. If not, its first step is published (this rank's
+  data is in shared memory, so the peers can complete their part without us) and raises
+  StepDeferred; the call then waits at the head of the queue *without waking the engine
+  thread*, and the rest of it (waiting for the peers, reading their slots) runs when
+  someone looks: ``Work.wait`` runs it in the waiting thread, ``is_completed`` runs it
+  once the peers have published, a future or hook (and any later collective of the group)
+  wakes the engine thread to run it. Running it means running the call again: its staging
+  writes the same bytes to this rank's slot, and the step is not published twice. An
+  async collective that is waited for soon after (funcol, DTensor) so costs no thread
+  hand-off (each costs 25-55 µs and a GIL hand-over, several per collective); one that
+  is not waited for overlaps as before, since the peers progress on what was published.
+* A waiter on a queued collective runs the queue head itself when the engine thread has
+  not started it (``run_for``).
 * A ``Work.wait`` issued from the progress thread itself (a future callback that waits on a
   later collective) runs the queue inline instead of deadlocking.
 
@@ -26,6 +41,7 @@ from collections import deque
 
 from . import stats
 from .errors import GroupAbortedError
+from .transport.errors import StepDeferred
 from .flight_recorder import COMPLETED, Record, recorder
 
 log = logging.getLogger("neuron_dist")
@@ -77,11 +93,7 @@ class CollectiveEngine:
             rec = recorder.issue(self.group_name, self.rank, self.size, self.seq, name, call)
             work.engine = self
             self._queue.append((fn, work, self.seq, rec))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name=f"neuron-engine[{self.label}]", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+        self.wake()
 
     def run_now(self, fn, work, name: str, call=None, nbytes: int = 0, algo=None) -> bool:
         """Run ``fn(seq, rec)`` as the group's next collective now, in the caller's thread,
@@ -124,6 +136,67 @@ class CollectiveEngine:
             stats.add_call(nbytes, time.monotonic() - started)
         return True
 
+    def try_now(self, fn, work, name: str, channel, call=None, nbytes: int = 0) -> bool:
+        """Run the async collective ``fn(seq, rec)`` now in the caller's thread, deferring
+        its first step if a peer is behind (see the module docstring): True once it is
+        complete or deferred; False, with nothing done, if the engine is not idle."""
+        with self._mutex:
+            if self._busy or self._queue or self._stopped or self.broken is not None:
+                return False
+            self._busy = True
+        deferred = False
+        try:
+            self.seq = seq = self.seq + 1
+            work._what = (name, seq, self.label)
+            rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True)
+            stats.add_call(nbytes)
+            channel.defer_once = True
+            try:
+                fn(seq, rec)
+            except StepDeferred:
+                deferred = True
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
+                self.fail(exc, work, rec)
+            else:
+                if rec is not None:
+                    rec.state, rec.t_end = COMPLETED, time.time()
+                work._finished = True  # (nobody has seen the work yet)
+            finally:
+                channel.defer_once = False
+            if deferred:
+                if rec is not None:
+                    rec.algo = None  # named again when the call runs again
+                work.engine = self
+                work.op = _Deferred(self, work, channel)
+                with self._cv:
+                    self._queue.appendleft((fn, work, seq, rec))
+        finally:
+            self._busy = False
+            if len(self._queue) > deferred:  # others queued meanwhile: they need the thread
+                self.wake()
+        return True
+
+    def wake(self) -> None:
+        """Have the engine thread run what is queued (started on first use)."""
+        with self._cv:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"neuron-engine[{self.label}]", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def run_for(self, work) -> bool:
+        """From a thread waiting for queued ``work``: run the queue's head tasks here, up
+        to ``work``, unless the engine thread is running one (then False: block instead)."""
+        while not work._finished:
+            with self._cv:
+                if self._busy or not self._queue or self._stopped:
+                    return False
+                task = self._queue.popleft()
+                self._busy = True
+            self._run_busy(task)
+        return True
+
     def _loop(self) -> None:
         set_background_thread()
         while True:
@@ -143,7 +216,8 @@ class CollectiveEngine:
         finally:
             with self._cv:
                 self._busy = False
-                self._cv.notify_all()
+                if self._queue:  # (a waiter that ran its own task must not wake the thread)
+                    self._cv.notify_all()
 
     def _execute(self, fn, work, seq: int, rec, inline: bool = False) -> None:
         """Run a task (``fn``, ``work``, ``seq``, ``rec``). ``inline`` (``run_now``): its
@@ -219,3 +293,35 @@ class CollectiveEngine:
             work._complete(failure)
         if thread is not None and thread is not threading.current_thread():
             thread.join(join_timeout)
+
+
+_FOREVER = float("inf")
+
+
+class _Deferred:
+    """The rest of a deferred collective, as its Work's ``op`` (see work.py): run by
+    whoever looks first, or by the engine thread once armed."""
+
+    __slots__ = ("engine", "work", "channel")
+
+    def __init__(self, engine: CollectiveEngine, work, channel):
+        self.engine, self.work, self.channel = engine, work, channel
+
+    def drive(self, deadline: float) -> None:
+        """``Work.wait``: run it here (it waits for the peers with the call's own timeout);
+        a wait with a timeout of its own leaves it to the engine thread and blocks."""
+        engine = self.engine
+        if engine.is_engine_thread():
+            engine.run_until(self.work)
+        elif deadline != _FOREVER or not engine.run_for(self.work):
+            engine.wake()
+
+    def poll(self) -> None:
+        """``is_completed``: finish it here if that needs no waiting, else let the engine."""
+        if self.channel.peers_published() and self.engine.run_for(self.work):
+            return
+        self.engine.wake()
+
+    def arm(self) -> None:
+        """A future or hook wants it to complete by itself."""
+        self.engine.wake()

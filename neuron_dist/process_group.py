@@ -265,7 +265,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             for f in flats:
                 f.finish()
 
-        self._engine.submit(run, work, bool(getattr(opts, "asyncOp", False)), name, call, nbytes)
+        async_op = bool(getattr(opts, "asyncOp", False))
+        # A small async collective of a one-node group runs now, its wait deferred if a
+        # peer is behind (engine.py): no thread hand-off when the caller waits soon after.
+        if not (async_op and net is None and nbytes <= channel.slot_bytes
+                and self._engine.try_now(run, work, name, channel, call, nbytes)):
+            self._engine.submit(run, work, async_op, name, call, nbytes)
         return work
 
     def _on_error(self, exc: BaseException, what: str):
@@ -736,11 +741,15 @@ def _combined_work(works, outputs):
     if not works:
         combined._complete()
         return combined
-    combined.engine = works[-1].engine
+    last = works[-1]
+    combined.engine = last.engine
 
     def finish():
         errors = [w.exception() for w in works if w.exception() is not None]
         combined._complete(errors[0] if errors else None)
 
-    works[-1].add_done_hook(finish)
+    # Looking at the combined work looks at the last part (a deferred one runs when waited
+    # for, engine.py): hooking it must not wake the engine thread for it.
+    combined.op = last.op
+    last.add_done_hook(finish, arm=False)
     return combined

@@ -101,9 +101,12 @@ class NeuronWork(dist.Work):
         if op is not None and not self._finished:
             op.arm()
 
-    def add_done_hook(self, hook) -> None:
-        """Call ``hook()`` once this work is complete (now, if it already is)."""
-        self._arm()
+    def add_done_hook(self, hook, arm: bool = True) -> None:
+        """Call ``hook()`` once this work is complete (now, if it already is). ``arm``:
+        make a lazily completed work complete by itself; without it, the hook runs when
+        someone looks at this work (or at one sharing its ``op``)."""
+        if arm:
+            self._arm()
         with _lock:
             if not self._finished:
                 if self._hooks is None:
@@ -152,7 +155,7 @@ class NeuronWork(dist.Work):
                         self._block(deadline, seconds)
                 elif self.engine is not None and self.engine.is_engine_thread():
                     self.engine.run_until(self)
-                else:
+                elif self.engine is None or seconds or not self.engine.run_for(self):
                     self._block(deadline, seconds)
             finally:
                 stats.add_blocked(time.monotonic() - started)

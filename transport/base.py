@@ -47,6 +47,16 @@ class StepChannel(Protocol):
 
     epoch: int  # steps this rank has completed
 
+    # Deferring a call's first step (how an async collective avoids a thread hand-off):
+    # with ``defer_once`` set, a ``step`` that finds a peer behind publishes (slot and
+    # descriptor) and raises ``errors.StepDeferred`` instead of waiting; the flag clears at
+    # the next step either way. Running the same call again later repeats its staging
+    # (the same bytes) and its ``step`` then waits without publishing twice.
+    defer_once: bool
+
+    def peers_published(self) -> bool:
+        """Has every peer published the next step (so ``step`` would not wait)?"""
+
     def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
         """Descriptor ``rank`` posted with collective ``seq``'s first step."""
 

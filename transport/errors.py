@@ -89,3 +89,12 @@ class MessageSizeMismatch(TransportError, ValueError):
 class DescriptorLimit(TransportError):
     """A rank cannot open the connections a group needs within its file-descriptor limit
     (``transport/rdm/fd_budget.py``); the message names the numbers and the ways out."""
+
+
+class StepDeferred(TransportError):
+    """Not a failure: a step asked not to wait (``StepChannel.defer_once``) found a peer
+    behind. The step is published; running the call again completes it (see engine.py)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+        super().__init__(f"step {epoch} deferred: a peer has not published it yet")

@@ -21,6 +21,8 @@ where a real channel would let a bug pass unseen:
   numbers of steps fail the run.
 * A descriptor longer than the segment's (``layout.DESC_WORDS``), or a read of more words
   than were posted, fails.
+* A deferred step (``defer_once``) must be taken again with the slot exactly as it was
+  published: the call, run again, stages the same bytes.
 
 With ``cma=True`` the ranks may read each other's memory (``read_peer``: one process, so
 a plain memmove), and the single-copy algorithms run too; ``group.reads`` counts them.
@@ -39,7 +41,7 @@ import torch
 from neuron_dist.collectives.selection import Selection
 from neuron_dist.collectives.context import Context, Plans
 from neuron_dist.collectives.reduce_ops import Scratch
-from neuron_dist.transport.errors import ChannelClosed, PeerAborted, PeerTimeout
+from neuron_dist.transport.errors import ChannelClosed, PeerAborted, PeerTimeout, StepDeferred
 from neuron_dist.transport.shm.layout import DESC_WORDS
 
 POISON = 0xFF
@@ -134,6 +136,8 @@ class FakeChannel:
         self.plans = Plans()  # kept across calls, as a process group keeps its plans
         self._epoch = 0
         self._seq = 0
+        self.defer_once = False  # (StepChannel contract: see transport/base.py)
+        self._published = 0
 
     @property
     def epoch(self) -> int:
@@ -166,15 +170,23 @@ class FakeChannel:
     def step(self, deadline: float, descriptor=None) -> None:
         g, r = self.group, self.rank
         e = self._epoch + 1
-        if descriptor is not None:
-            if len(descriptor) > DESC_WORDS:
-                raise FakeChannelError(f"rank {r} posted {len(descriptor)} descriptor words; "
-                                       f"a segment holds {DESC_WORDS}")
-            g.descriptors[r][descriptor[0] & 1] = tuple(int(w) for w in descriptor)
+        defer, self.defer_once = self.defer_once, False
+        if self._published == e:  # deferred: published already, and the slot unchanged
+            self.check_published(e)
+        else:
+            if descriptor is not None:
+                if len(descriptor) > DESC_WORDS:
+                    raise FakeChannelError(f"rank {r} posted {len(descriptor)} descriptor "
+                                           f"words; a segment holds {DESC_WORDS}")
+                g.descriptors[r][descriptor[0] & 1] = tuple(int(w) for w in descriptor)
         with g.cond:
-            g.published[r][e & 1] = (e, _crc(g.slots[r][e & 1]))
-            g.steps[r] = e
-            g.cond.notify_all()
+            if self._published != e:
+                g.published[r][e & 1] = (e, _crc(g.slots[r][e & 1]))
+                g.steps[r] = e
+                g.cond.notify_all()
+            if defer and any(g.steps[k] < e for k in range(g.size)):
+                self._published = e
+                raise StepDeferred(e)
             while True:
                 if g.closed:
                     raise ChannelClosed("the fake group was closed while waiting")
@@ -199,6 +211,10 @@ class FakeChannel:
         # be as I published it, and it is the one I fill next.
         self.check_published(e - 1)
         g.slots[r][(e + 1) & 1].fill_(POISON)
+
+    def peers_published(self) -> bool:
+        with self.group.cond:
+            return all(s > self._epoch for s in self.group.steps)
 
     def check_published(self, e: int) -> None:
         """Fail if my slot of step ``e`` changed since I published it."""

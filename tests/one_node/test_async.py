@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -146,3 +147,116 @@ def test_work_wait_timeout_raises_and_the_op_still_completes():
     assert first.startswith("PeerTimeoutError") and "Timed out after 0.200 s in Work.wait" in first, first
     assert 0.15 < took < 0.8, took
     assert value == [2.0, 2.0, 2.0]
+
+
+# --- deferred async collectives (engine.py: try_now) ----------------------------------------
+# A small async collective whose peer is late publishes its part and returns; the rest runs
+# when someone looks at its Work. Rank 1 is late for every call below, so each one defers.
+
+LATE = 0.3
+
+
+def engine_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("neuron-engine")]
+
+
+def deferred(rank, world):
+    out = {}
+    late = rank == 1
+    # 1. waited for: runs in the waiting thread, and no engine thread is ever started
+    dist.barrier()
+    inp = torch.arange(4.0) + 10 * rank
+    ag = torch.empty(4 * world)
+    if late:
+        time.sleep(LATE)
+        dist.all_gather_into_tensor(ag, inp)
+    else:
+        t0 = time.perf_counter()
+        w = dist.all_gather_into_tensor(ag, inp, async_op=True)
+        out["returned"] = time.perf_counter() - t0
+        w.wait()
+        out["threads"] = engine_threads()
+    out["all_gather"] = ag.tolist()
+    # 2. in place, polled with is_completed until done
+    dist.barrier()
+    t = torch.full((5,), float(rank + 1))
+    if late:
+        time.sleep(LATE)
+        dist.all_reduce(t)
+    else:
+        w = dist.all_reduce(t, async_op=True)
+        t0 = time.monotonic()
+        while not w.is_completed():
+            assert time.monotonic() - t0 < 20, "is_completed never became true"
+            time.sleep(0.01)
+    out["polled"] = t.tolist()
+    # 3. a future's callback, the Work never waited on: the engine thread completes it
+    dist.barrier()
+    rs = torch.empty(3)
+    src = torch.arange(3.0 * world) * (rank + 1)
+    if late:
+        time.sleep(LATE)
+        dist.reduce_scatter_tensor(rs, src)
+        out["future"] = rs.tolist()
+    else:
+        fut = dist.reduce_scatter_tensor(rs, src, async_op=True).get_future()
+        value = fut.then(lambda f: f.value()[0].sum().item()).wait()
+        out["future"] = (rs.tolist(), value)
+    # 4. never waited on: the group's next (synchronous) collective runs it first
+    dist.barrier()
+    a, b = torch.ones(2) * (rank + 1), torch.ones(3) * (rank + 2)
+    if late:
+        time.sleep(LATE)
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    else:
+        w = dist.all_reduce(a, async_op=True)
+        dist.all_reduce(b)
+        out["done_before_next"] = w.is_completed()
+    out["next_sync"] = (a.tolist(), b.tolist())
+    return out
+
+
+def test_a_deferred_async_collective_completes_however_it_is_looked_at():
+    res = run_ranks(deferred, 2, timeout=90)
+    for rank, out in res.items():
+        assert out["all_gather"] == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0], (rank, out)
+        assert out["polled"] == [3.0] * 5, (rank, out)
+        assert out["next_sync"] == ([3.0, 3.0], [5.0, 5.0, 5.0]), (rank, out)
+    # rank 0 (on time) returned at once and ran the rest itself when it waited
+    assert res[0]["returned"] < LATE / 3, res[0]
+    assert res[0]["threads"] == [], res[0]
+    assert res[0]["done_before_next"] is True
+    # reduce_scatter of rank r's arange * (r + 1): rank 0 gets [0, 1, 2] * (1 + 2)
+    assert res[1]["future"] == [9.0, 12.0, 15.0], res[1]
+    assert res[0]["future"] == ([0.0, 3.0, 6.0], 9.0), res[0]
+
+
+def deferred_then_other_group(rank, world):
+    """Rank 0's async all_reduce on ``a`` defers (rank 1 is late), then rank 0 blocks in a
+    collective of another group that rank 1 joins only after its own all_reduce on ``a``:
+    what rank 0 published must let rank 1 through, or both would wait for ever."""
+    a = dist.new_group([0, 1])
+    b = dist.new_group([0, 1])
+    dist.barrier(group=a)
+    dist.barrier(group=b)
+    t = torch.ones(4) * (rank + 1)
+    if rank == 1:
+        time.sleep(LATE)
+        dist.all_reduce(t, group=a)
+        dist.barrier(group=b)
+        return t.tolist(), None
+    w = dist.all_reduce(t, group=a, async_op=True)
+    dist.barrier(group=b)
+    w.wait()
+    from neuron_dist.flight_recorder import recorder
+
+    rec = [r.as_dict() for r in recorder._ring if r.as_dict()["op"] == "all_reduce"][-1]
+    return t.tolist(), (rec["state"], rec["algo"])
+
+
+def test_a_deferred_collective_never_holds_back_a_peer():
+    res = run_ranks(deferred_then_other_group, 2, timeout=60)
+    assert res[0][0] == res[1][0] == [3.0] * 4, res
+    # one record, completed, naming its algorithm once (the call ran twice)
+    assert res[0][1] == ("completed", "one_step"), res[0][1]

@@ -25,10 +25,12 @@ import torch
 
 from neuron_dist.collectives import (allgather, allreduce, alltoall, barrier, broadcast,
                                      reduce_scatter, rooted, single_copy)
+from neuron_dist.collectives.context import Context
 from neuron_dist.collectives.descriptor import Call, CollectiveMismatch, digest
 from neuron_dist.collectives.reduce_ops import ReduceSpec
 from neuron_dist.collectives.selection import SINGLE_COPY_BYTES, parse_overrides
 from neuron_dist.config import parse_bytes
+from neuron_dist.transport.errors import StepDeferred
 
 from helpers.cases import close, make, ops_for, premul_factor, reduce_ref
 from helpers.fake_channel import FakeGroup
@@ -489,4 +491,127 @@ def test_all_to_all_runs_the_algorithm_its_table_picks():
             failures.append(f"{label}: {group.reads} single-copy reads")
         if splits is mixed and not results[0][2]:
             failures.append(f"{label}: rank 0 did not take the even-split plan")
+    report(failures)
+
+
+# ---------------------------------------------------------- a deferred first step (engine.py)
+def deferring(ch, gates, i: int, call, fn, *args) -> bool:
+    """``fn(ctx, *args)`` as ``CollectiveEngine.try_now`` runs a small async collective:
+    rank 0 first with ``defer_once`` while the others are held back, so its first step is
+    published and deferred, then the call again from the start (same sequence number);
+    the others start once rank 0 has deferred. True if rank 0's call was deferred."""
+    if ch.rank:
+        gates[i].wait(60)
+        fn(ch.context(call), *args)
+        return False
+    ctx = ch.context(call)
+    ch.defer_once = True
+    try:
+        fn(ctx, *args)
+        deferred = False
+    except StepDeferred:
+        deferred = True
+    finally:
+        ch.defer_once = False
+        gates[i].set()
+    if deferred:
+        fn(Context(ch, call, ctx.seq, ctx.deadline, ch.scratch, ch.group.selection, ch.plans),
+           *args)
+    return deferred
+
+
+@pytest.mark.parametrize("world,cma", [(2, False), (3, False), (5, False), (2, True), (3, True)])
+def test_a_call_run_again_after_its_first_step_was_deferred_gives_the_same_results(world, cma):
+    # Every algorithm of one node, run again after a deferred first step, stages the same
+    # bytes (the fake channel fails a published slot that changes), posts nothing twice,
+    # and computes what it computes when run once: all_reduce (one and two steps, in place
+    # and not), reduce_scatter, all_gather, broadcast, reduce, gather, scatter, all_to_all
+    # (even and uneven), and with cma the single-copy algorithms too.
+    f32 = torch.float32
+    big = BIG // 4 if cma else 0
+    ar = [(dtype, op, n) for dtype in (f32, torch.int64) for op in ("SUM", "MAX")
+          for n in (1, SMALL // dtype.itemsize + 1, 2 * SLOT // dtype.itemsize + 3)]
+    ar += [(f32, "PREMUL_SUM", 5), (f32, "AVG", 9)] + ([(f32, "SUM", big)] if cma else [])
+    sizes = [[SLOT // 2 + k for k in range(world)]] + ([[BIG + k for k in range(world)]] if cma else [])
+    a2a = a2a_patterns(world)[2:] + ([[[BIG + i + j for j in range(world)] for i in range(world)]]
+                                     if cma else [])
+    roots = sorted({0, world - 1})
+    n_calls = len(ar) + 2 * len(sizes) + 4 * len(roots) + len(a2a)
+    gates = [threading.Event() for _ in range(n_calls)]
+
+    def body(ch):
+        r, out, i = ch.rank, {}, iter(range(n_calls))
+        deferred = []
+
+        def call(c, fn, *args):
+            deferred.append(deferring(ch, gates, next(i), c, fn, *args))
+
+        for j, (dtype, op, n) in enumerate(ar):
+            inp = make(r, n, dtype, salt=j, op=op)
+            res = inp if j % 2 else torch.zeros_like(inp)
+            call(Call("all_reduce", dtype, n, reduce=op), allreduce.all_reduce, res, inp, spec(op))
+            out["ar", j] = res
+        for j, s in enumerate(sizes):
+            res = torch.zeros(s[r])
+            ins = [make(r, m, f32, salt=64 * j + k, op="SUM") for k, m in enumerate(s)]
+            call(Call("reduce_scatter", f32, sum(s), reduce="SUM", extra=digest(s)),
+                 reduce_scatter.reduce_scatter, res, ins, spec("SUM"))
+            out["rs", j] = res
+            outs = [torch.zeros(m, dtype=torch.uint8) for m in s]
+            call(Call("all_gather", torch.uint8, sum(s), extra=digest(s)), allgather.all_gather,
+                 outs, random_bytes(s[r], r, j))
+            out["ag", j] = outs
+        for root in roots:
+            buf = random_bytes(SLOT - 3, r, root)
+            call(Call("broadcast", torch.uint8, SLOT - 3, root), broadcast.broadcast, buf, root)
+            out["bc", root] = buf
+            red = torch.zeros(7)
+            call(Call("reduce", f32, 7, root, reduce="SUM"), rooted.reduce, red,
+                 make(r, 7, f32, salt=root, op="SUM"), spec("SUM"), root)
+            out["red", root] = red
+            mine = [torch.zeros(11, dtype=torch.uint8) for _ in range(world)] if r == root else []
+            call(Call("gather", torch.uint8, 11, root), rooted.gather, mine,
+                 random_bytes(11, r, root), root)
+            out["ga", root] = mine
+            ins = [random_bytes(13, root, k) for k in range(world)] if r == root else []
+            sc = torch.zeros(13, dtype=torch.uint8)
+            call(Call("scatter", torch.uint8, 13, root), rooted.scatter, sc, ins, root)
+            out["sc", root] = sc
+        for j, splits in enumerate(a2a):
+            ins = [random_bytes(splits[r][k], r, k, j) for k in range(world)]
+            outs = [torch.zeros(splits[k][r], dtype=torch.uint8) for k in range(world)]
+            call(Call("all_to_all", torch.uint8, 0), alltoall.all_to_all, outs, ins, 1)
+            out["a2a", j] = outs
+        return out, deferred
+
+    group, results = run(world, body, cma=cma)
+    assert all(results[0][1]), f"rank 0 did not defer every call: {results[0][1]}"
+    if cma:
+        assert group.reads > 0, "the single-copy algorithms did not run"
+    failures = []
+    for j, (dtype, op, n) in enumerate(ar):
+        ref = reduce_ref([make(k, n, dtype, salt=j, op=op) for k in range(world)], op, dtype)
+        check_reduced(failures, f"all_reduce {dtype} {op} {n}",
+                      [res[0]["ar", j] for res in results], ref, dtype)
+    for j, s in enumerate(sizes):
+        for r in range(world):
+            ref = reduce_ref([make(k, s[r], f32, salt=64 * j + r, op="SUM")
+                              for k in range(world)], "SUM", f32)
+            if not close(results[r][0]["rs", j], ref, f32):
+                failures.append(f"reduce_scatter {s}: rank {r}")
+            failures += [f"all_gather {s}: rank {r}'s block from {k}" for k in range(world)
+                         if not torch.equal(results[r][0]["ag", j][k], random_bytes(s[k], k, j))]
+    for root in roots:
+        ref = reduce_ref([make(k, 7, f32, salt=root, op="SUM") for k in range(world)], "SUM", f32)
+        if not close(results[root][0]["red", root], ref, f32):
+            failures.append(f"reduce to {root}")
+        for r in range(world):
+            if not torch.equal(results[r][0]["bc", root], random_bytes(SLOT - 3, root, root)):
+                failures.append(f"broadcast from {root}: rank {r}")
+            if not torch.equal(results[r][0]["sc", root], random_bytes(13, root, r)):
+                failures.append(f"scatter from {root}: rank {r}")
+            if not torch.equal(results[root][0]["ga", root][r], random_bytes(11, r, root)):
+                failures.append(f"gather to {root}: block of rank {r}")
+    check_all_to_all([[res[0]["a2a", j] for j in range(len(a2a))] for res in results], a2a,
+                     world, failures)
     report(failures)

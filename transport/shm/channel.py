@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
+from ..errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout, StepDeferred
 from . import cma, futex
 from . import layout as L
 from .backoff import Backoff
@@ -76,6 +76,11 @@ class ShmChannel:
         self._max_sleep = max_sleep
         self._closed = False
         self.epoch = 0  # steps this rank has completed on this channel (read often: no property)
+        # Set by the engine before a collective it may defer: the next step, if a peer is
+        # behind, publishes and raises StepDeferred instead of waiting; ``_published`` is
+        # that step, which a repeated ``step`` (the call run again) does not publish twice.
+        self.defer_once = False
+        self._published = 0
         self._w = memoryview(segment.map).cast("q")
         self._bytes = torch.frombuffer(segment.map, dtype=torch.uint8)
         n = self.size
@@ -132,20 +137,27 @@ class ShmChannel:
 
     def step(self, deadline: float, descriptor=None) -> None:
         e = self.epoch + 1
-        if descriptor is not None:
-            _WORDS[len(descriptor)].pack_into(
-                self.segment.map, self._desc_off[self.rank][descriptor[0] & 1], *descriptor)
         w, others = self._w, self._others
-        w[self._step_word[self.rank]] = e
-        for k in others:
-            if w[self._sleep_word[k]]:
-                futex.wake(self._step_addr[self.rank])
-                break
+        if self._published != e:  # (a deferred step is published already: see defer_once)
+            if descriptor is not None:
+                _WORDS[len(descriptor)].pack_into(
+                    self.segment.map, self._desc_off[self.rank][descriptor[0] & 1], *descriptor)
+            w[self._step_word[self.rank]] = e
+            for k in others:
+                if w[self._sleep_word[k]]:
+                    futex.wake(self._step_addr[self.rank])
+                    break
         sw = self._step_word
         for k in others:
             if w[sw[k]] < e:  # someone is behind: wait (no list built when nobody is)
+                if self.defer_once:
+                    self.defer_once = False
+                    self._published = e
+                    raise StepDeferred(e)
                 self._poll([k for k in others if w[sw[k]] < e], e, deadline)
                 break
+        if self.defer_once:  # only a call's first step may be deferred
+            self.defer_once = False
         # A peer that gave up (timeout, error) may have published this step before it did:
         # its counter alone does not prove it is still with us.
         aw = self._abort_word
@@ -153,6 +165,14 @@ class ShmChannel:
             if w[aw[k]]:
                 raise PeerAborted(k, self.abort_reason(k), w[aw[k]])
         self.epoch = e
+
+    def peers_published(self) -> bool:
+        """Has every peer published the next step (would ``step`` find nobody behind)?"""
+        e, w, sw = self.epoch + 1, self._w, self._step_word
+        for k in self._others:
+            if w[sw[k]] < e:
+                return False
+        return True
 
     def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
         return _WORDS[nwords].unpack_from(self.segment.map, self._desc_off[rank][seq & 1])

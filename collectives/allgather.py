@@ -75,5 +75,6 @@ class OneSlot(SlotViews):
         """``out`` (1-D, detached) = every rank's ``inp`` (1-D), in rank order."""
         views = self.views[(ctx.channel.epoch + 1) & 1]
         views[ctx.rank].copy_(inp)
+        ctx.one_step = True
         ctx.step()
         torch.cat(views, out=out)

@@ -68,6 +68,7 @@ class OneSlot(SlotViews):
         """``out`` = the reduction of every rank's ``inp`` (detached; ``out`` may be ``inp``)."""
         views = self.views[(ctx.channel.epoch + 1) & 1]
         stage(views[ctx.rank], inp, spec)
+        ctx.one_step = True
         ctx.step()
         reduce_into(out, views, spec, ctx.size, ctx.scratch)
 

@@ -50,6 +50,7 @@ class OneSlot:
     def run(self, ctx, buf) -> None:
         """Make ``buf`` (detached, contiguous) equal to the root's."""
         view = self.views[(ctx.channel.epoch + 1) & 1]
+        ctx.one_step = True
         if ctx.rank == self.root:
             view.copy_(buf)
             ctx.step()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from ..transport.errors import StepDeferred
 from .descriptor import NWORDS, Call, check_all_match
 from .reduce_ops import Scratch
 
@@ -45,7 +46,7 @@ class Context:
     """
 
     __slots__ = ("channel", "call", "seq", "deadline", "scratch", "selection", "plans",
-                 "record", "_checked", "rank", "size", "net_call")
+                 "record", "_checked", "rank", "size", "net_call", "one_step")
 
     def __init__(self, channel, call: Call, seq: int, deadline: float, scratch: Scratch,
                  selection, plans: "Plans", record=None):
@@ -61,6 +62,9 @@ class Context:
         self.size = channel.size
         self._checked = False
         self.net_call = None  # net.NetCall when the group spans nodes (channel: this node)
+        # Set by a one-step plan before its step: nothing the peers need follows it, so a
+        # deferred first step (engine.py: try_now) may wait for whoever looks at the Work.
+        self.one_step = False
 
     def step(self, extra: tuple = ()) -> None:
         """One channel step. The call's first also posts its descriptor, followed by
@@ -74,7 +78,11 @@ class Context:
         channel, seq = self.channel, self.seq
         epoch = channel.epoch + 1
         mine = (seq,) + self.call.tail + (epoch,)
-        channel.step(self.deadline, mine + extra if extra else mine)
+        try:
+            channel.step(self.deadline, mine + extra if extra else mine)
+        except StepDeferred as deferred:
+            deferred.last = self.one_step
+            raise
         for k in range(self.size):
             if k != self.rank and channel.peer_descriptor(k, seq, NWORDS + 1) != mine:
                 check_all_match(channel, self.call, seq, epoch)  # raises
@@ -90,6 +98,7 @@ class Context:
         """Make this context (and its ``net_call``) describe a new call (a driver running
         one call at a time may keep one context for all of them)."""
         self.call, self.seq, self.deadline, self._checked = call, seq, deadline, False
+        self.one_step = False
         self.record = record
         if self.net_call is not None:
             self.net_call.begin(call, seq, deadline)

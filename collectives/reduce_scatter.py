@@ -95,5 +95,6 @@ class OneStep:
         mine, stride, nbytes = self.mine[p], self.stride, self.nbytes
         for k, src in enumerate(srcs):
             ctypes.memmove(mine + k * stride, src, nbytes)
+        ctx.one_step = True
         ctx.step()
         reduce_into(out, self.views[p], spec, ctx.size, ctx.scratch)

@@ -15,8 +15,9 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   already, it completes then and there. If not, its first step is published (this rank's
   data is in shared memory, so the peers can complete their part without us) and raises
   StepDeferred; the call then waits at the head of the queue *without waking the engine
-  thread*, and the rest of it (waiting for the peers, reading their slots) runs when
-  someone looks: ``Work.wait`` runs it in the waiting thread, ``is_completed`` runs it
+  thread* if it is a one-step plan (``Context.one_step``: the peers need nothing more
+  from this rank; otherwise the engine thread runs the rest at once, as before), and the
+  rest of it (waiting for the peers, reading their slots) runs when someone looks: ``Work.wait`` runs it in the waiting thread, ``is_completed`` runs it
   once the peers have published, a future or hook (and any later collective of the group)
   wakes the engine thread to run it. Running it means running the call again: its staging
   writes the same bytes to this rank's slot, and the step is not published twice. An
@@ -144,7 +145,7 @@ class CollectiveEngine:
             if self._busy or self._queue or self._stopped or self.broken is not None:
                 return False
             self._busy = True
-        deferred = False
+        deferred = alone = False
         try:
             self.seq = seq = self.seq + 1
             work._what = (name, seq, self.label)
@@ -153,8 +154,12 @@ class CollectiveEngine:
             channel.defer_once = True
             try:
                 fn(seq, rec)
-            except StepDeferred:
+            except StepDeferred as exc:
                 deferred = True
+                # ``last``: a one-step plan, whose rest nobody else needs. If more steps
+                # follow, the peers need ours: the engine thread runs the rest now, as it
+                # would have run the whole call.
+                alone = exc.last
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
                 self.fail(exc, work, rec)
             else:
@@ -172,7 +177,8 @@ class CollectiveEngine:
                     self._queue.appendleft((fn, work, seq, rec))
         finally:
             self._busy = False
-            if len(self._queue) > deferred:  # others queued meanwhile: they need the thread
+            # the rest of a multi-step call, or others queued meanwhile, need the thread
+            if len(self._queue) > alone:
                 self.wake()
         return True
 

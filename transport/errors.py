@@ -97,4 +97,5 @@ class StepDeferred(TransportError):
 
     def __init__(self, epoch):
         self.epoch = epoch
+        self.last = False  # set by the call (Context): no step of the call follows this one
         super().__init__(f"step {epoch} deferred: a peer has not published it yet")

@@ -260,3 +260,26 @@ def test_a_deferred_collective_never_holds_back_a_peer():
     assert res[0][0] == res[1][0] == [3.0] * 4, res
     # one record, completed, naming its algorithm once (the call ran twice)
     assert res[0][1] == ("completed", "one_step"), res[0][1]
+
+
+def deferred_two_steps(rank, world):
+    """As above, with a call of two steps (forced): rank 1's second step needs rank 0's,
+    so rank 0's deferred call must go on without anyone looking at its Work."""
+    b = dist.new_group([0, 1])
+    dist.barrier(group=b)
+    t = torch.arange(8.0) * (rank + 1)
+    if rank == 1:
+        time.sleep(LATE)
+        dist.all_reduce(t)
+        dist.barrier(group=b)
+        return t.tolist()
+    w = dist.all_reduce(t, async_op=True)
+    dist.barrier(group=b)
+    w.wait()
+    return t.tolist()
+
+
+def test_a_deferred_call_with_more_steps_goes_on_by_itself():
+    res = run_ranks(deferred_two_steps, 2, timeout=60, pg_timeout=20,
+                    env={"NEURON_DIST_ALGO": "all_reduce=two_step"})
+    assert res[0] == res[1] == [3.0 * i for i in range(8)], res

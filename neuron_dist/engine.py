@@ -14,16 +14,18 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   caller runs it at once with its channel's ``defer_once`` set. If every peer is there
   already, it completes then and there. If not, its first step is published (this rank's
   data is in shared memory, so the peers can complete their part without us) and raises
-  StepDeferred; the call then waits at the head of the queue *without waking the engine
-  thread* if it is a one-step plan (``Context.one_step``: the peers need nothing more
-  from this rank; otherwise the engine thread runs the rest at once, as before), and the
-  rest of it (waiting for the peers, reading their slots) runs when someone looks: ``Work.wait`` runs it in the waiting thread, ``is_completed`` runs it
-  once the peers have published, a future or hook (and any later collective of the group)
-  wakes the engine thread to run it. Running it means running the call again: its staging
-  writes the same bytes to this rank's slot, and the step is not published twice. An
-  async collective that is waited for soon after (funcol, DTensor) so costs no thread
-  hand-off (each costs 25-55 µs and a GIL hand-over, several per collective); one that
-  is not waited for overlaps as before, since the peers progress on what was published.
+  StepDeferred. If the call is a one-step plan (``Context.one_step``: the peers need
+  nothing more from this rank), it then waits at the head of the queue *without waking
+  the engine thread*, and the rest of it (waiting for the peers, reading their slots)
+  runs when someone looks: ``Work.wait`` runs it in the waiting thread, ``is_completed``
+  once the peers have published, a future or hook (and any later collective of the
+  group) wakes the engine thread to run it. Any other call wakes the engine thread at
+  once, as before: its peers need its next steps. Running the rest means running the
+  call again: its staging writes the same bytes to this rank's slot, and the step is not
+  published twice. An async collective that is waited for soon after (funcol, DTensor)
+  so costs no thread hand-off (each costs 25-55 µs and a GIL hand-over, several per
+  collective); one that is not waited for overlaps as before, since the peers progress on
+  what was published.
 * A waiter on a queued collective runs the queue head itself when the engine thread has
   not started it (``run_for``).
 * A ``Work.wait`` issued from the progress thread itself (a future callback that waits on a

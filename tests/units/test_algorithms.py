@@ -532,7 +532,8 @@ def test_a_call_run_again_after_its_first_step_was_deferred_gives_the_same_resul
     ar = [(dtype, op, n) for dtype in (f32, torch.int64) for op in ("SUM", "MAX")
           for n in (1, SMALL // dtype.itemsize + 1, 2 * SLOT // dtype.itemsize + 3)]
     ar += [(f32, "PREMUL_SUM", 5), (f32, "AVG", 9)] + ([(f32, "SUM", big)] if cma else [])
-    sizes = [[SLOT // 2 + k for k in range(world)]] + ([[BIG + k for k in range(world)]] if cma else [])
+    sizes = [[SLOT // 2 + k for k in range(world)]]
+    sizes += [[BIG + k for k in range(world)]] if cma else []
     a2a = a2a_patterns(world)[2:] + ([[[BIG + i + j for j in range(world)] for i in range(world)]]
                                      if cma else [])
     roots = sorted({0, world - 1})

@@ -74,7 +74,8 @@ class OneSlot(SlotViews):
     def run(self, ctx, out, inp) -> None:
         """``out`` (1-D, detached) = every rank's ``inp`` (1-D), in rank order."""
         views = self.views[(ctx.channel.epoch + 1) & 1]
-        views[ctx.rank].copy_(inp)
+        if not ctx.channel.staged():
+            views[ctx.rank].copy_(inp)
         ctx.one_step = True
         ctx.step()
         torch.cat(views, out=out)

@@ -67,7 +67,8 @@ class OneSlot(SlotViews):
     def run(self, ctx, out, inp, spec) -> None:
         """``out`` = the reduction of every rank's ``inp`` (detached; ``out`` may be ``inp``)."""
         views = self.views[(ctx.channel.epoch + 1) & 1]
-        stage(views[ctx.rank], inp, spec)
+        if not ctx.channel.staged():
+            stage(views[ctx.rank], inp, spec)
         ctx.one_step = True
         ctx.step()
         reduce_into(out, views, spec, ctx.size, ctx.scratch)

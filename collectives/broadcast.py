@@ -52,7 +52,8 @@ class OneSlot:
         view = self.views[(ctx.channel.epoch + 1) & 1]
         ctx.one_step = True
         if ctx.rank == self.root:
-            view.copy_(buf)
+            if not ctx.channel.staged():
+                view.copy_(buf)
             ctx.step()
         else:
             ctx.step()

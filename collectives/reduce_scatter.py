@@ -93,8 +93,9 @@ class OneStep:
         ``srcs[k]`` is the address of our block for rank k. Not for PREMUL_SUM."""
         p = (ctx.channel.epoch + 1) & 1
         mine, stride, nbytes = self.mine[p], self.stride, self.nbytes
-        for k, src in enumerate(srcs):
-            ctypes.memmove(mine + k * stride, src, nbytes)
+        if not ctx.channel.staged():
+            for k, src in enumerate(srcs):
+                ctypes.memmove(mine + k * stride, src, nbytes)
         ctx.one_step = True
         ctx.step()
         reduce_into(out, self.views[p], spec, ctx.size, ctx.scratch)

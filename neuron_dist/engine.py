@@ -21,8 +21,8 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   once the peers have published, a future or hook (and any later collective of the
   group) wakes the engine thread to run it. Any other call wakes the engine thread at
   once, as before: its peers need its next steps. Running the rest means running the
-  call again: its staging writes the same bytes to this rank's slot, and the step is not
-  published twice. An async collective that is waited for soon after (funcol, DTensor)
+  call again: its staging writes the same bytes to this rank's slot (a one-step plan skips
+  it: ``StepChannel.staged``), and the step is not published twice. An async collective that is waited for soon after (funcol, DTensor)
   so costs no thread hand-off (each costs 25-55 µs and a GIL hand-over, several per
   collective); one that is not waited for overlaps as before, since the peers progress on
   what was published.

@@ -57,6 +57,9 @@ class StepChannel(Protocol):
     def peers_published(self) -> bool:
         """Has every peer published the next step (so ``step`` would not wait)?"""
 
+    def staged(self) -> bool:
+        """Is the next step published already (deferred): this rank's slot holds it."""
+
     def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
         """Descriptor ``rank`` posted with collective ``seq``'s first step."""
 

@@ -212,6 +212,9 @@ class FakeChannel:
         self.check_published(e - 1)
         g.slots[r][(e + 1) & 1].fill_(POISON)
 
+    def staged(self) -> bool:
+        return self._published == self._epoch + 1
+
     def peers_published(self) -> bool:
         with self.group.cond:
             return all(s > self._epoch for s in self.group.steps)

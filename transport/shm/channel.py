@@ -166,6 +166,11 @@ class ShmChannel:
                 raise PeerAborted(k, self.abort_reason(k), w[aw[k]])
         self.epoch = e
 
+    def staged(self) -> bool:
+        """Is the next step published already (a deferred call run again: this rank's slot
+        holds what the call staged, so a one-step plan need not stage it again)?"""
+        return self._published == self.epoch + 1
+
     def peers_published(self) -> bool:
         """Has every peer published the next step (would ``step`` find nobody behind)?"""
         e, w, sw = self.epoch + 1, self._w, self._step_word

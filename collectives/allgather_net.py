@@ -60,7 +60,10 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     topo = net_call.topo
     j, mine = ctx.rank, topo.my_node
     me = topo.rank
-    if len(topo.local) > 1:
+    alone = len(topo.local) == 1
+    if alone:
+        net_call.replayable()  # up to the wait: a copy of inp, sends, receives into outs
+    if not alone:
         allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
     elif outs[me].data_ptr() != inp.data_ptr():
         outs[me].copy_(inp)
@@ -71,8 +74,8 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     for b, g in enumerate(column):
         if b != mine:
             net_call.send(g, outs[me])
-    net_call.wait()
-    if len(topo.local) == 1:
+    net_call.wait(alone)
+    if alone:
         ctx.finish()
         return
     for b, node in enumerate(topo.nodes):

@@ -47,6 +47,8 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     ctx.chose(layout)
     if len(topo.local) == 1:  # alone on this node: straight to the network
         if first.kind == PREMUL_SUM:
+            if out.data_ptr() == inp.data_ptr():
+                ctx.net_call.not_replayable()  # (scaling in place cannot be done twice)
             torch.mul(inp, first.factor, out=out)
         elif out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
@@ -97,12 +99,15 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     if algo == "halves":
         _halves(ctx, buf, peers, spec)
         return
+    last = len(net_call.topo.local) == 1  # (else a local phase follows)
+    if last:
+        net_call.replayable()  # up to the wait: sends of buf, receives into scratch
     got = {p: net_call.buffer(f"got{i}", buf.numel(), buf.dtype) for i, p in enumerate(others)}
     for p in others:
         net_call.recv(p, got[p])
     for p in others:
         net_call.send(p, buf)
-    net_call.wait()
+    net_call.wait(last)
     views = [buf if p == me else got[p] for p in peers]
     if len(views) == 2:  # elementwise, so buf may be the output while being an input
         reduce_into(buf, views, spec, 2, ctx.scratch)

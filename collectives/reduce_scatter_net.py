@@ -79,6 +79,9 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     topo = net_call.topo
     first, later = phase_specs(spec)
     j, mine = ctx.rank, topo.my_node
+    alone = len(topo.local) == 1
+    if alone:  # up to the wait: inputs read (scaled into scratch), sends, receives
+        net_call.replayable()
     # ``out`` is written only once every input has been read and sent: it may alias one of
     # the inputs (an in-place reduce_scatter).
     partial = {}
@@ -104,7 +107,7 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     for b in range(len(topo.nodes)):
         if b != mine:
             net_call.send(column[b], partial[b])
-    net_call.wait()
+    net_call.wait(alone)
     views = [partial[mine] if b == mine else got[b] for b in range(len(topo.nodes))]
     if len(views) == 2:  # elementwise, so out may alias views[0] (an in-place call)
         reduce_into(out, views, later, 2, ctx.scratch)

@@ -11,7 +11,9 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   more than a whole small collective, so the inline path is what makes small synchronous
   collectives fast. Otherwise the task is queued behind the others and the caller waits.
 * async_op=True, small, in a one-node group, with the engine idle (``try_now``): the
-  caller runs it at once with its channel's ``defer_once`` set. If every peer is there
+  caller runs it at once with its channel's ``defer_once`` set. (Between nodes, where each
+  rank is alone on its node, the "channel" is the call's ``NetCall``: its first run posts
+  its messages, and ``wait(last=True)`` defers; see net.py, "Running a call again".) If every peer is there
   already, it completes then and there. If not, its first step is published (this rank's
   data is in shared memory, so the peers can complete their part without us) and raises
   StepDeferred. If the call is a one-step plan (``Context.one_step``: the peers need
@@ -142,7 +144,9 @@ class CollectiveEngine:
     def try_now(self, fn, work, name: str, channel, call=None, nbytes: int = 0) -> bool:
         """Run the async collective ``fn(seq, rec)`` now in the caller's thread, deferring
         its first step if a peer is behind (see the module docstring): True once it is
-        complete or deferred; False, with nothing done, if the engine is not idle."""
+        complete or deferred; False, with nothing done, if the engine is not idle.
+        ``channel``: what ``fn`` defers through (``defer_once``, ``peers_published``): the
+        group's step channel, or the call's ``NetCall``."""
         with self._mutex:
             if self._busy or self._queue or self._stopped or self.broken is not None:
                 return False

@@ -66,6 +66,14 @@ _NO_TIME = timedelta(0)
 _SPECS: dict = {}
 
 
+# Async collectives of a group that spans nodes tried in the caller's thread first: the
+# ones whose algorithms say where they may be deferred (``NetCall.replayable``), up to a
+# size where running their local reduction at wait time, instead of overlapped in the engine
+# thread, costs little.
+_NET_DEFERRABLE = frozenset(("all_reduce", "all_gather", "reduce_scatter"))
+NET_DEFER_BYTES = 1 << 20
+
+
 def reduce_spec(op) -> ReduceSpec:
     """torch ReduceOp (enum or object, PREMUL_SUM with its factor) -> ReduceSpec."""
     kind = getattr(op, "op", op)
@@ -255,21 +263,36 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         channel, scratch, selection = self._channel, self._scratch, self._selection
         net, topo, plans = self._net, self._topo, self._plans
 
+        async_op = bool(getattr(opts, "asyncOp", False))
+        # A small async collective runs now, its wait deferred if a peer is behind
+        # (engine.py): no thread hand-off when the caller waits soon after. In a one-node
+        # group its first step is published in shared memory; across nodes (every rank
+        # alone on its node) its messages are posted (net.py, "Running a call again").
+        deferrable = None
+        if async_op:
+            if net is None:
+                if nbytes <= channel.slot_bytes:
+                    deferrable = channel
+            elif (nbytes <= NET_DEFER_BYTES and call.op in _NET_DEFERRABLE
+                    and len(topo.local) == 1):
+                deferrable = NetCall(net, topo, call, 0, 0.0, scratch=self._net_call_scratch)
+
         def run(seq: int, rec) -> None:
             deadline = time.monotonic() + seconds
             ctx = Context(channel, call, seq, deadline, scratch, selection, plans, rec)
             if net is not None:
-                ctx.net_call = NetCall(net, topo, call, seq, deadline,
-                                       scratch=self._net_call_scratch)
+                if deferrable is not None:  # the same NetCall each time the call runs
+                    deferrable.again(seq, deadline)
+                    ctx.net_call = deferrable
+                else:
+                    ctx.net_call = NetCall(net, topo, call, seq, deadline,
+                                           scratch=self._net_call_scratch)
             algo(ctx)
             for f in flats:
                 f.finish()
 
-        async_op = bool(getattr(opts, "asyncOp", False))
-        # A small async collective of a one-node group runs now, its wait deferred if a
-        # peer is behind (engine.py): no thread hand-off when the caller waits soon after.
-        if not (async_op and net is None and nbytes <= channel.slot_bytes
-                and self._engine.try_now(run, work, name, channel, call, nbytes)):
+        if not (deferrable is not None
+                and self._engine.try_now(run, work, name, deferrable, call, nbytes)):
             self._engine.submit(run, work, async_op, name, call, nbytes)
         return work
 

@@ -616,3 +616,109 @@ def test_a_call_run_again_after_its_first_step_was_deferred_gives_the_same_resul
     check_all_to_all([[res[0]["a2a", j] for j in range(len(a2a))] for res in results], a2a,
                      world, failures)
     report(failures)
+
+
+# --- a call between nodes run again after its last wait was deferred (net.py) ---------------
+
+class _FakeNetRequest:
+    def __init__(self):
+        self.finished = False
+
+    def done(self):
+        return self.finished
+
+    def wait(self, deadline):
+        assert self.finished, "a wait that would block"
+
+
+class _FakeNet:
+    """Two ranks' ends of a network that matches sends and receives per (src, dst) in order
+    and moves bytes at once; ``posts`` counts what each rank posted."""
+
+    def __init__(self):
+        self.sends, self.recvs, self.posts = {}, {}, {0: 0, 1: 0}
+
+    def end(self, rank):
+        net = self
+
+        class End:
+            def isend(self, peer, tag, data):
+                net.posts[rank] += 1
+                req = _FakeNetRequest()
+                recvs = net.recvs.get((rank, peer))
+                if recvs:
+                    buf, rreq = recvs.pop(0)
+                    memoryview(buf).cast("B")[:] = memoryview(data).cast("B")
+                    rreq.finished = req.finished = True
+                else:
+                    net.sends.setdefault((rank, peer), []).append((bytes(data), req))
+                return req
+
+            def irecv(self, peer, tag, buf):
+                net.posts[rank] += 1
+                req = _FakeNetRequest()
+                sends = net.sends.get((peer, rank))
+                if sends:
+                    data, sreq = sends.pop(0)
+                    memoryview(buf).cast("B")[:] = data
+                    sreq.finished = req.finished = True
+                else:
+                    net.recvs.setdefault((peer, rank), []).append((buf, req))
+                return req
+
+        return End()
+
+
+def _exchange(nc, peer, buf, got):
+    nc.replayable()
+    nc.recv(peer, got)
+    nc.send(peer, buf)
+    nc.wait(last=True)
+
+
+@pytest.mark.parametrize("nbytes", [16, 128 << 10], ids=["with-descriptor", "own-message"])
+def test_a_net_call_run_again_reuses_what_its_first_run_posted(nbytes):
+    from neuron_dist.collectives.net import NetCall
+    from neuron_dist.transport.errors import StepDeferred
+
+    net = _FakeNet()
+    call = Call("all_reduce", torch.float32, nbytes // 4)
+    ncs = [NetCall(net.end(r), SimpleNamespace(rank=r), call, 7, math.inf) for r in (0, 1)]
+    bufs = [torch.full((nbytes // 4,), float(r + 1)) for r in (0, 1)]
+    gots = [torch.zeros(nbytes // 4) for _ in (0, 1)]
+    # rank 0 runs first, with defer_once: its peer has sent nothing, so the last wait defers
+    ncs[0].defer_once = True
+    with pytest.raises(StepDeferred) as deferred:
+        _exchange(ncs[0], 1, bufs[0], gots[0])
+    assert deferred.value.last
+    ncs[0].defer_once = False
+    posted = net.posts[0]
+    assert not ncs[0].peers_published()
+    _exchange(ncs[1], 0, bufs[1], gots[1])  # rank 1 completes from what rank 0 posted
+    assert gots[1].eq(1.0).all()
+    assert ncs[0].peers_published()
+    # run again: the same sends and receives, nothing posted twice, and the wait completes
+    ncs[0].again(7, math.inf)
+    _exchange(ncs[0], 1, bufs[0], gots[0])
+    assert net.posts[0] == posted
+    assert gots[0].eq(2.0).all()
+    # run again with another buffer than the first time: a bug, said loudly
+    ncs[0].again(7, math.inf)
+    with pytest.raises(RuntimeError, match="other buffers"):
+        _exchange(ncs[0], 1, bufs[0], torch.zeros(nbytes // 4))
+
+
+def test_a_net_call_not_said_replayable_defers_before_posting_anything():
+    from neuron_dist.collectives.net import NetCall
+    from neuron_dist.transport.errors import StepDeferred
+
+    net = _FakeNet()
+    nc = NetCall(net.end(0), SimpleNamespace(rank=0), Call("broadcast", torch.float32, 4), 1,
+                 math.inf)
+    nc.defer_once = True
+    for attempt in (lambda: nc.send(1, torch.ones(4)), lambda: nc.recv(1, torch.ones(4)),
+                    lambda: nc.buffer("x", 4, torch.float32), nc.wait, nc.check):
+        with pytest.raises(StepDeferred) as deferred:
+            attempt()
+        assert not deferred.value.last
+    assert net.posts[0] == 0

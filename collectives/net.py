@@ -45,6 +45,7 @@ from .descriptor import NWORDS, Call, CollectiveMismatch
 COLLECTIVE_TAG = 1
 PIGGYBACK_BYTES = 64 << 10  # data up to this size travels in one message with the descriptor
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
+_NEW = object()  # (NetCall._posted_before: nothing posted for this yet)
 
 
 class NetCall:
@@ -110,12 +111,17 @@ class NetCall:
         if self.defer_once and not self._replayable:
             raise StepDeferred(self.seq)
 
-    def _again(self, peer: int, buf):
-        """The request a first run posted for this send or receive, if this is a run again."""
+    def _posted_before(self, peer: int, buf):
+        """The request a first run posted for this send or receive, when the call runs
+        again; ``_NEW`` if it is to be posted now (a first run that may not post raises
+        ``StepDeferred``)."""
         log = self._log
+        if log is None:
+            self.not_replayable()
+            return _NEW
         i = self._cursor
         if i == len(log):
-            return False, None
+            return _NEW
         self._cursor = i + 1
         logged_peer, address, nbytes, req = log[i]
         data = as_bytes(buf)
@@ -123,7 +129,7 @@ class NetCall:
             raise RuntimeError(
                 f"collective #{self.seq} ran again with other buffers than the first time "
                 f"(message {i}: peer {peer}, not {logged_peer}): a bug in its algorithm")
-        return True, req
+        return req
 
     def _logged(self, peer: int, data, req):
         if self._log is not None:
@@ -136,12 +142,10 @@ class NetCall:
 
     def send(self, peer: int, buf):
         """Post a send of ``buf`` to ``peer``; returns its request (done: ``buf`` is free)."""
-        if self._log is not None:
-            again, req = self._again(peer, buf)
-            if again:
+        if self._log is not None or self.defer_once:
+            req = self._posted_before(peer, buf)
+            if req is not _NEW:
                 return req
-        elif self.defer_once:
-            self.not_replayable()
         data = as_bytes(buf)
         if peer not in self._told:
             self._told.add(peer)
@@ -159,12 +163,10 @@ class NetCall:
         """Post a receive from ``peer`` into ``buf``. Returns its request, or None for the
         call's first message from ``peer`` when it is small (it travels with the
         descriptor and is copied into ``buf`` by ``check``)."""
-        if self._log is not None:
-            again, req = self._again(peer, buf)
-            if again:
+        if self._log is not None or self.defer_once:
+            req = self._posted_before(peer, buf)
+            if req is not _NEW:
                 return req
-        elif self.defer_once:
-            self.not_replayable()
         data = as_bytes(buf)
         if peer not in self._heard:
             n = _nbytes(data)

@@ -91,7 +91,7 @@ class NetCall:
         with the same result (copies, not in-place arithmetic on its inputs): the call may
         then be deferred there (see the module docstring)."""
         self._replayable = True
-        if self._log is None:
+        if self._log is None and self.defer_once:  # (a first run that may defer: log it)
             self._log = []
 
     def again(self, seq: int, deadline: float) -> None:
@@ -131,11 +131,9 @@ class NetCall:
                 f"(message {i}: peer {peer}, not {logged_peer}): a bug in its algorithm")
         return req
 
-    def _logged(self, peer: int, data, req):
-        if self._log is not None:
-            self._log.append((peer, _address(data), _nbytes(data), req))
-            self._cursor += 1
-        return req
+    def _logged(self, peer: int, data, req) -> None:
+        self._log.append((peer, _address(data), _nbytes(data), req))
+        self._cursor += 1
 
     def _words(self) -> bytes:
         return _DESC.pack(*self.call.words(self.seq), 0)
@@ -153,11 +151,15 @@ class NetCall:
                 # one copy, into an immutable bytes object the transport keeps as it is
                 req = self.net.isend(peer, COLLECTIVE_TAG, b"".join((self._words(), data)))
                 self._pending.append(req)
-                return self._logged(peer, data, req)
+                if self._log is not None:
+                    self._logged(peer, data, req)
+                return req
             self._pending.append(self.net.isend(peer, COLLECTIVE_TAG, self._words()))
         req = self.net.isend(peer, COLLECTIVE_TAG, data)
         self._pending.append(req)
-        return self._logged(peer, data, req)
+        if self._log is not None:
+            self._logged(peer, data, req)
+        return req
 
     def recv(self, peer: int, buf):
         """Post a receive from ``peer`` into ``buf``. Returns its request, or None for the
@@ -173,12 +175,16 @@ class NetCall:
             if n <= PIGGYBACK_BYTES:
                 box = bytearray(_DESC.size + n)
                 self._heard[peer] = (box, self.net.irecv(peer, COLLECTIVE_TAG, box), data)
-                return self._logged(peer, data, None)
+                if self._log is not None:
+                    self._logged(peer, data, None)
+                return None
             box = bytearray(_DESC.size)
             self._heard[peer] = (box, self.net.irecv(peer, COLLECTIVE_TAG, box), None)
         req = self.net.irecv(peer, COLLECTIVE_TAG, data)
         self._pending.append(req)
-        return self._logged(peer, data, req)
+        if self._log is not None:
+            self._logged(peer, data, req)
+        return req
 
     def buffer(self, key: str, numel: int, dtype) -> torch.Tensor:
         """A scratch tensor kept across calls (allocating fresh pages every call costs more

@@ -67,10 +67,12 @@ _SPECS: dict = {}
 
 
 # Async collectives of a group that spans nodes tried in the caller's thread first: the
-# ones whose algorithms say where they may be deferred (``NetCall.replayable``), up to a
-# size where running their local reduction at wait time, instead of overlapped in the engine
-# thread, costs little.
-_NET_DEFERRABLE = frozenset(("all_reduce", "all_gather", "reduce_scatter"))
+# ones whose algorithms say where they may be deferred (``NetCall.replayable``) and whose
+# buffers are made once per call, outside the algorithm (a call run again must hand the
+# same memory to the same messages: allreduce_coalesced, for one, concatenates anew each
+# time), up to a size where running their local reduction at wait time, instead of
+# overlapped in the engine thread, costs little.
+_NET_DEFERRABLE = frozenset(("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"))
 NET_DEFER_BYTES = 1 << 20
 
 
@@ -273,7 +275,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if net is None:
                 if nbytes <= channel.slot_bytes:
                     deferrable = channel
-            elif (nbytes <= NET_DEFER_BYTES and call.op in _NET_DEFERRABLE
+            elif (nbytes <= NET_DEFER_BYTES and name in _NET_DEFERRABLE
                     and len(topo.local) == 1):
                 deferrable = NetCall(net, topo, call, 0, 0.0, scratch=self._net_call_scratch)
 

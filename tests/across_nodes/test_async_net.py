@@ -139,3 +139,25 @@ def test_a_mismatch_found_after_deferral_names_both_calls():
     assert name == "CollectiveMismatchError", res[0]
     assert "all_reduce" in text and "all_gather" in text, text
     assert res[1] is not None and "all_gather" in res[1][1], res[1]
+
+
+def coalesced_late_peer(rank, world):
+    """allreduce_coalesced concatenates its tensors afresh each time it runs, so it cannot
+    run again with the messages of a first run: it must not be deferred that way."""
+    import warnings
+
+    dist.barrier()
+    a, b = torch.full((3,), float(rank + 1)), torch.full((5,), float(10 * (rank + 1)))
+    if rank == 1:
+        time.sleep(LATE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (deprecated in c10d, still served)
+        dist.all_reduce_coalesced([a, b], async_op=True).wait()
+    return a.tolist(), b.tolist()
+
+
+@pytest.mark.timeout(90)
+def test_allreduce_coalesced_with_a_late_peer():
+    res = run_ranks(coalesced_late_peer, 2, timeout=80, env=_nodes(2))
+    for rank, (a, b) in res.items():
+        assert a == [3.0] * 3 and b == [30.0] * 5, (rank, a, b)

@@ -61,12 +61,12 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     j, mine = ctx.rank, topo.my_node
     me = topo.rank
     alone = len(topo.local) == 1
-    if alone:
-        net_call.replayable()  # up to the wait: a copy of inp, sends, receives into outs
     if not alone:
         allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
-    elif outs[me].data_ptr() != inp.data_ptr():
-        outs[me].copy_(inp)
+    else:
+        net_call.replayable()  # up to the wait: a copy of inp, sends, receives into outs
+        if outs[me].data_ptr() != inp.data_ptr():
+            outs[me].copy_(inp)
     column = [node[j] for node in topo.nodes]
     for b, g in enumerate(column):
         if b != mine:

@@ -103,6 +103,18 @@ class NetCall:
         return (all(r.done() for _, r, _ in self._heard.values())
                 and all(r.done() for r in self._pending))
 
+    def withdraw(self, error: Exception) -> None:
+        """The call will not run again (its group is going away): withdraw every request it
+        posted that has not completed, so on return no message of it lands in its
+        buffers (the peers are told: ``NetTransport.cancel``)."""
+        reqs = [r for _, r, _ in self._heard.values()] + self._pending
+        for req in reqs:
+            if not req.done():
+                try:
+                    self.net.cancel(req, error)
+                except Exception:  # noqa: BLE001 - a transport closed meanwhile touches nothing
+                    pass
+
     def not_replayable(self) -> None:
         """In a first run (``defer_once``) of an algorithm that has not said ``replayable``:
         raise ``StepDeferred``, so the engine thread runs the call from the start. Every

@@ -13,8 +13,9 @@ a group's collectives in the same order, as with every c10d backend). Execution:
 * async_op=True, small, in a one-node group, with the engine idle (``try_now``): the
   caller runs it at once with its channel's ``defer_once`` set. (Between nodes, where each
   rank is alone on its node, the "channel" is the call's ``NetCall``: its first run posts
-  its messages, and ``wait(last=True)`` defers; see net.py, "Running a call again".) If every peer is there
-  already, it completes then and there. If not, its first step is published (this rank's
+  its messages, and ``wait(last=True)`` defers; see net.py, "Running a call again"; a
+  call that will not run again withdraws them before its Work fails.) If every peer is
+  there already, it completes then and there. If not, its first step is published (this rank's
   data is in shared memory, so the peers can complete their part without us) and raises
   StepDeferred. If the call is a one-step plan (``Context.one_step``: the peers need
   nothing more from this rank), it then waits at the head of the queue *without waking
@@ -235,11 +236,8 @@ class CollectiveEngine:
         """Run a task (``fn``, ``work``, ``seq``, ``rec``). ``inline`` (``run_now``): its
         record was issued running, and its work has not been returned to anyone yet."""
         if self.broken is not None:
-            error = GroupAbortedError(
-                f"{work.what}: the group is unusable after an earlier failure: {self.broken}")
-            if rec is not None:
-                rec.finish(error)
-            work._complete(error)
+            _fail_unrun(work, rec, GroupAbortedError(
+                f"{work.what}: the group is unusable after an earlier failure: {self.broken}"))
             return
         if rec is not None and not inline:
             rec.start()
@@ -300,14 +298,24 @@ class CollectiveEngine:
             thread = self._thread
         for _, work, _, rec in pending:
             failure = error or GroupAbortedError(f"{work.what}: the group was destroyed before this ran")
-            if rec is not None:
-                rec.finish(failure)
-            work._complete(failure)
+            _fail_unrun(work, rec, failure)
         if thread is not None and thread is not threading.current_thread():
             thread.join(join_timeout)
 
 
 _FOREVER = float("inf")
+
+
+def _fail_unrun(work, rec, failure) -> None:
+    """Fail a queued task that will not run (again). A deferred call between nodes has
+    messages posted into its buffers: they are withdrawn first, so nothing lands in the
+    caller's tensors once its Work has failed."""
+    op = work.op
+    if isinstance(op, _Deferred):
+        op.abandon(failure)
+    if rec is not None:
+        rec.finish(failure)
+    work._complete(failure)
 
 
 class _Deferred:
@@ -337,3 +345,10 @@ class _Deferred:
     def arm(self) -> None:
         """A future or hook wants it to complete by itself."""
         self.engine.wake()
+
+    def abandon(self, error) -> None:
+        """It will not run again: withdraw what its first run posted (a ``NetCall``'s
+        messages; a step published in shared memory writes into nobody's buffer)."""
+        withdraw = getattr(self.channel, "withdraw", None)
+        if withdraw is not None:
+            withdraw(error)

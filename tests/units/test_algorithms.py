@@ -637,6 +637,7 @@ class _FakeNet:
 
     def __init__(self):
         self.sends, self.recvs, self.posts = {}, {}, {0: 0, 1: 0}
+        self.cancelled = []
 
     def end(self, rank):
         net = self
@@ -665,6 +666,13 @@ class _FakeNet:
                 else:
                     net.recvs.setdefault((peer, rank), []).append((buf, req))
                 return req
+
+            def cancel(self, req, error):
+                for key in list(net.recvs):
+                    net.recvs[key] = [(b, r) for b, r in net.recvs[key] if r is not req]
+                req.finished, req.error = True, error
+                net.cancelled.append(req)
+                return True
 
         return End()
 
@@ -722,3 +730,42 @@ def test_a_net_call_not_said_replayable_defers_before_posting_anything():
             attempt()
         assert not deferred.value.last
     assert net.posts[0] == 0
+
+
+def test_a_deferred_call_that_will_not_run_again_withdraws_its_messages_first():
+    """A group going away fails a deferred call without running it again: its receives,
+    posted into the caller's buffers, are withdrawn before its Work fails, so no late
+    message lands in a tensor whose Work has already ended."""
+    from neuron_dist.collectives.net import NetCall
+    from neuron_dist.engine import CollectiveEngine
+    from neuron_dist.errors import GroupAbortedError
+    from neuron_dist.work import NeuronWork
+
+    net = _FakeNet()
+    n = 128 << 10  # above PIGGYBACK_BYTES: the data is received straight into ``got``
+    nc = NetCall(net.end(0), SimpleNamespace(rank=0), Call("all_gather", torch.uint8, 2 * n),
+                 0, math.inf)
+    buf, got = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    work = NeuronWork([got], "all_gather")
+    seen = []
+    real_cancel = net.end(0).cancel
+
+    def cancel(req, error):
+        seen.append(work._finished)  # the Work has not ended yet
+        return real_cancel(req, error)
+
+    nc.net.cancel = cancel
+    engine = CollectiveEngine("test", lambda exc, what: (exc, True))
+    assert engine.try_now(lambda seq, rec: (nc.again(seq, math.inf),
+                                            _exchange(nc, 1, buf, got)), work, "all_gather", nc)
+    # (posted: the descriptor's and the data's receives, the descriptor and the data)
+    assert not work._finished and net.posts[0] == 4 and not net.cancelled
+    engine.stop()
+    assert seen and not any(seen), seen  # withdrawn first ...
+    assert net.recvs.get((1, 0)) == [] and len(net.cancelled) >= 1
+    with pytest.raises(GroupAbortedError):  # ... then the Work failed
+        work.wait()
+    late = net.end(1)  # the peer's call, late: its descriptor, then its data, land nowhere
+    late.isend(0, 1, bytes(nc._words()))
+    late.isend(0, 1, bytes([7]) * n)
+    assert got.eq(0).all()

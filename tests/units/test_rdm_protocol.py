@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from neuron_dist.transport.rdm import frames as F
-from neuron_dist.transport.rdm.protocol import (Endpoint, FrameRejected, MessageReceived,
-                                                PeerFailed, ProtocolError, SendCompleted)
+from neuron_dist.transport.rdm.protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected,
+                                                MessageReceived, PeerFailed, ProtocolError,
+                                                SendCompleted)
 
 DT = 0.002
 
@@ -278,7 +279,8 @@ def test_acks_ride_on_replies_and_wait_at_most_ack_delay():
     (ack,) = _deliver(a, b, now + 0.01)  # due: an ACK frame of its own
     assert F.decode(ack.data).type == F.ACK
     assert [type(e) for e in b.events()] == [SendCompleted]
-    a.send(1, 0, b"x" * 70_000)  # acks of a large message (its sender waits) go at once
+    # acks of a large message (its sender waits for them) go at once
+    a.send(1, 0, b"x" * (DELAYED_ACK_BYTES + 1))
     _deliver(a, b, now)
     (ack,) = _deliver(b, a, now)
     assert F.decode(ack.data).type == F.ACK

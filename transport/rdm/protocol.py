@@ -140,7 +140,9 @@ from . import frames as F
 # at 0.73x; filling rails in turn brought that to 0.89x and 1.10x, large messages unchanged.
 MIN_SPRAY_BYTES = 4 << 20
 FILL_BYTES = 4 << 20
-DELAYED_ACK_BYTES = 64 << 10  # acks of messages up to this size may wait (ack_delay)
+# Acks of messages up to this size may wait (ack_delay): the driver's eager sends
+# (driver.EAGER_BYTES), which complete at once, so nobody waits for their acks.
+DELAYED_ACK_BYTES = 256 << 10
 NOTICE_BYTES = 4096  # a notice_tags message up to this size always finds memory
 
 # ----------------------------------------------------------------------------- events

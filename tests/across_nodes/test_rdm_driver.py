@@ -28,11 +28,13 @@ pytestmark = pytest.mark.timeout(60)
 KEY, GROUP = os.urandom(32), b"test-group"
 
 
-def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2, group=GROUP, open_rails=True):
+def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2, group=GROUP, open_rails=True,
+          **kw):
     """``world`` transports of one group, in this process, with the rails between every two
-    of them open (``open_rails``; else they open on first use)."""
+    of them open (``open_rails``; else they open on first use); ``kw`` go to each."""
     ts = [RdmTransport(r, world, host="127.0.0.1", rails=rails, key=KEY, group=group,
-                       segment_bytes=segment_bytes, crc=crc, rto=0.5) for r in range(world)]
+                       segment_bytes=segment_bytes, crc=crc, rto=0.5, **kw)
+          for r in range(world)]
     addrs = {r: t.address for r, t in enumerate(ts)}
     for t in ts:
         t.connect(addrs, time.monotonic() + 10)
@@ -191,6 +193,38 @@ def test_copy_pool_reuses_only_buffers_nothing_points_into():
     for _ in range(4):
         pool.give(bytearray(1 << 16))
     assert pool._bytes == 3 << 16  # never more than the limit is kept
+
+
+def test_a_sender_that_runs_ahead_stops_copying_and_its_close_delivers_everything():
+    # Eager sends complete at once, so a sender in a loop can run far ahead of a peer that
+    # has not posted its receives. Once a window's worth waits to go, sends wait for their
+    # acks like large ones: the copies held stay bounded, and closing right after the loop
+    # still delivers every message (a broadcast root that ran ahead and exited used to
+    # leave its peer with "all rails failed").
+    from neuron_dist.transport.rdm.driver import EAGER_BYTES
+    window, n, count = 1 << 20, 100_000, 80  # 8 MB: 8 windows
+    assert n <= EAGER_BYTES
+    a, b = _pair(rails=2, window_bytes=window)
+    try:
+        bufs = [np.full(n, k, np.uint8) for k in range(count)]
+        sends, held = [], 0
+        for x in bufs:
+            sends.append(a.isend(1, 6, x))
+            with a._lock:
+                held = max(held, len(a._copies) * n)  # (copies come in size classes)
+        waited = [not s.test() for s in sends]
+        assert any(waited), "every send completed at once: nothing bounds a sender"
+        assert held <= 2 * window + 2 * n, held  # a window in flight, one waiting
+        for s in sends:
+            s.wait(time.monotonic() + 20)
+        a.close()
+        for k in range(count):
+            got = np.zeros(n, np.uint8)
+            b.irecv(0, 6, got).wait(time.monotonic() + 20)
+            assert (got == k).all(), k
+    finally:
+        a.close()
+        b.close()
 
 
 def test_eager_copies_go_back_to_the_pool_once_acked(pair):

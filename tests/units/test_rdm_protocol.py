@@ -291,6 +291,30 @@ def test_acks_ride_on_replies_and_wait_at_most_ack_delay():
     assert F.decode(ack.data).acks == [(5, 0)]  # b sent pongs 0-4, then this one
 
 
+def test_backlog_bytes_counts_what_waits_for_the_window():
+    """What a driver checks before completing a small send at once (driver.isend): the
+    bytes queued to a peer and not yet sent, down as segments go out, down when a queued
+    message is cancelled, zero once everything went."""
+    a, b = make(2, window_bytes=1000, segment_bytes=256, rails=1, ack_delay=0.0)
+    assert a.backlog_bytes(1) == 0
+    a.send(1, 0, bytes(3000))
+    later = a.send(1, 0, bytes(500))
+    assert a.backlog_bytes(1) == 3500
+    _deliver(a, b, 0.0)  # the window takes 3 segments of 256 (plus headers)
+    sent = 3000 + 500 - a.backlog_bytes(1)
+    assert 0 < sent < 1000 and sent % 256 == 0
+    assert a.cancel_send(1, later)
+    assert a.backlog_bytes(1) == 3000 - sent
+    now = 0.0
+    for _ in range(100):
+        if not a.backlog_bytes(1):
+            break
+        now += 0.001
+        _deliver(b, a, now)  # acks open the window
+        _deliver(a, b, now)
+    assert a.backlog_bytes(1) == 0 and a.backlog_bytes(0) == 0
+
+
 def test_has_work_says_when_poll_transmit_has_something_to_send():
     """A driver skips poll_transmit while has_work is False (deadlines aside): it must turn
     True for new messages, for a window that opens, and for acks that are due now."""

@@ -470,10 +470,13 @@ class RdmTransport:
         Messages up to ``EAGER_BYTES`` are copied (a ``bytes`` object, immutable, is kept
         as it is) and the request completes at once (like MPI's eager protocol): the copy
         stays with the protocol until the peer acknowledges it, so a small send costs no
-        round trip. When nothing waits to go to the peer
-        before it, its frame is written to the socket right here (``Endpoint.send_now``).
-        Larger ones complete when acknowledged. ``callback(request)``, if given, runs on
-        the engine's callback thread when the request completes (successfully or not).
+        round trip. When nothing waits to go to the peer before it, its frame is written
+        to the socket right here (``Endpoint.send_now``). Larger ones complete when
+        acknowledged, and so do small ones while a window's worth or more waits to go to
+        the peer (``Endpoint.backlog_bytes``): a sender that runs ahead of its peer then
+        waits, so the copies it holds, and what a close must still deliver, stay bounded.
+        ``callback(request)``, if given, runs on the engine's callback thread when the
+        request completes (successfully or not).
         """
         if peer not in self._up:
             self._open_rails(peer)
@@ -482,7 +485,7 @@ class RdmTransport:
         with self._lock:
             self._check_usable(peer)
             ep = self.ep
-            if n > EAGER_BYTES:
+            if n > EAGER_BYTES or ep.backlog_bytes(peer) >= ep.window_bytes:
                 req = Request(peer, tag, view, True, self)
                 req.callback = callback
                 self._sends[(peer, ep.send(peer, tag, view))] = req

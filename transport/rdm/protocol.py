@@ -301,6 +301,7 @@ class _Peer:
     next_msg_id: int = 0
     tag_seq: dict = field(default_factory=dict)
     queue: deque = field(default_factory=deque)  # messages with segments not yet sent
+    backlog: int = 0  # bytes of those segments (see backlog_bytes)
     open: dict = field(default_factory=dict)  # msg_id -> _OutMessage, not yet completed
     sent_done: _IdWindow = field(default_factory=_IdWindow)
     unacked: dict = field(default_factory=dict)  # (msg_id, offset) -> _Segment
@@ -455,6 +456,7 @@ class Endpoint:
         state.next_msg_id += 1
         state.open[msg.msg_id] = msg
         state.queue.append(msg)
+        state.backlog += view.nbytes
         self.has_work = True
         return msg.msg_id
 
@@ -582,6 +584,7 @@ class Endpoint:
             return False
         try:
             state.queue.remove(msg)
+            state.backlog -= max(0, msg.data.nbytes - msg.next_seg * msg.seg_bytes)
         except ValueError:
             pass
         for key in [k for k in state.unacked if k[0] == msg_id]:
@@ -863,6 +866,14 @@ class Endpoint:
         rails moves them on (acknowledgements, the rest of the segments)."""
         return any(s.queue or s.urgent or s.partial for s in list(self._peers.values()))
 
+    def backlog_bytes(self, peer: int) -> int:
+        """Bytes of messages to ``peer`` queued and not yet sent: what waits for the window
+        to open. A driver that completes small sends at once (copying them) stops doing so
+        while this is a window's worth or more, so a sender that runs ahead of its peer
+        holds at most that much in copies, and a close has at most that much to deliver."""
+        state = self._peers.get(peer)
+        return 0 if state is None else state.backlog
+
     def inflight_bytes(self, peer: int, rail: int | None = None) -> int:
         """Unacked bytes to ``peer`` as counted against ``window_bytes`` (on ``rail``
         only, if given)."""
@@ -1012,6 +1023,7 @@ class Endpoint:
             state.rail_bytes[seg.rail] += cost
             state.inflight += cost
             state.unacked[(msg.msg_id, offset)] = seg
+            state.backlog -= length
             msg.unacked += 1
             msg.next_seg += 1
             if msg.next_seg == msg.nsegs:

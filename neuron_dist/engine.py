@@ -46,6 +46,7 @@ import time
 from collections import deque
 
 from . import stats
+from .collectives import one_thread
 from .errors import GroupAbortedError
 from .transport.errors import StepDeferred
 from .flight_recorder import COMPLETED, Record, recorder
@@ -117,6 +118,9 @@ class CollectiveEngine:
             self._busy = True
             self.seq = seq = self.seq + 1
         started = time.monotonic()
+        # torch ops of the call run on this thread alone (one_thread.py); a call on fewer
+        # bytes than torch's grain, in all, has no op that could go to its thread pool
+        threads = one_thread.enter() if nbytes * self.size >= one_thread.GRAIN_BYTES else 0
         try:
             work._what = (name, seq, self.label)  # (NeuronWork.what formats it if read)
             rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True,
@@ -133,6 +137,8 @@ class CollectiveEngine:
                         rec.state, rec.t_end = COMPLETED, time.time()
                     work._finished = True  # (NeuronWork._complete_unseen: nobody saw it yet)
         finally:
+            if threads:
+                one_thread.leave(threads)
             # Not busy any more: a submitter that queued meanwhile found us busy and left
             # the waking to us. (Unlocked: _loop re-reads both under the lock before waiting.)
             self._busy = False
@@ -153,6 +159,7 @@ class CollectiveEngine:
                 return False
             self._busy = True
         deferred = alone = False
+        threads = one_thread.enter() if nbytes * self.size >= one_thread.GRAIN_BYTES else 0
         try:
             self.seq = seq = self.seq + 1
             work._what = (name, seq, self.label)
@@ -183,6 +190,7 @@ class CollectiveEngine:
                 with self._cv:
                     self._queue.appendleft((fn, work, seq, rec))
         finally:
+            one_thread.leave(threads)
             self._busy = False
             # the rest of a multi-step call, or others queued meanwhile, need the thread
             if len(self._queue) > alone:
@@ -247,8 +255,12 @@ class CollectiveEngine:
                 rec = Record(self.group_name, self.rank, self.size, seq, "", None, True)
             log.debug("neuron: start %s%s", work.what, f" {rec.call.describe()}" if rec.call else "")
             started = time.monotonic()
+        threads = one_thread.enter()  # (given back before the Work's callbacks run)
         try:
-            fn(seq, rec)  # algorithms touch only detached tensors: no autograd involved
+            try:
+                fn(seq, rec)  # algorithms touch only detached tensors: no autograd involved
+            finally:
+                one_thread.leave(threads)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
             self.fail(exc, work, rec)
         else:

@@ -19,6 +19,9 @@ shows where Python spends its time, this shows which thread is busy and how much
 is the kernel (copies, wake-ups), e.g. for a 2 MiB all_reduce between two nodes::
 
     python -m neuron_dist.bench.hotloop -n 2 --nodes 2 --bytes 2097152 --thread-cpu
+
+Each rank uses one torch thread unless ``--threads`` says otherwise; ``--threads 0`` keeps
+torch's default (a thread per core in every rank), as a script that sets nothing gets.
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     import neuron_dist  # noqa: F401 - registers the backend in spawned processes
     from neuron_dist.bench import null_pg
     null_pg.register()  # --backend null: the dispatch floor (its ranks never synchronise)
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     dist.init_process_group(args.backend, store=store, rank=rank, world_size=world)
     t = torch.ones(max(1, args.bytes // 4))
@@ -149,6 +153,8 @@ def main(argv=None) -> None:
     p.add_argument("--bytes", type=int, default=8, help="float32 elements x 4 (default 8)")
     p.add_argument("--seconds", type=float, default=5.0, help="length of the timed loop")
     p.add_argument("--nodes", type=int, default=1, help="virtual nodes the ranks are split into")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (0: torch's default, a thread per core)")
     p.add_argument("--thread-cpu", action="store_true",
                    help="also print each rank's CPU time per operation by thread")
     p.add_argument("--summarise", metavar="RAW", help="print a py-spy raw profile's summary and exit")

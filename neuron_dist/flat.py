@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from .collectives import one_thread
+
 
 class Flat:
-    """A flat contiguous alias of ``t``; a non-contiguous ``t`` gets a copy written back."""
+    """A flat contiguous alias of ``t``; a non-contiguous ``t`` gets a copy written back.
+    The copies run on the calling thread alone, like a collective's (one_thread.py)."""
 
     __slots__ = ("t", "flat", "copied")
 
@@ -17,7 +20,11 @@ class Flat:
         if not self.copied:
             self.flat = d.reshape(-1)
         elif read:
-            self.flat = d.contiguous().reshape(-1)
+            threads = one_thread.enter()
+            try:
+                self.flat = d.contiguous().reshape(-1)
+            finally:
+                one_thread.leave(threads)
         else:
             self.flat = torch.empty(d.numel(), dtype=d.dtype)
 
@@ -27,4 +34,8 @@ class Flat:
 
     def finish(self) -> None:
         if self.copied:
-            self.t.detach().copy_(self.flat.view(self.t.shape))
+            threads = one_thread.enter()
+            try:
+                self.t.detach().copy_(self.flat.view(self.t.shape))
+            finally:
+                one_thread.leave(threads)

@@ -59,6 +59,43 @@ def reductions(rank, world):
     return out
 
 
+def noncontiguous_send_recv(rank, world):
+    """A send from and a receive into a transposed (non-contiguous) 256 x 256 tensor: its
+    copy to and from a flat buffer is neuron's work too."""
+    torch.set_num_threads(2)
+    seen = []
+    copy = torch.Tensor.copy_
+
+    def recording_copy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return copy(self, *args, **kwargs)
+
+    torch.Tensor.copy_ = recording_copy
+    try:
+        x = torch.arange(65536, dtype=torch.float32).reshape(256, 256)
+        if rank == 0:
+            dist.send(x.t(), 1)
+            right = True
+        else:
+            y = torch.zeros(256, 256)
+            dist.recv(y.t(), 0)
+            right = torch.equal(y.t(), x.t())
+    finally:
+        torch.Tensor.copy_ = copy
+    return sorted(set(seen)), right, torch.get_num_threads()
+
+
+@pytest.mark.timeout(90)
+def test_a_noncontiguous_send_and_receive_copy_on_one_thread_too():
+    for nodes in (1, 2):
+        res = run_ranks(noncontiguous_send_recv, 2, timeout=80,
+                        env=lambda rank: {"NEURON_DIST_NODE_NAME": f"node{rank * nodes // 2}"})
+        for rank, (seen, right, after) in res.items():
+            assert right and after == 2, (nodes, rank, res)
+            assert not seen or set(seen) == {1}, (nodes, rank, seen)
+        assert res[1][0] == [1], (nodes, res)  # (the receive copied back: one_thread's scope)
+
+
 def _check(res):
     for rank, cases in res.items():
         for name, (seen, right, after) in cases.items():

@@ -28,6 +28,7 @@ functions: ``enter`` then does nothing (returns 0).
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -37,12 +38,18 @@ GRAIN_BYTES = 32768
 
 
 def _omp_setter():
-    try:
-        setter = ctypes.CDLL(None).omp_set_num_threads  # (torch's OpenMP runtime)
-    except (AttributeError, OSError):
-        return None
-    setter.argtypes, setter.restype = [ctypes.c_int], None
-    return setter
+    """``omp_set_num_threads`` of the OpenMP runtime torch's kernels use: looked up from
+    torch's CPU library (a lookup through a library's handle searches what it was linked
+    against first), so another runtime loaded into the process cannot be taken for it."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in (os.path.join(lib, "libtorch_cpu.so"), None):
+        try:
+            setter = ctypes.CDLL(path).omp_set_num_threads
+        except (AttributeError, OSError):
+            continue
+        setter.argtypes, setter.restype = [ctypes.c_int], None
+        return setter
+    return None
 
 
 _set = _omp_setter()

@@ -139,6 +139,12 @@ def test_hotloop_runs_and_summarises(tmp_path):
             assert "MainThread " in line, line
             if nodes == 2:  # the waiting thread reads the rails itself: no reader threads
                 assert "neuron-rdm-r" not in line, line
+    # --threads 0: torch's default thread count, as a script that sets nothing gets
+    out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",
+                          "--threads", "0", "--bytes", "262144", "--seconds", "0.3"],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "neuron all_reduce 262144 B, 2 rank(s) on 1 node(s):" in out.stdout
     from neuron_dist.bench.hotloop import _cpu_line, thread_cpu
     assert "MainThread" in thread_cpu()
     line = _cpu_line(3, {"a": (1.0, 0.5)}, {"a": (1.2, 0.6), "b": (0.0, 0.1), "c": (0, 0)}, 1000)

@@ -5,13 +5,14 @@
 How it works
 ------------
 Callgrind counts the instructions a thread executes, so unlike a time the figure does not
-change with the machine's load. Per ``--run`` (default: one node with null, neuron and gloo;
+change with the machine's load. Per ``--run`` (default: one node with null, shmfloor, neuron and gloo;
 two virtual nodes with null, floor and neuron) the command starts a world of 2 ranks: rank 0
 under ``valgrind --tool=callgrind --instr-atstart=no --separate-threads=yes``, rank 1 natively.
 ``--nodes 2`` is ``bench.hotloop``'s: the ranks get different ``NEURON_DIST_NODE_NAME``s, so
 neuron uses its inter-node transport, on loopback. Both ranks create a group per backend
 (``null``: ``null_pg``, collectives that do nothing, the dispatch floor; ``floor``:
-``floor_pg``, raw TCP with no protocol; the world group, gloo, only synchronises) and warm up
+``floor_pg``, raw TCP with no protocol; ``shmfloor``: ``shm_floor_pg``, shared memory with
+nothing else; the world group, gloo, only synchronises) and warm up
 every op with ``hotloop``'s op functions, uninstrumented. Then rank 0 turns instrumentation
 on and, per round, op and backend, runs ``hotloop``'s loop (the op back to back, no barrier)
 of N1 and then N2 operations, each after a world barrier and between two callgrind dumps.
@@ -53,9 +54,10 @@ import tempfile
 import time
 
 OPS = ("all_reduce", "broadcast", "send_recv")
-BACKENDS = ("null", "neuron", "gloo", "floor")
+BACKENDS = ("null", "neuron", "gloo", "floor", "shmfloor")
 FLOOR_OPS = ("all_reduce", "send_recv")  # what floor_pg implements of OPS
-DEFAULT_RUNS = ("1:null,neuron,gloo", "2:null,floor,neuron")
+SHMFLOOR_OPS = ("all_reduce", "broadcast")  # what shm_floor_pg implements of OPS
+DEFAULT_RUNS = ("1:null,shmfloor,neuron,gloo", "2:null,floor,neuron")
 CALLING_THREAD = 1  # valgrind's number of the process's first thread, which runs the loops
 
 # rolq $3,$13,$61,$51 %rdi; xchgq %rbx,%rbx: %rdx = request(%rax), as valgrind.h on amd64
@@ -105,7 +107,11 @@ def plan(backends, ops, counts, rounds: int) -> list:
     """``(label, backend, op, n, round)`` of every measured loop, in order (the same on every
     rank)."""
     return [(f"{b} {op} {n} r{r}", b, op, n, r) for r in range(rounds) for op in ops
-            for b in backends if b != "floor" or op in FLOOR_OPS for n in counts]
+            for b in backends if _implements(b, op) for n in counts]
+
+
+def _implements(backend: str, op: str) -> bool:
+    return {"floor": op in FLOOR_OPS, "shmfloor": op in SHMFLOOR_OPS}.get(backend, True)
 
 
 # ---------------------------------------------------------------- the ranks
@@ -117,7 +123,7 @@ def _rank(args) -> None:
     import torch.distributed as dist
 
     import neuron_dist  # noqa: F401 - registers the backend
-    from . import floor_pg, null_pg
+    from . import floor_pg, null_pg, shm_floor_pg
     from .hotloop import make_op
     torch.set_num_threads(1)
     cg = ClientRequests()
@@ -128,7 +134,9 @@ def _rank(args) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     null_pg.register()
     floor_pg.register(1)
-    names = {"null": null_pg.BACKEND_NAME, "floor": floor_pg.BACKEND_NAME}
+    shm_floor_pg.register()
+    names = {"null": null_pg.BACKEND_NAME, "floor": floor_pg.BACKEND_NAME,
+             "shmfloor": shm_floor_pg.BACKEND_NAME}
     groups = {b: dist.new_group(backend=names.get(b, b), timeout=timeout) for b in args.backends}
     t = torch.ones(max(1, args.bytes // 4))
     loops = plan(args.backends, args.ops, args.counts, args.rounds)
@@ -285,7 +293,8 @@ def report(meta: dict, rows: list) -> str:
              "# instr/op: (Ir(N2) - Ir(N1)) / (N2 - N1) of rank 0's calling thread, smallest "
              "over rounds (polling for the peer only adds); spread: (max - min) / smallest",
              "# x null: over the null group's in the same run (null: collectives that do "
-             "nothing, the dispatch floor); floor: raw TCP, no protocol (bench/floor_pg.py)",
+             "nothing, the dispatch floor); floor: raw TCP, no protocol (bench/floor_pg.py); "
+             "shmfloor: shared memory, nothing else (bench/shm_floor_pg.py)",
              "# only the calling thread is counted: gloo's work on its own threads is not",
              f"{'nodes':>5} {'backend':>8} {'op':>10} {'instr/op':>9} {'spread':>7} "
              f"{'x null':>7}"]

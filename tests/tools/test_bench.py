@@ -201,3 +201,40 @@ def test_summary_into_docs_performance_matches_results(tmp_path):
     bare.write_text("no markers here\n")
     with pytest.raises(SystemExit, match="has no <!-- perf:start -->"):
         summary.main(["--into", str(bare), str(root / "results/bench-n2.json")])
+
+
+def _shm_floor_checks(rank, world):
+    import glob
+
+    import torch
+    import torch.distributed as dist
+
+    from neuron_dist.bench import shm_floor_pg
+    shm_floor_pg.register()
+    g = dist.new_group(backend=shm_floor_pg.BACKEND_NAME)
+    sums = []
+    for i in range(5):  # both slots, each used again
+        x = torch.full((3,), float(rank + 1 + i))
+        dist.all_reduce(x, group=g)
+        sums.append(x.tolist())
+    got = []
+    for root in range(world):
+        b = torch.full((4,), float(rank * 10))
+        dist.broadcast(b, root, group=g)
+        got.append(b.tolist())
+    dist.barrier(group=g)
+    left = glob.glob("/dev/shm/neuron-shmfloor-*")
+    dist.destroy_process_group(g)
+    return sums, got, left
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_shared_memory_floor_moves_the_right_bytes(world):
+    """bench/shm_floor_pg.py: the benchmarks' one-node floor is a real (if minimal) backend."""
+    from helpers.harness import run_ranks
+    for rank, (sums, got, left) in run_ranks(_shm_floor_checks, world, timeout=80).items():
+        base = world * (world + 1) / 2
+        assert sums == [[base + world * i] * 3 for i in range(5)], (rank, sums)
+        assert got == [[root * 10.0] * 4 for root in range(world)], (rank, got)
+        assert left == [], left  # unlinked once every rank had mapped it

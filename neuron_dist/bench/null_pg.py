@@ -44,29 +44,18 @@ class CompletedWork(dist.Work):
         return self._future
 
 
-class NullProcessGroup(dist.ProcessGroup):
-    """Every collective and send/recv the benchmark calls, doing nothing."""
+class Named:
+    """What c10d asks a benchmark's Python ``ProcessGroup`` about its names (mixed in before
+    ``ProcessGroup``; ``BACKEND`` is the registered name)."""
 
-    def __init__(self, rank: int, size: int):
-        super().__init__(rank, size)
-        self._done = CompletedWork()
-        self._group_name = self._group_desc = ""
-
-    def _nothing(self, *args, **kwargs):
-        return self._done
-
-    allreduce = allreduce_coalesced = _nothing
-    allgather = all_gather_single = all_gather_single_coalesced = _nothing
-    reduce_scatter = reduce_scatter_single = reduce_scatter_single_coalesced = _nothing
-    broadcast = reduce = gather = scatter = _nothing
-    alltoall = all_to_all_single = _nothing
-    send = recv = recv_anysource = barrier = _nothing
+    BACKEND = ""
+    _group_name = _group_desc = ""
 
     def getBackendName(self) -> str:
-        return BACKEND_NAME
+        return self.BACKEND
 
     def name(self) -> str:
-        return BACKEND_NAME
+        return self.BACKEND
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
@@ -83,6 +72,26 @@ class NullProcessGroup(dist.ProcessGroup):
     @property
     def group_name(self) -> str:
         return self._group_name
+
+
+class NullProcessGroup(Named, dist.ProcessGroup):
+    """Every collective and send/recv the benchmark calls, doing nothing."""
+
+    BACKEND = BACKEND_NAME
+
+    def __init__(self, rank: int, size: int):
+        super().__init__(rank, size)
+        self._done = CompletedWork()
+
+    def _nothing(self, *args, **kwargs):
+        return self._done
+
+    allreduce = allreduce_coalesced = _nothing
+    allgather = all_gather_single = all_gather_single_coalesced = _nothing
+    reduce_scatter = reduce_scatter_single = reduce_scatter_single_coalesced = _nothing
+    broadcast = reduce = gather = scatter = _nothing
+    alltoall = all_to_all_single = _nothing
+    send = recv = recv_anysource = barrier = _nothing
 
 
 def _create(dist_opts, pg_options=None) -> NullProcessGroup:

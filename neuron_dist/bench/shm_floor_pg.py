@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .null_pg import CompletedWork
+from .null_pg import CompletedWork, Named
 
 BACKEND_NAME = "neuron_shm_floor"
 SLOT_BYTES = 64 << 10  # largest tensor it moves
@@ -45,14 +45,15 @@ WAIT_SECONDS = 60.0  # a peer that never arrives fails the wait after this
 _SPINS = 2000  # polls before each yield
 
 
-class ShmFloorProcessGroup(ProcessGroup):
+class ShmFloorProcessGroup(Named, ProcessGroup):
     """See the module docstring."""
+
+    BACKEND = BACKEND_NAME
 
     def __init__(self, store, rank: int, size: int):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._done = CompletedWork()
-        self._group_name = self._group_desc = ""
         self._peers = [k for k in range(size) if k != rank]
         self._slots_at = size * LINE  # slots follow the counters
         nbytes = self._slots_at + size * 2 * SLOT_BYTES
@@ -158,28 +159,6 @@ class ShmFloorProcessGroup(ProcessGroup):
             self._map.close()
         except BufferError:  # a tensor view still refers to it: the mapping goes with it
             pass
-
-    def getBackendName(self) -> str:
-        return BACKEND_NAME
-
-    def name(self) -> str:
-        return BACKEND_NAME
-
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupName(self) -> str:
-        return self._group_name
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:
-        return self._group_desc
-
-    @property
-    def group_name(self) -> str:
-        return self._group_name
 
 
 def register() -> None:

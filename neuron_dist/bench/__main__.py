@@ -3,7 +3,9 @@
 Parses nccl-tests-style flags, then for each world size (``-n 2,4``) runs the torch ranks
 (neuron, gloo and null interleaved, see ``torch_runner``; null is a group that does
 nothing, the dispatch floor every Python backend pays) and then the MPI baseline (see
-``mpi_runner``), printing a progress line per (op, size) on stderr. At the end it prints
+``mpi_runner``), printing a progress line per (op, size) on stderr; ``--rounds R`` does
+that R times, MPI going first every other round, and reports the median of the rounds
+(``sweep.combine_rounds``). At the end it prints
 the table (and the overlap / shared-memory reports when asked) on stdout and writes the
 JSON, CSV and PNG files asked for. Exit status: 0 if everything ran and every ``--check``
 passed, 1 if a check failed or a run failed or timed out, 2 for bad arguments.
@@ -19,8 +21,8 @@ import shlex
 import sys
 
 from . import report
-from .sweep import (BATCH_BYTES, DTYPE_BYTES, MAX_BATCH, OPS, human_size, parse_size,
-                    progress_line, size_range)
+from .sweep import (BATCH_BYTES, DTYPE_BYTES, MAX_BATCH, OPS, combine_rounds, human_size,
+                    parse_size, progress_line, size_range)
 
 BACKENDS = ("neuron", "gloo", "null", "mpi")
 
@@ -33,11 +35,13 @@ rank; iteration time = max over ranks; time_us = median (min_us = fastest iterat
 busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all),
 1 (broadcast, send_recv). neuron, gloo and null (a process group that does nothing: the
 dispatch floor) share the rank processes and alternate per size; MPI (mpiexec + mpi4py)
-runs after them for each world size. x null = time / null's time (how many dispatch floors).
+runs after them for each world size (with --rounds, before them every other round).
+x null = time / null's time (how many dispatch floors); vs mpi = MPI's time / time.
 
 examples:
   python -m neuron_dist.bench -b 8 -e 256M -f 2 -n 2,4 --check --json r.json --plot r.png
   python -m neuron_dist.bench -b 1M -e 1M --ops all_reduce --overlap --report-shm
+  python -m neuron_dist.bench -b 64K -e 32M -f 4 --rounds 5 --backends neuron,mpi
 """
 
 
@@ -91,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=",".join(BACKENDS), help="comma list of " + ",".join(BACKENDS))
     g.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32")
     g.add_argument("--iters", type=int, default=20, help="timed samples per size")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="run each world size's sweep this many times, the torch backends and "
+                        "MPI taking turns at going first; a row is the median of the rounds' "
+                        "medians")
     g.add_argument("--batch", type=int, default=MAX_BATCH,
                    help=f"most operations per sample, run back to back after the barrier "
                         f"(sizes under {BATCH_BYTES >> 20} MiB; 1: one operation per barrier)")
@@ -145,8 +153,9 @@ def _run(argv: list[str] | None) -> int:
     except ValueError as exc:
         print(f"neuron-dist-bench: {exc}", file=err)
         return 2
-    if args.iters < 1 or args.warmup < 0 or args.batch < 1:
-        print("neuron-dist-bench: need --iters >= 1, --batch >= 1 and --warmup >= 0", file=err)
+    if args.iters < 1 or args.warmup < 0 or args.batch < 1 or args.rounds < 1:
+        print("neuron-dist-bench: need --iters >= 1, --batch >= 1, --rounds >= 1 and "
+              "--warmup >= 0", file=err)
         return 2
 
     def log(text: str) -> None:
@@ -182,27 +191,26 @@ def _run(argv: list[str] | None) -> int:
                "pg_timeout": args.pg_timeout, "report_shm": args.report_shm,
                "overlap": ({"bytes": args.overlap_bytes, "matmul": args.overlap_matmul}
                            if args.overlap else None)}
-        if torch_backends:
-            from . import torch_runner
-            how = " (interleaved)" if len(torch_backends) > 1 else ""
-            log(f"== n={world}: {' + '.join(torch_backends)}{how}, {threads} thread(s) per rank")
-            out = torch_runner.run_world(world, dict(cfg, backends=torch_backends), on_rows, log,
-                                         args.timeout, args.stall_timeout)
-            results += out["results"]
-            overlap_rows += out["overlap"]
-            shm += out["shm"]
-            errors += out["errors"]
-            for e in out["errors"]:
-                log(f"error: {e}")
-        if run_mpi:
-            log(f"== n={world}: mpi (mpiexec)")
-            out = mpi_runner.run_world(world, cfg, on_rows, log, args.timeout,
-                                       args.stall_timeout, args.mpiexec)
-            results += out["results"]
-            errors += out["errors"]
-            mpi_meta = out.get("meta") or mpi_meta
-            for e in out["errors"]:
-                log(f"error: {e}")
+        rounds = []
+        for rnd in range(args.rounds):
+            # the first round alone measures overlap and reports shared memory
+            extra = {} if rnd == 0 else {"overlap": None, "report_shm": False}
+            runs = [_run_torch, _run_mpi] if rnd % 2 == 0 else [_run_mpi, _run_torch]
+            rows = []
+            for run in runs:
+                out = run(args, world, dict(cfg, **extra), torch_backends, run_mpi, on_rows,
+                          log, f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else "")
+                if out is None:
+                    continue
+                rows += out["results"]
+                overlap_rows += out.get("overlap", [])
+                shm += out.get("shm", [])
+                errors += out["errors"]
+                mpi_meta = out.get("meta") or mpi_meta
+                for e in out["errors"]:
+                    log(f"error: {e}")
+            rounds.append(rows)
+        results += rounds[0] if args.rounds == 1 else combine_rounds(rounds)
 
     report.add_ratios(results)
     results = report.sort_rows(results, args.ops, list(args.backends))
@@ -251,6 +259,26 @@ def _run(argv: list[str] | None) -> int:
     return 1 if fails or errors else 0
 
 
+def _run_torch(args, world, cfg, torch_backends, run_mpi, on_rows, log, which):
+    if not torch_backends:
+        return None
+    from . import torch_runner
+    how = " (interleaved)" if len(torch_backends) > 1 else ""
+    log(f"== n={world}: {' + '.join(torch_backends)}{how}, {cfg['threads']} thread(s) per "
+        f"rank{which}")
+    return torch_runner.run_world(world, dict(cfg, backends=torch_backends), on_rows, log,
+                                  args.timeout, args.stall_timeout)
+
+
+def _run_mpi(args, world, cfg, torch_backends, run_mpi, on_rows, log, which):
+    if not run_mpi:
+        return None
+    from . import mpi_runner
+    log(f"== n={world}: mpi (mpiexec){which}")
+    return mpi_runner.run_world(world, cfg, on_rows, log, args.timeout, args.stall_timeout,
+                                args.mpiexec)
+
+
 def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
     import torch
 
@@ -268,6 +296,7 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
         "python": platform.python_version(), "torch": torch.__version__,
         "neuron_dist": neuron_dist.__version__, "mpi": mpi_meta or None,
         "dtype": args.dtype, "iters": args.iters, "batch": args.batch, "warmup": args.warmup,
+        "rounds": args.rounds,
         "requested_sizes": sizes, "worlds": args.nprocs, "threads_per_rank": threads,
         "ops": {op: {"bytes": OPS[op].meaning} for op in args.ops},
         "backends": args.backends,
@@ -277,7 +306,11 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
                   f"at least 1), sample = their mean; sample time = max over ranks; time_us = "
                   f"median over samples (min_us = fastest). send_recv: ping-pong rank 0<->1, "
                   f"time = round trip / 2. neuron, gloo and null (does nothing: the dispatch "
-                  f"floor) run interleaved in the same ranks; MPI runs afterwards.",
+                  f"floor) run interleaved in the same ranks; MPI runs in its own processes"
+                  + (f". {args.rounds} rounds, torch backends and MPI taking turns at going "
+                     f"first; time_us = median of the rounds' medians (spread = their max / "
+                     f"min), min_us = fastest of all" if args.rounds > 1 else
+                     ", afterwards."),
         "bandwidth": "algbw = bytes / time (1e9 B/s); busbw = algbw * factor: all_reduce 2(n-1)/n,"
                      " all_gather/reduce_scatter/all_to_all (n-1)/n, broadcast/send_recv 1",
     }
@@ -295,8 +328,8 @@ def _header(meta: dict) -> str:
         f"warmup {meta['warmup']}, threads per rank "
         + ", ".join(f"{t} (n={w})" for w, t in meta["threads_per_rank"].items()),
         f"# timing: {meta['timing']}",
-        f"# {meta['bandwidth']}; vs gloo = gloo time / this time; x null = this time / the "
-        f"null group's (the dispatch floor)",
+        f"# {meta['bandwidth']}; vs gloo = gloo time / this time; vs mpi = MPI's time / this "
+        f"time; x null = this time / the null group's (the dispatch floor)",
         "#",
     ])
 

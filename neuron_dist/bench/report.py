@@ -6,7 +6,8 @@ ratio - so > 1 means faster than gloo; None when either side is n/a or gloo was 
 (and for the null group, which is no competitor). It also gives ``x_null``: this row's
 median time over the null group's (``null_pg``, a group that does nothing) for the same
 (op, world, bytes), i.e. how many dispatch floors the op costs; None for null itself or
-when null was not run.
+when null was not run. ``vs_mpi`` is MPI's median time over this row's, as ``vs_gloo``
+(None for MPI and null themselves, or when MPI was not run).
 The table is sorted by op (in the order asked), world size, bytes, then backend order.
 JSON holds ``meta`` (command line, versions, machine, settings), ``results``, ``overlap``,
 ``shm`` and ``errors``; the CSV holds the result rows only, one per (op, world, bytes,
@@ -20,9 +21,10 @@ import json
 import math
 
 CSV_FIELDS = ["op", "world", "bytes", "count", "dtype", "backend", "status", "iters", "batch",
-              "time_us", "min_us", "mean_us", "algbw_gbs", "busbw_gbs", "vs_gloo", "x_null",
-              "check", "note"]
+              "time_us", "min_us", "mean_us", "algbw_gbs", "busbw_gbs", "vs_gloo", "vs_mpi",
+              "x_null", "spread", "check", "note"]
 NULL = "null"
+MPI = "mpi"
 
 
 def _times(rows: list[dict], backend: str) -> dict:
@@ -31,13 +33,15 @@ def _times(rows: list[dict], backend: str) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Set ``vs_gloo`` and ``x_null`` on every row (see the module docstring)."""
-    gloo, null = _times(rows, "gloo"), _times(rows, NULL)
+    """Set ``vs_gloo``, ``vs_mpi`` and ``x_null`` on every row (see the module docstring)."""
+    gloo, null, mpi = _times(rows, "gloo"), _times(rows, NULL), _times(rows, MPI)
     for r in rows:
         key = (r["op"], r["world"], r["bytes"])
         ok = r["status"] == "ok" and r["time_us"]
-        g, z = gloo.get(key), null.get(key)
+        g, z, m = gloo.get(key), null.get(key), mpi.get(key)
         r["vs_gloo"] = round(g / r["time_us"], 4) if ok and g and r["backend"] != NULL else None
+        r["vs_mpi"] = (round(m / r["time_us"], 4)
+                       if ok and m and r["backend"] not in (NULL, MPI) else None)
         r["x_null"] = round(r["time_us"] / z, 2) if ok and z and r["backend"] != NULL else None
 
 
@@ -54,8 +58,12 @@ def _f(v, fmt):
 
 
 def table(rows: list[dict]) -> str:
+    """The stdout table; a ``spread`` column (max / min of the rounds' medians) when the rows
+    combine several rounds."""
+    rounds = any(r.get("spread") for r in rows)
     head = (f"{'op':>14} {'n':>2} {'bytes':>11} {'backend':>7} {'time_us':>11} {'min_us':>11} "
-            f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'vs gloo':>7} {'x null':>7} {'check':>5}")
+            f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'vs gloo':>7} {'vs mpi':>7} {'x null':>7} "
+            + (f"{'spread':>6} " if rounds else "") + f"{'check':>5}")
     lines = [head, "-" * len(head)]
     prev = None
     for r in rows:
@@ -63,11 +71,14 @@ def table(rows: list[dict]) -> str:
             lines.append("")
         prev = (r["op"], r["world"])
         ratio = "-" if r.get("vs_gloo") is None else f"{r['vs_gloo']:.2f}x"
+        vs_mpi = "-" if r.get("vs_mpi") is None else f"{r['vs_mpi']:.2f}x"
         floor = "-" if r.get("x_null") is None else f"{r['x_null']:.1f}x"
+        spread = "-" if r.get("spread") is None else f"{r['spread']:.2f}"
         line = (f"{r['op']:>14} {r['world']:>2} {r['bytes']:>11} {r['backend']:>7} "
                 f"{_f(r['time_us'], '11.1f')} {_f(r['min_us'], '11.1f')} "
                 f"{_f(r['algbw_gbs'], '10.3f')} {_f(r['busbw_gbs'], '10.3f')} {ratio:>7} "
-                f"{floor:>7} {r['check']:>5}")
+                f"{vs_mpi:>7} {floor:>7} " + (f"{spread:>6} " if rounds else "")
+                + f"{r['check']:>5}")
         if r["status"] != "ok" or r["check"] == "FAIL":
             line += f"  {r['note']}"
         lines.append(line)

@@ -4,7 +4,10 @@ For each world size and op: the smallest size's latency and the largest size's b
 bandwidth per backend, each with its ratio to gloo *from the same run*, plus the range of
 neuron/gloo ratios over all sizes. When the run measured the null group (a group that does
 nothing: the dispatch floor), a last column gives neuron's smallest-size time as a multiple
-of null's and what it adds above it. ``--into FILE`` replaces the text between the
+of null's and what it adds above it. When the run measured MPI, a second table gives,
+per op, neuron against MPI from 64 KiB up (MPI's time over neuron's at each size: 1 or
+more is at MPI's level) and, for a run of several rounds, how far the rounds' medians
+spread. ``--into FILE`` replaces the text between the
 ``<!-- perf:start -->`` and ``<!-- perf:end -->`` markers in FILE, so the tables of
 docs/performance.md always come from committed result files; without it the summary is
 printed:
@@ -63,7 +66,39 @@ def summarise(docs: list[tuple[str, dict]]) -> str:
                 line += f" {_over_floor(mine, lo)} |"
             out.append(line)
         out.append("")
+        out += _against_mpi(rows, keys, meta.get("rounds", 1))
     return "\n".join(out)
+
+
+MPI_FROM = 64 << 10  # issue 17's goal: at or above MPI's level from this size up
+
+
+def _against_mpi(rows: list[dict], keys: list, rounds: int) -> list[str]:
+    """Neuron against MPI from ``MPI_FROM`` bytes (no lines when MPI was not run)."""
+    ours = {(r["op"], r["world"], r["bytes"]): r for r in rows
+            if r["backend"] == "neuron" and r["bytes"] >= MPI_FROM and r.get("vs_mpi")}
+    if not ours:
+        return []
+    spread = rounds > 1
+    out = [f"Neuron against MPI from {_size(MPI_FROM)}: MPI's time over neuron's per size (1 or "
+           f"more: at MPI's level or faster)"
+           + (f"; each the median of {rounds} rounds, with the spread of neuron's round "
+              f"medians (max / min) after the slash" if spread else "") + ":\n",
+           "| op | n | " + ("MPI / neuron, spread" if spread else "MPI / neuron") + " | met |",
+           "|---|---|---|---|"]
+    met_all = total = 0
+    for op, world in keys:
+        mine = sorted((r for k, r in ours.items() if k[:2] == (op, world)),
+                      key=lambda r: r["bytes"])
+        if not mine:
+            continue
+        cells = [f"{_size(r['bytes'])} {r['vs_mpi']:.2f}"
+                 + (f" / {r['spread']:.2f}" if spread and r.get("spread") else "") for r in mine]
+        met = sum(r["vs_mpi"] >= 1 for r in mine)
+        met_all, total = met_all + met, total + len(mine)
+        out.append(f"| {op} | {world} | {', '.join(cells)} | {met} of {len(mine)} |")
+    out += ["", f"At MPI's level at {met_all} of {total} points.", ""]
+    return out
 
 
 def _over_floor(rows: list[dict], size: int) -> str:

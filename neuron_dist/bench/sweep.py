@@ -21,6 +21,15 @@ rank defines when the collective is done), and reports the median, min and mean 
 samples. send_recv is a ping-pong between ranks 0 and 1 (other ranks idle); its time is
 half the round trip, i.e. one direction.
 
+Rounds (``--rounds R``): the whole sweep of a world size runs R times, the torch backends
+and MPI taking turns at going first, and ``combine_rounds`` makes one row per (op, world,
+bytes, backend) from the R rows: the median of the rounds' medians (``rounds_us`` keeps
+them all, ``spread`` is their max over min), the fastest sample of any round, the mean of
+the means. MPI runs in processes of its own, minutes apart from the torch backends in a
+single round; on a shared 2-core machine one backend's median moved 2x between two such
+runs, so a single round can put either side ahead at a size. Alternating rounds expose
+both to the same drift.
+
 Bandwidth as nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * factor(n)`` with
 all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, all_to_all (n-1)/n, broadcast
 1, send_recv 1. GB/s are 1e9 bytes per second.
@@ -187,3 +196,32 @@ def progress_line(rows: list[dict]) -> str:
         chk = f" {r['check']}" if r["check"] != "-" else ""
         parts.append(f"{r['backend']} {r['busbw_gbs']:.2f} GB/s {r['time_us']:.1f} us{chk}")
     return f"[{head['op']} {human_size(head['bytes'])} n={head['world']}] " + " | ".join(parts)
+
+
+def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per (op, world, bytes, backend) from the rows of several rounds of the same
+    sweep (see the module docstring). A key that is not ``ok`` in every round keeps the
+    first such row (n/a, or an error note); ``check`` is FAIL if any round failed it."""
+    keyed: dict = {}
+    for rows in rounds:
+        for r in rows:
+            keyed.setdefault((r["op"], r["world"], r["bytes"], r["backend"]), []).append(r)
+    out = []
+    for (op, world, nbytes, _), rows in keyed.items():
+        bad = [r for r in rows if r["status"] != "ok"]
+        if bad or len(rows) != len(rounds):
+            out.append(dict(bad[0] if bad else rows[0], rounds_us=None, spread=None))
+            continue
+        medians = [r["time_us"] for r in rows]
+        median_s = statistics.median(medians) / 1e6
+        alg, bus = bandwidths(op, nbytes, median_s, world)
+        checks = {r["check"] for r in rows}
+        row = dict(rows[0])
+        row.update(time_us=round(median_s * 1e6, 3), min_us=min(r["min_us"] for r in rows),
+                   mean_us=round(statistics.fmean(r["mean_us"] for r in rows), 3),
+                   algbw_gbs=float(f"{alg:.6g}"), busbw_gbs=float(f"{bus:.6g}"),
+                   check="FAIL" if "FAIL" in checks else rows[0]["check"],
+                   note="; ".join(dict.fromkeys(r["note"] for r in rows if r["note"])),
+                   rounds_us=medians, spread=round(max(medians) / min(medians), 3))
+        out.append(row)
+    return out

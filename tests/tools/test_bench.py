@@ -5,7 +5,9 @@ neuron, gloo and null (the do-nothing group: the dispatch floor), plus MPI when 
 mpiexec are there; its JSON, CSV and PNG must exist and hold a row for every op and backend,
 checked for every backend but null, with neuron's time as a multiple of null's. The plot is only asserted when
 matplotlib is installed (it belongs to the ``bench`` extra, not to ``test``). A few unit
-tests pin the nccl-tests conventions (sizes, rounding, bus bandwidth factors).
+tests pin the nccl-tests conventions (sizes, rounding, bus bandwidth factors), and a second
+small run checks ``--rounds`` (MPI and the torch backends take turns at going first; a row
+is the median of the rounds).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import sys
 import pytest
 
 from neuron_dist.bench import mpi_runner
-from neuron_dist.bench.sweep import (OPS, bandwidths, element_count, ops_per_sample,
-                                     parse_size, plan, size_range, time_iterations)
+from neuron_dist.bench.sweep import (OPS, bandwidths, combine_rounds, element_count,
+                                     make_row, ops_per_sample, parse_size, plan, size_range,
+                                     time_iterations)
 
 OP_NAMES = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"]
 
@@ -120,6 +123,85 @@ def test_bench_plot(bench_run):
     assert proc.returncode == 0, proc.stderr
     png = files["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_rounds_combine_into_the_median_of_their_medians():
+    """A row of several rounds: the median of the rounds' medians, the fastest sample of
+    any round, bandwidth from the combined time, the spread; a round that failed a check
+    or could not run the op decides the row."""
+    def row(t_us, backend="neuron", check="OK", op="all_reduce"):
+        s = t_us / 1e6
+        return make_row(op, 2, backend, 256, "float32", 5, check=check,
+                        times={"median_s": s, "min_s": s / 2, "mean_s": s * 1.5})
+    rounds = [[row(10.0), row(100.0, "mpi", "-")], [row(30.0), row(50.0, "mpi", "-")],
+              [row(20.0), row(70.0, "mpi", "-")]]
+    rows = {r["backend"]: r for r in combine_rounds(rounds)}
+    ours, mpi = rows["neuron"], rows["mpi"]
+    assert ours["time_us"] == 20.0 and ours["min_us"] == 5.0 and ours["mean_us"] == 30.0
+    assert ours["rounds_us"] == [10.0, 30.0, 20.0] and ours["spread"] == 3.0
+    assert ours["busbw_gbs"] == pytest.approx(bandwidths("all_reduce", 1024, 20e-6, 2)[1])
+    assert mpi["time_us"] == 70.0 and mpi["check"] == "-" and mpi["spread"] == 2.0
+    from neuron_dist.bench import report
+    report.add_ratios(list(rows.values()))
+    assert ours["vs_mpi"] == 3.5 and mpi["vs_mpi"] is None
+    assert " vs mpi " in report.table([ours, mpi]) and "spread" in report.table([ours])
+
+    failed = combine_rounds([[row(10.0)], [row(12.0, check="FAIL")], [row(11.0)]])[0]
+    assert failed["check"] == "FAIL" and failed["time_us"] == 11.0
+    na = make_row("all_reduce", 2, "neuron", 256, "float32", 5, note="rank 1: boom")
+    missing = combine_rounds([[row(10.0)], [na]])[0]
+    assert missing["status"] == "n/a" and missing["note"] == "rank 1: boom"
+    assert missing["rounds_us"] is None and missing["time_us"] is None
+
+
+@pytest.mark.timeout(150)
+def test_bench_rounds_alternate_who_goes_first(tmp_path):
+    """``--rounds 2``: MPI runs after the torch backends in round 1 and before them in
+    round 2, and every row holds both rounds' medians."""
+    if mpi_runner.unavailable_reason() is not None:
+        pytest.skip(f"MPI: {mpi_runner.unavailable_reason()}")
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "neuron_dist.bench", "-b", "8", "-e", "64", "-f", "8", "-n", "2",
+         "--iters", "2", "--warmup", "1", "--ops", "all_reduce,send_recv", "--rounds", "2",
+         "--backends", "neuron,mpi", "--json", str(out), "--timeout", "90",
+         "--stall-timeout", "60", "--pg-timeout", "30"],
+        capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    starts = [ln for ln in proc.stderr.splitlines() if ln.startswith("== n=2")]
+    assert [("mpi" in ln, ln.rsplit("(round ", 1)[1]) for ln in starts] == [
+        (False, "1 of 2)"), (True, "1 of 2)"), (True, "2 of 2)"), (False, "2 of 2)")], starts
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["rounds"] == 2 and "taking turns" in doc["meta"]["timing"]
+    rows = doc["results"]
+    assert len(rows) == 2 * 2 * 2  # ops x sizes x backends
+    for r in rows:
+        assert r["status"] == "ok" and len(r["rounds_us"]) == 2, r
+        assert r["time_us"] == pytest.approx(sum(r["rounds_us"]) / 2, rel=1e-3)
+        assert (r["vs_mpi"] is None) == (r["backend"] == "mpi"), r
+    assert " spread " in proc.stdout and " vs mpi " in proc.stdout
+    from neuron_dist.bench.summary import summarise
+    text = summarise([("r.json", doc)])
+    assert "Neuron against MPI from 64 KiB" not in text  # (no size reaches 64 KiB here)
+
+
+def test_summary_against_mpi_from_64k():
+    """The summary's MPI table: neuron's ratio to MPI at every size from 64 KiB, with the
+    rounds' spread, and how many points are at MPI's level."""
+    from neuron_dist.bench import report
+    from neuron_dist.bench.summary import summarise
+    rows = []
+    for nbytes, ours, theirs in ((32 << 10, 50.0, 10.0), (64 << 10, 40.0, 20.0),
+                                 (256 << 10, 50.0, 100.0)):
+        for backend, t in (("neuron", ours), ("mpi", theirs)):
+            rows.append({"op": "broadcast", "world": 2, "bytes": nbytes, "backend": backend,
+                         "status": "ok", "time_us": t, "busbw_gbs": 1.0, "spread": 1.25})
+    report.add_ratios(rows)
+    meta = {"command": "c", "cores": 2, "torch": "t", "mpi": {"mpi_library": "MPICH"},
+            "rounds": 3}
+    text = summarise([("r.json", {"meta": meta, "results": rows})])
+    assert "| broadcast | 2 | 64 KiB 0.50 / 1.25, 256 KiB 2.00 / 1.25 | 1 of 2 |" in text, text
+    assert "At MPI's level at 1 of 2 points." in text and "median of 3 rounds" in text
 
 
 @pytest.mark.timeout(120)

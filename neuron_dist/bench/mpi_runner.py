@@ -4,9 +4,17 @@ The parent runs ``mpiexec -n N python -m neuron_dist.bench.mpi_runner CONFIG_JSO
 new session (so a timeout can kill mpiexec, its proxies and all ranks as one process group),
 after the torch ranks of the same world size are gone. The worker measures the same ops,
 sizes, patterns and timing rules as the torch ranks (see ``sweep`` and ``patterns``) with
-mpi4py on numpy buffers: Allreduce (in place, like torch's all_reduce), Allgather,
-Reduce_scatter_block, Bcast, Alltoall and a Send/Recv ping-pong, each iteration after
-``Barrier``. MPI is initialised single-threaded (``MPI_THREAD_SINGLE``). Rank 0 prints one
+mpi4py: Allreduce (in place, like torch's all_reduce), Allgather, Reduce_scatter_block,
+Bcast, Alltoall and a Send/Recv ping-pong, each iteration after ``Barrier``.
+
+The buffers are torch tensors' memory, seen as numpy arrays (``torch.empty(...).numpy()``),
+as a torch user's tensors would be under an MPI backend. numpy's own allocator asks for
+transparent huge pages (``madvise``) for arrays of 4 MiB and more; torch's does not (unless
+``THP_MEM_ALLOC_ENABLE=1``). Huge pages make the copies, and above all the cross-memory
+reads that MPICH and neuron both use for large messages, cheaper: MPICH's 2 x 4 MiB
+Allgather took 661-794 µs on numpy buffers against 716-1111 µs on torch's, in 4 of 5
+alternating pairs (median 712 against 1057), so numpy buffers gave MPI an advantage that
+no torch backend has. MPI is initialised single-threaded (``MPI_THREAD_SINGLE``). Rank 0 prints one
 ``@@neuron-bench {json}`` line per (op, size) on stdout; the launcher turns those into rows
 and forwards anything else to stderr. If mpiexec or mpi4py is missing the launcher says so
 and MPI is skipped. bfloat16 has no numpy/MPI type: those rows are n/a.
@@ -126,15 +134,22 @@ def run_world(world: int, cfg: dict, on_rows, log, timeout: float, stall_timeout
 
 
 # ----------------------------------------------------------------------------- worker
-class _Case:
-    """numpy buffers of one (op, count) on this rank, and the MPI call that moves them."""
+def _empty(count: int, dtype: str):
+    """An uninitialised array of ``count`` elements in memory torch allocated (see the
+    module docstring)."""
+    import torch
+    return torch.empty(count, dtype=getattr(torch, dtype)).numpy()
 
-    def __init__(self, np, MPI, comm, op, count, rank, world, np_dtype):
+
+class _Case:
+    """Buffers of one (op, count) on this rank, and the MPI call that moves them."""
+
+    def __init__(self, MPI, comm, op, count, rank, world, dtype):
         self.op, self.rank, self.comm, self.MPI = op, rank, comm, MPI
         self.p = pattern(op, count, rank, world)
-        self.inp = np.empty(self.p.in_count, dtype=np_dtype)
+        self.inp = _empty(self.p.in_count, dtype)
         self.prepare()
-        self.out = np.empty(self.p.out_count, dtype=np_dtype) if self.p.out_count else None
+        self.out = _empty(self.p.out_count, dtype) if self.p.out_count else None
 
     def prepare(self):
         fill(lambda a, b, v: self.inp[a:b].fill(v), self.p.in_fill)
@@ -206,7 +221,7 @@ def worker(cfg: dict) -> None:
                 continue
             err = None
             try:
-                case = _Case(np, MPI, comm, op, count, rank, world, np_dtype)
+                case = _Case(MPI, comm, op, count, rank, world, dtype)
                 run = case.runner()
                 prepare = case.prepare if case.p.refill else None
                 batch = ops_per_sample(count * DTYPE_BYTES[dtype], cfg["batch"])

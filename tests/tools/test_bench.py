@@ -185,6 +185,18 @@ def test_bench_rounds_alternate_who_goes_first(tmp_path):
     assert "Neuron against MPI from 64 KiB" not in text  # (no size reaches 64 KiB here)
 
 
+def test_mpi_baseline_uses_torch_memory():
+    """MPI's buffers are torch's memory (numpy's allocator would give arrays of 4 MiB and
+    more transparent huge pages, which no torch backend gets), filled as the pattern says."""
+    import torch
+    case = mpi_runner._Case(None, None, "all_gather", 1 << 20, 1, 2, "float32")
+    for buf in (case.inp, case.out):
+        assert isinstance(buf.base, torch.Tensor) and buf.dtype.name == "float32"
+    assert case.inp.size == case.p.in_count and case.out.size == case.p.out_count
+    case.reset()
+    assert case.check() is not None  # (nothing gathered: the check names a mismatch)
+
+
 def test_summary_against_mpi_from_64k():
     """The summary's MPI table: neuron's ratio to MPI at every size from 64 KiB, with the
     rounds' spread, and how many points are at MPI's level."""

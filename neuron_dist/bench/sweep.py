@@ -200,8 +200,10 @@ def progress_line(rows: list[dict]) -> str:
 
 def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
     """One row per (op, world, bytes, backend) from the rows of several rounds of the same
-    sweep (see the module docstring). A key that is not ``ok`` in every round keeps the
-    first such row (n/a, or an error note); ``check`` is FAIL if any round failed it."""
+    sweep (see the module docstring). A key that is not ``ok`` in some round keeps the
+    first such row (n/a, or an error note); one that a round does not have at all (that
+    round's run failed) is combined over the rounds that have it, and its note says how
+    many; ``check`` is FAIL if any round failed it."""
     keyed: dict = {}
     for rows in rounds:
         for r in rows:
@@ -209,8 +211,8 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
     out = []
     for (op, world, nbytes, _), rows in keyed.items():
         bad = [r for r in rows if r["status"] != "ok"]
-        if bad or len(rows) != len(rounds):
-            out.append(dict(bad[0] if bad else rows[0], rounds_us=None, spread=None))
+        if bad:
+            out.append(dict(bad[0], rounds_us=None, spread=None))
             continue
         medians = [r["time_us"] for r in rows]
         median_s = statistics.median(medians) / 1e6
@@ -221,7 +223,10 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
                    mean_us=round(statistics.fmean(r["mean_us"] for r in rows), 3),
                    algbw_gbs=float(f"{alg:.6g}"), busbw_gbs=float(f"{bus:.6g}"),
                    check="FAIL" if "FAIL" in checks else rows[0]["check"],
-                   note="; ".join(dict.fromkeys(r["note"] for r in rows if r["note"])),
+                   note="; ".join(dict.fromkeys(
+                       [r["note"] for r in rows if r["note"]]
+                       + ([f"in {len(rows)} of {len(rounds)} rounds"]
+                          if len(rows) != len(rounds) else []))),
                    rounds_us=medians, spread=round(max(medians) / min(medians), 3))
         out.append(row)
     return out

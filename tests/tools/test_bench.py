@@ -152,6 +152,9 @@ def test_rounds_combine_into_the_median_of_their_medians():
     missing = combine_rounds([[row(10.0)], [na]])[0]
     assert missing["status"] == "n/a" and missing["note"] == "rank 1: boom"
     assert missing["rounds_us"] is None and missing["time_us"] is None
+    partial = combine_rounds([[row(10.0)], [], [row(30.0)]])[0]  # round 2's run failed
+    assert partial["time_us"] == 20.0 and partial["rounds_us"] == [10.0, 30.0]
+    assert partial["note"] == "in 2 of 3 rounds"
 
 
 @pytest.mark.timeout(150)

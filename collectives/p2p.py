@@ -136,12 +136,6 @@ class P2P:
                 return
         self._recvs.append(req)
 
-    def piece_bytes(self) -> int:
-        """Largest piece a send writes at once: a receive of more needs the receiver's help
-        to arrive (it must drain the mailbox while the sender writes)."""
-        return max(FRAME_ALIGN, min(box.capacity for box in self._in.values()) // 4) \
-            if self._in else FRAME_ALIGN
-
     def pending(self) -> bool:
         """Is there anything to move: a request, or bytes waiting in an inbound ring (their
         sender may be stuck until they are drained into the unexpected-message queue)?"""

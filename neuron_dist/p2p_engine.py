@@ -5,10 +5,12 @@ critical path), and a background thread while requests are pending and nobody wa
 ``isend`` proceeds while the caller computes). Both call ``P2P.progress`` under one lock.
 
 Waking the background thread costs more than a small message (it wants the GIL the caller
-holds: measured, ~70 µs per receive in a send/recv ping-pong), and a small receive needs
-nobody's help to arrive: its sender writes the whole message into the mailbox. So only
-requests that need a partner to move (a send that did not fit, a receive larger than a
-mailbox piece) wake the thread at once. While the group is exchanging messages the thread
+holds: measured, ~70 µs per receive in a send/recv ping-pong), and a 2 MiB receive lost
+50-70 µs of its 220-320 to it (one way, after a barrier). So only a send that did not fit
+into the mailbox at once wakes the thread: its owner may go on computing (``isend``) while
+the receiver waits for the rest. A receive does not: whoever posts one wants its data and
+waits soon, and its sender needs no help until the mailbox is full (4 MiB by default).
+While the group is exchanging messages the thread
 lingers, looking every LAZY_PERIOD for requests nobody waits on (an irecv whose Work is
 only polled, or a sender stuck on a full mailbox while this rank is in a collective), so
 every request still progresses without its owner; after IDLE_AFTER without any, it looks
@@ -61,7 +63,6 @@ class P2PEngine:
         self._next_liveness = 0.0
         self._idle = False  # the thread sleeps until notified (not lingering)
         self._last_pending = 0.0
-        self._urgent_bytes = p2p.piece_bytes()
 
     def post(self, req: Request) -> None:
         with self._lock:
@@ -77,8 +78,7 @@ class P2PEngine:
                 self._thread = threading.Thread(  # requests and rings nobody drives
                     target=self._loop, name=f"neuron-p2p[{self._label}]", daemon=True)
                 self._thread.start()
-            if not req.done and (self._idle or req.is_send or
-                                 req.data.numel() > self._urgent_bytes):
+            if not req.done and (self._idle or req.is_send):
                 self._wake.notify()
 
     def send_now(self, dst: int, tag: int, address: int, nbytes: int) -> bool:

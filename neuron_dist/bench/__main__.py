@@ -1,8 +1,9 @@
 """Command line of the collectives benchmark: ``python -m neuron_dist.bench`` / ``neuron-dist-bench``.
 
 Parses nccl-tests-style flags, then for each world size (``-n 2,4``) runs the torch ranks
-(neuron, gloo and null interleaved, see ``torch_runner``; null is a group that does
-nothing, the dispatch floor every Python backend pays) and then the MPI baseline (see
+(neuron, gloo, null and shmfloor interleaved, see ``torch_runner``; null is a group that
+does nothing, the dispatch floor every Python backend pays, and shmfloor one that only
+moves the bytes through shared memory, up to 1 MiB per rank) and then the MPI baseline (see
 ``mpi_runner``), printing a progress line per (op, size) on stderr; ``--rounds R`` does
 that R times, MPI going first every other round, and reports the median of the rounds
 (``sweep.combine_rounds``). At the end it prints
@@ -24,7 +25,7 @@ from . import report
 from .sweep import (BATCH_BYTES, DTYPE_BYTES, MAX_BATCH, OPS, combine_rounds, human_size,
                     parse_size, progress_line, size_range)
 
-BACKENDS = ("neuron", "gloo", "null", "mpi")
+BACKENDS = ("neuron", "gloo", "null", "shmfloor", "mpi")
 
 EPILOG = """\
 bytes per op (nccl-tests): all_reduce, broadcast: the buffer; all_gather: the full gathered
@@ -33,8 +34,10 @@ whole send buffer; send_recv: one message (ping-pong rank 0 <-> 1, time = round 
 timing: per iteration a barrier of the backend under test, then the op is timed on every
 rank; iteration time = max over ranks; time_us = median (min_us = fastest iteration).
 busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all),
-1 (broadcast, send_recv). neuron, gloo and null (a process group that does nothing: the
-dispatch floor) share the rank processes and alternate per size; MPI (mpiexec + mpi4py)
+1 (broadcast, send_recv). neuron, gloo, null (a process group that does nothing: the
+dispatch floor) and shmfloor (one that moves the bytes through shared memory and does
+nothing else: the floor of a Python backend on one node, run where a rank's input fits
+its 1 MiB slot) share the rank processes and alternate per size; MPI (mpiexec + mpi4py)
 runs after them for each world size (with --rounds, before them every other round).
 x null = time / null's time (how many dispatch floors); vs mpi = MPI's time / time.
 
@@ -305,8 +308,9 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
                   f"to back on every rank (min({args.batch}, {BATCH_BYTES >> 20} MiB / bytes), "
                   f"at least 1), sample = their mean; sample time = max over ranks; time_us = "
                   f"median over samples (min_us = fastest). send_recv: ping-pong rank 0<->1, "
-                  f"time = round trip / 2. neuron, gloo and null (does nothing: the dispatch "
-                  f"floor) run interleaved in the same ranks; MPI runs in its own processes"
+                  f"time = round trip / 2. neuron, gloo, null (does nothing: the dispatch "
+                  f"floor) and shmfloor (moves the bytes through shared memory and nothing else;"
+                  f" inputs up to 1 MiB per rank) run interleaved in the same ranks; MPI runs in its own processes"
                   + (f". {args.rounds} rounds, torch backends and MPI taking turns at going "
                      f"first; time_us = median of the rounds' medians (spread = their max / "
                      f"min), min_us = fastest of all" if args.rounds > 1 else

@@ -56,7 +56,6 @@ import time
 OPS = ("all_reduce", "broadcast", "send_recv")
 BACKENDS = ("null", "neuron", "gloo", "floor", "shmfloor")
 FLOOR_OPS = ("all_reduce", "send_recv")  # what floor_pg implements of OPS
-SHMFLOOR_OPS = ("all_reduce", "broadcast")  # what shm_floor_pg implements of OPS
 DEFAULT_RUNS = ("1:null,shmfloor,neuron,gloo", "2:null,floor,neuron")
 CALLING_THREAD = 1  # valgrind's number of the process's first thread, which runs the loops
 
@@ -111,7 +110,7 @@ def plan(backends, ops, counts, rounds: int) -> list:
 
 
 def _implements(backend: str, op: str) -> bool:
-    return {"floor": op in FLOOR_OPS, "shmfloor": op in SHMFLOOR_OPS}.get(backend, True)
+    return op in FLOOR_OPS if backend == "floor" else True
 
 
 # ---------------------------------------------------------------- the ranks

@@ -4,10 +4,12 @@ For each world size and op: the smallest size's latency and the largest size's b
 bandwidth per backend, each with its ratio to gloo *from the same run*, plus the range of
 neuron/gloo ratios over all sizes. When the run measured the null group (a group that does
 nothing: the dispatch floor), a last column gives neuron's smallest-size time as a multiple
-of null's and what it adds above it. When the run measured MPI, a second table gives,
-per op, neuron against MPI from 64 KiB up (MPI's time over neuron's at each size: 1 or
-more is at MPI's level) and, for a run of several rounds, how far the rounds' medians
-spread. ``--into FILE`` replaces the text between the
+of null's and what it adds above it (and shmfloor's time, when measured: the bytes through
+shared memory and nothing else). When the run measured MPI, a second table gives, per op,
+neuron against MPI from 64 KiB up (MPI's time over neuron's at each size: 1 or more is at
+MPI's level), for a run of several rounds how far the rounds' medians spread, and where
+shmfloor ran, MPI's time over shmfloor's: where even that is below 1, moving the bytes
+from Python through shared memory, with nothing else, is slower than MPI on the machine. ``--into FILE`` replaces the text between the
 ``<!-- perf:start -->`` and ``<!-- perf:end -->`` markers in FILE, so the tables of
 docs/performance.md always come from committed result files; without it the summary is
 printed:
@@ -79,36 +81,52 @@ def _against_mpi(rows: list[dict], keys: list, rounds: int) -> list[str]:
             if r["backend"] == "neuron" and r["bytes"] >= MPI_FROM and r.get("vs_mpi")}
     if not ours:
         return []
+    floors = {(r["op"], r["world"], r["bytes"]): r["vs_mpi"] for r in rows
+              if r["backend"] == "shmfloor" and r.get("vs_mpi")}
     spread = rounds > 1
     out = [f"Neuron against MPI from {_size(MPI_FROM)}: MPI's time over neuron's per size (1 or "
            f"more: at MPI's level or faster)"
            + (f"; each the median of {rounds} rounds, with the spread of neuron's round "
-              f"medians (max / min) after the slash" if spread else "") + ":\n",
-           "| op | n | " + ("MPI / neuron, spread" if spread else "MPI / neuron") + " | met |",
-           "|---|---|---|---|"]
-    met_all = total = 0
+              f"medians (max / min) after the slash" if spread else "")
+           + ("; in brackets MPI's time over shmfloor's (the bytes through shared memory "
+              "and nothing else), where it ran" if floors else "") + ":\n",
+           "| op | n | " + ("MPI / neuron, spread" if spread else "MPI / neuron") + " | met |"
+           + (" floor at MPI's level |" if floors else ""),
+           "|---|---|---|---|" + ("---|" if floors else "")]
+    met_all = total = floor_met = floor_total = 0
     for op, world in keys:
         mine = sorted((r for k, r in ours.items() if k[:2] == (op, world)),
                       key=lambda r: r["bytes"])
         if not mine:
             continue
+        keyed = [((op, world, r["bytes"]), r) for r in mine]
         cells = [f"{_size(r['bytes'])} {r['vs_mpi']:.2f}"
-                 + (f" / {r['spread']:.2f}" if spread and r.get("spread") else "") for r in mine]
+                 + (f" / {r['spread']:.2f}" if spread and r.get("spread") else "")
+                 + (f" ({floors[k]:.2f})" if k in floors else "") for k, r in keyed]
         met = sum(r["vs_mpi"] >= 1 for r in mine)
         met_all, total = met_all + met, total + len(mine)
-        out.append(f"| {op} | {world} | {', '.join(cells)} | {met} of {len(mine)} |")
-    out += ["", f"At MPI's level at {met_all} of {total} points.", ""]
+        line = f"| {op} | {world} | {', '.join(cells)} | {met} of {len(mine)} |"
+        if floors:
+            had = [floors[k] for k, _ in keyed if k in floors]
+            fm = sum(f >= 1 for f in had)
+            floor_met, floor_total = floor_met + fm, floor_total + len(had)
+            line += f" {fm} of {len(had)} |"
+        out.append(line)
+    out += ["", f"At MPI's level at {met_all} of {total} points."
+            + (f" shmfloor is at {floor_met} of the {floor_total} points where it ran."
+               if floors else ""), ""]
     return out
 
 
 def _over_floor(rows: list[dict], size: int) -> str:
-    """'6.1x (12 us = null 2 us + 10 us)' for neuron at ``size``, or 'n/a'."""
+    """'6.1x (12 us = null 2 us + 10 us; shmfloor 8 us)' for neuron at ``size``, or 'n/a'."""
     at = {r["backend"]: r for r in rows if r["bytes"] == size}
-    neuron, null = at.get("neuron"), at.get("null")
+    neuron, null, shm = at.get("neuron"), at.get("null"), at.get("shmfloor")
     if not (neuron and null and null["time_us"]):
         return "n/a"
     return (f"{neuron['time_us'] / null['time_us']:.1f}x ({neuron['time_us']:.0f} us = null "
-            f"{null['time_us']:.1f} us + {neuron['time_us'] - null['time_us']:.0f} us)")
+            f"{null['time_us']:.1f} us + {neuron['time_us'] - null['time_us']:.0f} us"
+            + (f"; shmfloor {shm['time_us']:.0f} us" if shm and shm["time_us"] else "") + ")")
 
 
 def replace_section(text: str, body: str, name: str = "the file") -> str:

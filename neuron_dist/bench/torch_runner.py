@@ -1,4 +1,5 @@
-"""Ranks for the torch backends: neuron, gloo and null measured in the same processes, interleaved.
+"""Ranks for the torch backends: neuron, gloo, null and shmfloor measured in the same processes,
+interleaved.
 
 The parent forks one process per rank *before* any TCPStore exists (it never starts one:
 forking a process that runs threads can copy a lock some thread holds into the child, see
@@ -6,8 +7,11 @@ tests/helpers/harness.py), so the parent stays thread-free across several world 
 binds a TCPStore on 127.0.0.1 port 0 and sends the port up its pipe; the parent relays it
 to the other ranks. The world group is ``init_process_group("neuron")``; gloo is
 ``dist.new_group(backend="gloo")`` and null (``null_pg``: a group that does nothing, the
-dispatch floor) ``dist.new_group(backend="null")`` over the same ranks; every op gets
-``group=``. null's outputs are never written, so ``--check`` and ``--overlap`` skip it.
+dispatch floor) ``dist.new_group(backend="null")`` over the same ranks, and shmfloor (``shm_floor_pg``: the
+bytes through shared memory with nothing else, the floor of a Python backend on one node)
+likewise; every op gets ``group=``. null's outputs are never written, so ``--check`` and
+``--overlap`` skip it; shmfloor runs only the sizes its slots hold (``shm_floor_pg.fits``)
+and no overlap.
 
 For each op and size the ranks build the buffers once, then measure the backends one after
 the other, alternating which goes first from one size to the next, so machine noise hits
@@ -34,12 +38,13 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from . import null_pg, overlap as overlap_mod
+from . import null_pg, overlap as overlap_mod, shm_floor_pg
 from .patterns import fill, mismatch, pattern
 from .sweep import (OPS, DTYPE_BYTES, combine, make_row, ops_per_sample, plan,
                     time_iterations)
 
-TORCH_BACKENDS = ("neuron", "gloo", null_pg.BACKEND_NAME)
+SHMFLOOR = "shmfloor"
+TORCH_BACKENDS = ("neuron", "gloo", null_pg.BACKEND_NAME, SHMFLOOR)
 _CTX = mp.get_context("fork")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -200,6 +205,9 @@ def _rank_main(rank: int, world: int, cfg: dict, conn) -> None:
     if null_pg.BACKEND_NAME in backends:
         null_pg.register()
         groups[null_pg.BACKEND_NAME] = dist.new_group(backend=null_pg.BACKEND_NAME, timeout=timeout)
+    if SHMFLOOR in backends:
+        shm_floor_pg.register()
+        groups[SHMFLOOR] = dist.new_group(backend=shm_floor_pg.BACKEND_NAME, timeout=timeout)
     groups = {b: groups[b] for b in backends}
     ex = Exchange(store, rank, world)
     if cfg["report_shm"] and rank == 0:
@@ -218,14 +226,17 @@ def _rank_main(rank: int, world: int, cfg: dict, conn) -> None:
             continue
         for i, count in enumerate(counts):
             case = Case(op, count, rank, world, dtype)
-            order = backends if i % 2 == 0 else backends[::-1]
+            fits = shm_floor_pg.fits(op, case.inp.numel() * elem,
+                                     case.out.numel() * elem if case.out is not None else 0)
+            mine = [b for b in backends if b != SHMFLOOR or fits]
+            order = mine if i % 2 == 0 else mine[::-1]
             rows = {b: _measure(case, op, count, b, groups[b], ex, cfg) for b in order}
             del case
             if rank == 0:
-                conn.send(("rows", [rows[b] for b in backends]))
+                conn.send(("rows", [rows[b] for b in mine]))
 
     if cfg["overlap"]:
-        for b in (b for b in backends if b != null_pg.BACKEND_NAME):
+        for b in (b for b in backends if b not in (null_pg.BACKEND_NAME, SHMFLOOR)):
             o = cfg["overlap"]
             rows = overlap_mod.measure(rank, world, b, groups[b], ex, o["bytes"], o["matmul"],
                                        cfg["iters"], cfg["warmup"])

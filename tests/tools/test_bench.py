@@ -60,7 +60,7 @@ def test_samples_time_batches_of_operations():
 def bench_run(tmp_path_factory):
     """One run of the command line shared by the tests below."""
     tmp_path = tmp_path_factory.mktemp("bench")
-    backends = ["neuron", "gloo", "null"]
+    backends = ["neuron", "gloo", "null", "shmfloor"]
     if mpi_runner.unavailable_reason() is None:
         backends.append("mpi")
     files = {k: tmp_path / f"bench.{k}" for k in ("json", "csv", "png")}
@@ -113,6 +113,7 @@ def test_bench_tiny_sweep(bench_run):
     assert "smallest: neuron over the null floor" in text
     line = next(ln for ln in text.splitlines() if ln.startswith("| all_reduce | 2 |"))
     assert "null" in line and "x (" in line.split("|")[-2], line
+    assert "; shmfloor " in line.split("|")[-2], line  # the shared-memory floor beside it
 
 
 def test_bench_plot(bench_run):
@@ -309,20 +310,52 @@ def _shm_floor_checks(rank, world):
     from neuron_dist.bench import shm_floor_pg
     shm_floor_pg.register()
     g = dist.new_group(backend=shm_floor_pg.BACKEND_NAME)
-    sums = []
+    got = {"sums": [], "bcast": [], "gather": [], "rs": [], "a2a": [], "p2p": []}
     for i in range(5):  # both slots, each used again
         x = torch.full((3,), float(rank + 1 + i))
         dist.all_reduce(x, group=g)
-        sums.append(x.tolist())
-    got = []
+        got["sums"].append(x.tolist())
     for root in range(world):
         b = torch.full((4,), float(rank * 10))
         dist.broadcast(b, root, group=g)
-        got.append(b.tolist())
+        got["bcast"].append(b.tolist())
+    n = 1 << 16  # 256 KiB of float32 per rank: more than a cache line, less than a slot
+    for i in range(3):
+        out = torch.empty(world * n)
+        dist.all_gather_into_tensor(out, torch.full((n,), float(rank + i)), group=g)
+        got["gather"].append([out[k * n:(k + 1) * n].unique().tolist() for k in range(world)])
+        inp = torch.arange(world * n, dtype=torch.float32) + rank * i
+        rs = torch.empty(n)
+        dist.reduce_scatter_tensor(rs, inp, group=g)
+        got["rs"].append(bool(torch.equal(
+            rs, world * torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32)
+            + i * world * (world - 1) / 2)))
+        a2a = torch.empty(world * 5)
+        dist.all_to_all_single(a2a, torch.arange(world * 5, dtype=torch.float32) + 100 * rank,
+                               group=g)
+        got["a2a"].append(a2a.tolist())
+    if rank < 2:  # a ping-pong of 3 messages, the mailbox used again each time
+        peer = 1 - rank
+        for i in range(3):
+            t = torch.full((n,), float(10 * i + rank))
+            if rank == 0:
+                dist.send(t, peer, group=g)
+                dist.recv(t, peer, group=g)
+            else:
+                dist.recv(t, peer, group=g)
+                got["p2p"].append(t.unique().tolist())
+                dist.send(t + 1, peer, group=g)
+            if rank == 0:
+                got["p2p"].append(t.unique().tolist())
     dist.barrier(group=g)
+    too_big = torch.empty((shm_floor_pg.SLOT_BYTES >> 2) + 1)
+    try:
+        dist.all_reduce(too_big, group=g)
+    except ValueError as exc:
+        got["too_big"] = str(exc)
     left = glob.glob("/dev/shm/neuron-shmfloor-*")
     dist.destroy_process_group(g)
-    return sums, got, left
+    return got, left
 
 
 @pytest.mark.timeout(90)
@@ -330,8 +363,17 @@ def _shm_floor_checks(rank, world):
 def test_the_shared_memory_floor_moves_the_right_bytes(world):
     """bench/shm_floor_pg.py: the benchmarks' one-node floor is a real (if minimal) backend."""
     from helpers.harness import run_ranks
-    for rank, (sums, got, left) in run_ranks(_shm_floor_checks, world, timeout=80).items():
+    for rank, (got, left) in run_ranks(_shm_floor_checks, world, timeout=80).items():
         base = world * (world + 1) / 2
-        assert sums == [[base + world * i] * 3 for i in range(5)], (rank, sums)
-        assert got == [[root * 10.0] * 4 for root in range(world)], (rank, got)
+        assert got["sums"] == [[base + world * i] * 3 for i in range(5)], (rank, got)
+        assert got["bcast"] == [[root * 10.0] * 4 for root in range(world)], (rank, got)
+        assert got["gather"] == [[[float(k + i)] for k in range(world)] for i in range(3)], got
+        assert got["rs"] == [True] * 3, (rank, got["rs"])
+        want = [float(5 * rank + j + 100 * k) for k in range(world) for j in range(5)]
+        assert got["a2a"] == [want] * 3, (rank, got["a2a"])
+        if rank == 0:  # what came back: rank 1 added one to what it got
+            assert got["p2p"] == [[10.0 * i + 1] for i in range(3)], got["p2p"]
+        if rank == 1:
+            assert got["p2p"] == [[10.0 * i] for i in range(3)], got["p2p"]
+        assert "exceed its" in got["too_big"], got  # more than a slot: a clear error
         assert left == [], left  # unlinked once every rank had mapped it

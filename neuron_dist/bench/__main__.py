@@ -3,7 +3,7 @@
 Parses nccl-tests-style flags, then for each world size (``-n 2,4``) runs the torch ranks
 (neuron, gloo, null and shmfloor interleaved, see ``torch_runner``; null is a group that
 does nothing, the dispatch floor every Python backend pays, and shmfloor one that only
-moves the bytes through shared memory, up to 1 MiB per rank) and then the MPI baseline (see
+moves the bytes, through shared memory or one cross-memory read) and then the MPI baseline (see
 ``mpi_runner``), printing a progress line per (op, size) on stderr; ``--rounds R`` does
 that R times, MPI going first every other round, and reports the median of the rounds
 (``sweep.combine_rounds``). At the end it prints
@@ -35,9 +35,9 @@ timing: per iteration a barrier of the backend under test, then the op is timed 
 rank; iteration time = max over ranks; time_us = median (min_us = fastest iteration).
 busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all),
 1 (broadcast, send_recv). neuron, gloo, null (a process group that does nothing: the
-dispatch floor) and shmfloor (one that moves the bytes through shared memory and does
-nothing else: the floor of a Python backend on one node, run where a rank's input fits
-its 1 MiB slot) share the rank processes and alternate per size; MPI (mpiexec + mpi4py)
+dispatch floor) and shmfloor (one that moves the bytes through shared memory, or with one
+cross-memory read beyond 1 MiB, and does nothing else: the floor of a Python backend on
+one node) share the rank processes and alternate per size; MPI (mpiexec + mpi4py)
 runs after them for each world size (with --rounds, before them every other round).
 x null = time / null's time (how many dispatch floors); vs mpi = MPI's time / time.
 
@@ -309,8 +309,8 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
                   f"at least 1), sample = their mean; sample time = max over ranks; time_us = "
                   f"median over samples (min_us = fastest). send_recv: ping-pong rank 0<->1, "
                   f"time = round trip / 2. neuron, gloo, null (does nothing: the dispatch "
-                  f"floor) and shmfloor (moves the bytes through shared memory and nothing else;"
-                  f" inputs up to 1 MiB per rank) run interleaved in the same ranks; MPI runs in its own processes"
+                  f"floor) and shmfloor (moves the bytes through shared memory, or by one "
+                  f"cross-memory read beyond 1 MiB, and nothing else) run interleaved in the same ranks; MPI runs in its own processes"
                   + (f". {args.rounds} rounds, torch backends and MPI taking turns at going "
                      f"first; time_us = median of the rounds' medians (spread = their max / "
                      f"min), min_us = fastest of all" if args.rounds > 1 else

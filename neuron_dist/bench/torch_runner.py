@@ -10,8 +10,7 @@ to the other ranks. The world group is ``init_process_group("neuron")``; gloo is
 dispatch floor) ``dist.new_group(backend="null")`` over the same ranks, and shmfloor (``shm_floor_pg``: the
 bytes through shared memory with nothing else, the floor of a Python backend on one node)
 likewise; every op gets ``group=``. null's outputs are never written, so ``--check`` and
-``--overlap`` skip it; shmfloor runs only the sizes its slots hold (``shm_floor_pg.fits``)
-and no overlap.
+``--overlap`` skip it; shmfloor does no overlap.
 
 For each op and size the ranks build the buffers once, then measure the backends one after
 the other, alternating which goes first from one size to the next, so machine noise hits
@@ -226,14 +225,11 @@ def _rank_main(rank: int, world: int, cfg: dict, conn) -> None:
             continue
         for i, count in enumerate(counts):
             case = Case(op, count, rank, world, dtype)
-            fits = shm_floor_pg.fits(op, case.inp.numel() * elem,
-                                     case.out.numel() * elem if case.out is not None else 0)
-            mine = [b for b in backends if b != SHMFLOOR or fits]
-            order = mine if i % 2 == 0 else mine[::-1]
+            order = backends if i % 2 == 0 else backends[::-1]
             rows = {b: _measure(case, op, count, b, groups[b], ex, cfg) for b in order}
             del case
             if rank == 0:
-                conn.send(("rows", [rows[b] for b in mine]))
+                conn.send(("rows", [rows[b] for b in backends]))
 
     if cfg["overlap"]:
         for b in (b for b in backends if b not in (null_pg.BACKEND_NAME, SHMFLOOR)):

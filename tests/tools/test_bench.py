@@ -301,13 +301,14 @@ def test_summary_into_docs_performance_matches_results(tmp_path):
         summary.main(["--into", str(bare), str(root / "results/bench-n2.json")])
 
 
-def _shm_floor_checks(rank, world):
+def _shm_floor_checks(rank, world, slot_bytes):
     import glob
 
     import torch
     import torch.distributed as dist
 
     from neuron_dist.bench import shm_floor_pg
+    shm_floor_pg.SLOT_BYTES = slot_bytes  # (small: the single-copy paths from 4 KiB on)
     shm_floor_pg.register()
     g = dist.new_group(backend=shm_floor_pg.BACKEND_NAME)
     got = {"sums": [], "bcast": [], "gather": [], "rs": [], "a2a": [], "p2p": []}
@@ -347,23 +348,28 @@ def _shm_floor_checks(rank, world):
                 dist.send(t + 1, peer, group=g)
             if rank == 0:
                 got["p2p"].append(t.unique().tolist())
+    big = torch.arange(world * n + 3, dtype=torch.float32) * (rank + 1)  # uneven blocks
+    dist.all_reduce(big, group=g)
+    got["big_sum"] = bool(torch.equal(
+        big, torch.arange(world * n + 3, dtype=torch.float32) * (world * (world + 1) / 2)))
     dist.barrier(group=g)
-    too_big = torch.empty((shm_floor_pg.SLOT_BYTES >> 2) + 1)
     try:
-        dist.all_reduce(too_big, group=g)
+        dist.all_reduce(torch.ones(4, 4).t(), group=g)
     except ValueError as exc:
-        got["too_big"] = str(exc)
+        got["strided"] = str(exc)
     left = glob.glob("/dev/shm/neuron-shmfloor-*")
     dist.destroy_process_group(g)
     return got, left
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("slot_bytes", [1 << 20, 4096], ids=["slots", "single-copy"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_shared_memory_floor_moves_the_right_bytes(world):
+def test_the_shared_memory_floor_moves_the_right_bytes(world, slot_bytes):
     """bench/shm_floor_pg.py: the benchmarks' one-node floor is a real (if minimal) backend."""
     from helpers.harness import run_ranks
-    for rank, (got, left) in run_ranks(_shm_floor_checks, world, timeout=80).items():
+    for rank, (got, left) in run_ranks(_shm_floor_checks, world, slot_bytes,
+                                       timeout=80).items():
         base = world * (world + 1) / 2
         assert got["sums"] == [[base + world * i] * 3 for i in range(5)], (rank, got)
         assert got["bcast"] == [[root * 10.0] * 4 for root in range(world)], (rank, got)
@@ -375,5 +381,6 @@ def test_the_shared_memory_floor_moves_the_right_bytes(world):
             assert got["p2p"] == [[10.0 * i + 1] for i in range(3)], got["p2p"]
         if rank == 1:
             assert got["p2p"] == [[10.0 * i] for i in range(3)], got["p2p"]
-        assert "exceed its" in got["too_big"], got  # more than a slot: a clear error
+        assert got["big_sum"], rank
+        assert "contiguous tensors only" in got["strided"], got  # a clear error
         assert left == [], left  # unlinked once every rank had mapped it

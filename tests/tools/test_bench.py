@@ -203,21 +203,28 @@ def test_mpi_baseline_uses_torch_memory():
 
 def test_summary_against_mpi_from_64k():
     """The summary's MPI table: neuron's ratio to MPI at every size from 64 KiB, with the
-    rounds' spread, and how many points are at MPI's level."""
+    rounds' spread, the floor's ratio where it ran, how many points are at MPI's level, and
+    which reach MPI's fastest round."""
     from neuron_dist.bench import report
     from neuron_dist.bench.summary import summarise
     rows = []
-    for nbytes, ours, theirs in ((32 << 10, 50.0, 10.0), (64 << 10, 40.0, 20.0),
-                                 (256 << 10, 50.0, 100.0)):
-        for backend, t in (("neuron", ours), ("mpi", theirs)):
+    for nbytes, ours, theirs, floor, best in ((32 << 10, 50.0, 10.0, 5.0, 9.0),
+                                              (64 << 10, 40.0, 20.0, 25.0, 15.0),
+                                              (256 << 10, 50.0, 100.0, 40.0, 45.0)):
+        for backend, t in (("neuron", ours), ("mpi", theirs), ("shmfloor", floor)):
             rows.append({"op": "broadcast", "world": 2, "bytes": nbytes, "backend": backend,
-                         "status": "ok", "time_us": t, "busbw_gbs": 1.0, "spread": 1.25})
+                         "status": "ok", "time_us": t, "busbw_gbs": 1.0, "spread": 1.25,
+                         "rounds_us": [t, best, t] if backend == "mpi" else [t] * 3})
     report.add_ratios(rows)
     meta = {"command": "c", "cores": 2, "torch": "t", "mpi": {"mpi_library": "MPICH"},
             "rounds": 3}
     text = summarise([("r.json", {"meta": meta, "results": rows})])
-    assert "| broadcast | 2 | 64 KiB 0.50 / 1.25, 256 KiB 2.00 / 1.25 | 1 of 2 |" in text, text
+    assert ("| broadcast | 2 | 64 KiB 0.50 / 1.25 (0.80), 256 KiB 2.00 / 1.25 (2.50) "
+            "| 1 of 2 | 1 of 2 |") in text, text
     assert "At MPI's level at 1 of 2 points." in text and "median of 3 rounds" in text
+    assert "shmfloor is at 1 of the 2 points where it ran." in text, text
+    # 256 KiB: MPI's median is 100 but its fastest round 45, faster than neuron's 50
+    assert "neuron's median is at its level at 0 of 2." in text, text
 
 
 @pytest.mark.timeout(120)

@@ -8,10 +8,10 @@ of null's and what it adds above it (and shmfloor's time, when measured: the byt
 shared memory and nothing else). When the run measured MPI, a second table gives, per op,
 neuron against MPI from 64 KiB up (MPI's time over neuron's at each size: 1 or more is at
 MPI's level), for a run of several rounds how far the rounds' medians spread and how
-many points reach MPI's fastest round (MPI's rounds are bimodal on a shared machine), and where
-shmfloor ran, MPI's time over shmfloor's: where even that is below 1, moving the bytes
-from Python through shared memory, with nothing else, is slower than MPI on the machine. ``--into FILE`` replaces the text between the
-``<!-- perf:start -->`` and ``<!-- perf:end -->`` markers in FILE, so the tables of
+many points reach MPI's fastest round (MPI's rounds are bimodal on a shared machine),
+and where shmfloor ran, MPI's time over shmfloor's: where even that is below 1, moving
+the bytes from Python through shared memory, with nothing else, is slower than MPI on
+the machine. ``--into FILE`` replaces the text between the ``<!-- perf:start -->`` and ``<!-- perf:end -->`` markers in FILE, so the tables of
 docs/performance.md always come from committed result files; without it the summary is
 printed:
 

@@ -7,9 +7,9 @@ tests/helpers/harness.py), so the parent stays thread-free across several world 
 binds a TCPStore on 127.0.0.1 port 0 and sends the port up its pipe; the parent relays it
 to the other ranks. The world group is ``init_process_group("neuron")``; gloo is
 ``dist.new_group(backend="gloo")`` and null (``null_pg``: a group that does nothing, the
-dispatch floor) ``dist.new_group(backend="null")`` over the same ranks, and shmfloor (``shm_floor_pg``: the
-bytes through shared memory with nothing else, the floor of a Python backend on one node)
-likewise; every op gets ``group=``. null's outputs are never written, so ``--check`` and
+dispatch floor) ``dist.new_group(backend="null")`` over the same ranks, and shmfloor
+(``shm_floor_pg``: the bytes through shared memory with nothing else, the floor of a
+Python backend on one node) likewise; every op gets ``group=``. null's outputs are never written, so ``--check`` and
 ``--overlap`` skip it; shmfloor does no overlap.
 
 For each op and size the ranks build the buffers once, then measure the backends one after

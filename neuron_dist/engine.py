@@ -52,7 +52,7 @@ from .transport.errors import StepDeferred
 from .flight_recorder import COMPLETED, Record, recorder
 
 log = logging.getLogger("neuron_dist")
-from .transport.shm.backoff import set_background_thread
+from .transport.backoff import set_background_thread
 
 
 class CollectiveEngine:

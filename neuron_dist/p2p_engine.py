@@ -29,7 +29,7 @@ import time
 
 from .collectives.p2p import P2P, Request
 from .errors import GroupAbortedError, PeerTimeoutError
-from .transport.shm.backoff import set_background_thread
+from .transport.backoff import set_background_thread
 
 LIVENESS_PERIOD = 0.2
 LAZY_PERIOD = 0.005  # a pending request nobody waits on is picked up within this

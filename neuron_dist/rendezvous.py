@@ -47,7 +47,7 @@ from .transport.rdm import fd_budget
 from .transport.rdm.driver import RdmTransport
 from .transport.rdm.handshake import derive_key
 from .transport.shm import cma
-from .transport.shm.backoff import default_spin
+from .transport.backoff import default_spin
 from .transport.shm.channel import ShmChannel
 from .transport.shm.layout import Layout
 from .transport.shm.ordering import machine, shares_memory_safely
@@ -258,7 +258,9 @@ def _open_network(auth: StoreAuth, key: str, rank: int, size: int, remote: int, 
                        frame_mac=bool(settings.auth_key), payload_mac=settings.net_mac,
                        link_timeout=settings.net_link_timeout,
                        max_unexpected_bytes=settings.net_max_unexpected_bytes,
-                       label=label or f"rank {rank}")
+                       label=label or f"rank {rank}",
+                       spin=settings.spin if settings.spin is not None
+                       else default_spin(size - remote))
     try:
         try:  # room for this group's connections, or every rank is told why not
             fd_budget.reserve(settings.rails * remote,

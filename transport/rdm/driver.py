@@ -183,7 +183,8 @@ class Request(_Request):
         event = self._event
         self._waiting.append(None)
         try:
-            self._owner._engine.drive(event.is_set, deadline, event)
+            owner = self._owner
+            owner._engine.drive(event.is_set, deadline, event, owner.spin)
         finally:
             self._waiting.pop()
         done = event.is_set()
@@ -230,8 +231,10 @@ class RdmTransport:
                  group: bytes, segment_bytes: int = 1 << 20, window_bytes: int = 32 << 20,
                  crc: bool = False, rto: float = 5.0, ack_delay: float = 0.005,
                  max_unexpected_bytes: int = 512 << 20, link_timeout: float = 10.0,
-                 label: str = "", frame_mac: bool = False, payload_mac: bool = False):
+                 label: str = "", frame_mac: bool = False, payload_mac: bool = False,
+                 spin: int = 500):
         self.rank, self.world_size, self.nrails = rank, world_size, rails
+        self.spin = spin  # polls a waiting thread makes before it yields (progress.drive)
         self.segment_bytes = segment_bytes
         self._key, self._group, self._label = key, group, label or f"rank {rank}"
         self._mac = (frame_mac or payload_mac, payload_mac)

@@ -28,7 +28,7 @@ import torch
 from ..errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout, StepDeferred
 from . import cma, futex
 from . import layout as L
-from .backoff import Backoff
+from ..backoff import Backoff
 from .mailbox import ShmMailbox
 from . import procid
 from .segment import Segment

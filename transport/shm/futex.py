@@ -29,7 +29,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-available = _SYS_FUTEX is not None  # elsewhere waiters sleep in growing naps (backoff.py)
+available = _SYS_FUTEX is not None  # elsewhere waiters sleep in growing naps (../backoff.py)
 
 
 def wait(addr: int, expected: int, timeout: float) -> None:

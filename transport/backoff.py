@@ -1,11 +1,13 @@
-"""How a rank waits for a shared-memory flag: spin briefly, then yield, then sleep.
+"""How a rank waits for a peer: spin briefly, then yield, then sleep.
 
-A peer's store becomes visible to a spinning reader in well under a microsecond, while
-waking a sleeping process costs 25-55 µs here; so we poll first. With more ranks than
+Both transports wait this way: shared memory for a peer's flag (shm/channel.py), rdm for
+its sockets (rdm/progress.py, which sleeps in ``epoll`` where this says block). A peer's
+store becomes visible to a spinning reader in well under a microsecond, while waking a
+sleeping process costs 25-55 µs here; so we poll first. With more ranks than
 cores, pure spinning starves the very peer we wait for, so after ``spin`` polls we call
 sched_yield (which also releases the GIL, letting the caller's other threads run), and after
 ``yield_seconds`` we block: on a futex when the caller can (the step channel, see
-futex.py: woken the moment the peer publishes), else in growing sleeps up to ``max_sleep``
+shm/futex.py: woken the moment the peer publishes), else in growing sleeps up to ``max_sleep``
 so an idle wait costs no CPU.
 """
 
@@ -29,10 +31,12 @@ def set_background_thread() -> None:
 
 
 class Backoff:
-    __slots__ = ("spin", "yield_seconds", "max_sleep", "polls", "started", "sleep", "can_block")
+    __slots__ = ("spin", "yield_seconds", "max_sleep", "polls", "started", "sleep", "can_block",
+                 "background")
 
     def __init__(self, spin: int, yield_seconds: float, max_sleep: float, can_block: bool = False):
-        self.spin = 0 if getattr(_thread, "background", False) else spin
+        self.background = getattr(_thread, "background", False)
+        self.spin = 0 if self.background else spin
         self.yield_seconds = yield_seconds
         self.max_sleep = max_sleep
         self.polls = 0

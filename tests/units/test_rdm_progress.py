@@ -1,0 +1,81 @@
+"""The rdm progress engine's wait (transport/rdm/progress.py, "Waiting"): a waiting thread
+polls without sleeping first, yields, and only then sleeps in epoll; a background thread
+sleeps at once. The engine's real ``poll`` is replaced by one that records its timeouts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from neuron_dist.transport.rdm import progress
+from neuron_dist.transport.backoff import SPIN_SECONDS, set_background_thread
+
+
+@pytest.fixture
+def engine():
+    eng = progress.Progress()
+    me = threading.get_ident()
+    polls = []  # (seconds since the first poll, timeout) of the test's own thread
+
+    def poll(timeout):
+        if threading.get_ident() in eng.recorded:
+            polls.append((time.monotonic(), timeout))
+        if timeout > 0:
+            time.sleep(min(timeout, 0.001))
+
+    eng.recorded = {me}
+    eng.poll = poll
+    eng.polls = polls
+    yield eng
+    eng._shutdown()
+
+
+def test_a_waiter_polls_without_sleeping_while_its_request_is_about_to_complete(engine):
+    deadline = time.monotonic() + 5.0
+    assert engine.drive(lambda: len(engine.polls) >= 20, deadline, spin=500)
+    assert [t for _, t in engine.polls] == [0.0] * 20
+
+
+def test_a_waiter_sleeps_in_epoll_only_after_polling_and_yielding(engine):
+    start = time.monotonic()
+    done = lambda: any(t > 0 for _, t in engine.polls) and len(engine.polls) > 3  # noqa: E731
+    assert engine.drive(done, start + 5.0, spin=500)
+    first_sleep = next(i for i, (_, t) in enumerate(engine.polls) if t > 0)
+    assert first_sleep > 0
+    assert all(t == 0.0 for _, t in engine.polls[:first_sleep])
+    assert engine.polls[first_sleep][0] - start >= progress._YIELD_SECONDS
+    assert all(t > 0 for _, t in engine.polls[first_sleep:])  # and it stays asleep
+
+
+def test_without_spinning_a_waiter_still_yields_before_it_sleeps(engine):
+    start = time.monotonic()
+    done = lambda: any(t > 0 for _, t in engine.polls)  # noqa: E731
+    assert engine.drive(done, start + 5.0, spin=0)
+    zeros = [at for at, t in engine.polls if t == 0.0]
+    assert zeros, "no poll before sleeping"
+    assert zeros[-1] - start < progress._YIELD_SECONDS + SPIN_SECONDS + 0.05
+
+
+def test_a_background_thread_sleeps_in_epoll_at_once(engine):
+    result = []
+
+    def background():
+        set_background_thread()
+        engine.recorded.add(threading.get_ident())
+        result.append(engine.drive(lambda: len(engine.polls) >= 2, time.monotonic() + 5.0,
+                                   spin=500))
+
+    t = threading.Thread(target=background)
+    t.start()
+    t.join(10)
+    assert result == [True]
+    assert all(timeout > 0 for _, timeout in engine.polls)
+
+
+def test_the_deadline_ends_a_wait_in_any_phase(engine):
+    start = time.monotonic()
+    assert not engine.drive(lambda: False, start + 0.0002, spin=500)  # while polling
+    assert not engine.drive(lambda: False, time.monotonic() + 0.05, spin=500)  # asleep
+    assert time.monotonic() - start < 2.0

@@ -35,9 +35,9 @@ costs two thread wake-ups, so the background thread holds back as long as it can
 between polls for up to ``_YIELD_SECONDS``, and only then sleeps in ``epoll``, like a
 shared-memory wait (transport/backoff.py). Waking a thread that sleeps in the kernel costs more
 than a small message's whole trip here: a 64-byte send/recv round trip between two
-virtual nodes on loopback took 113-127 µs polling first against 288-294 µs sleeping
-first, with less CPU per round trip too (110-127 µs against 163-183), since every sleep
-and wake-up is CPU of its own. ``spin`` is 0 when a node has more ranks than cores
+ranks as two nodes on loopback took 172 µs polling first against 498 µs sleeping first
+(medians, the two switched every 100 round trips in one run), with less CPU per round
+trip too (171 µs against 252), since every sleep and wake-up is CPU of its own. ``spin`` is 0 when a node has more ranks than cores
 (``backoff.default_spin``), so a waiter then yields at once; a background thread never
 polls ahead: it would keep the GIL from the user's thread.
 

@@ -14,6 +14,11 @@ minus the short one, divided by the difference in steps, is the **CPU per step**
 imports and rendezvous cancel out). **tokens/s** is the long run's own mean (its summary
 line); the median over rounds is reported.
 
+A run that fails (any backend: gloo itself has been seen to abort with SIGABRT now and
+then) is run again, up to ``--retries`` times, so one crash does not lose the whole
+measurement; every failure is kept in the JSON and counted in the report, so a backend
+that fails is never hidden by its retry.
+
 ``null`` (``bench/null_pg.py``) is a process group whose collectives do nothing: its run
 is the model's compute alone, so its CPU per step is the floor, and a backend's CPU per
 step above it is what its communication costs. On a machine with fewer cores than ranks
@@ -61,14 +66,31 @@ def run_once(backend: str, steps: int, args) -> dict:
     return {"tokens_s": int(found[0]), "cpu_s": cpu, "wall_s": wall}
 
 
+def _attempt(backend: str, steps: int, args, failures: list) -> dict:
+    """``run_once``, run again after a failure (up to ``args.retries`` times); every
+    failure's message is appended to ``failures``."""
+    for attempt in range(args.retries + 1):
+        try:
+            return run_once(backend, steps, args)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            failures.append(str(exc))
+            print(f"[mainjob] {backend} --steps {steps} failed (attempt {attempt + 1} of "
+                  f"{args.retries + 1}): {str(exc).splitlines()[0]}", file=sys.stderr,
+                  flush=True)
+            if attempt == args.retries:
+                raise
+
+
 def measure(args) -> dict:
-    """Every backend's rounds; per backend the medians of tokens/s and CPU per step."""
+    """Every backend's rounds; per backend the medians of tokens/s and CPU per step, and
+    the failed runs that were retried."""
     short, long_ = args.steps
     rounds: dict = {b: [] for b in args.backends}
+    failures: dict = {b: [] for b in args.backends}
     for r in range(args.reps):
         for b in args.backends:
-            a = run_once(b, short, args)
-            z = run_once(b, long_, args)
+            a = _attempt(b, short, args, failures[b])
+            z = _attempt(b, long_, args, failures[b])
             per_step = (z["cpu_s"] - a["cpu_s"]) / (long_ - short)
             rounds[b].append({"tokens_s": z["tokens_s"], "cpu_per_step_s": per_step,
                               "short": a, "long": z})
@@ -78,7 +100,7 @@ def measure(args) -> dict:
     for b, rs in rounds.items():
         out[b] = {"tokens_s": statistics.median(x["tokens_s"] for x in rs),
                   "cpu_per_step_s": statistics.median(x["cpu_per_step_s"] for x in rs),
-                  "rounds": rs}
+                  "rounds": rs, "failures": failures[b]}
     return out
 
 
@@ -99,6 +121,9 @@ def report(res: dict, args) -> str:
         comm = f"{v['cpu_per_step_s'] - floor:.3f}" if floor is not None and b != "null" else "-"
         lines.append(f"{b:>10} {v['tokens_s']:>9.0f} {vs:>8} {v['cpu_per_step_s']:>11.3f} "
                      f"{comm:>12}")
+    for b, v in res.items():
+        for text in v.get("failures", []):
+            lines.append(f"# {b}: a run failed and was run again: {text.splitlines()[0]}")
     if "null" in res and gloo:
         lines.append(f"# with {ranks} ranks on {cores} cores the cores are "
                      f"{'saturated' if ranks > cores else 'not saturated'}; null (no "
@@ -120,6 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-args", default="--dim 128 --layers 4 --force-sum-reduction",
                    help="more arguments for launch/train.py")
     p.add_argument("--timeout", type=float, default=600.0, help="bound per run, seconds")
+    p.add_argument("--retries", type=int, default=1,
+                   help="times a failed run is run again (each failure is reported)")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

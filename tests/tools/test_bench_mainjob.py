@@ -45,3 +45,29 @@ def test_mainjob_tiny_run(tmp_path):
     assert null["tokens_s"] > 0 and math.isfinite(null["cpu_per_step_s"])
     (r,) = null["rounds"]
     assert r["short"]["cpu_s"] > 0 and r["long"]["cpu_s"] > 0  # every process was counted
+
+
+def test_a_failed_run_is_run_again_and_reported(monkeypatch):
+    calls = []
+
+    def run_once(backend, steps, args):
+        calls.append((backend, steps))
+        if backend == "gloo" and len([c for c in calls if c[0] == "gloo"]) == 1:
+            raise RuntimeError("main job with gloo (--steps 6) failed (exit -6):\nabort")
+        return {"tokens_s": 1000, "cpu_s": float(steps), "wall_s": 1.0}
+
+    monkeypatch.setattr(mainjob, "run_once", run_once)
+    args = SimpleNamespace(argv=[], backends=["neuron", "gloo"], steps=(6, 30), reps=1,
+                           retries=1, nodes=2, nproc_per_node=2, train_args="")
+    res = mainjob.measure(args)
+    assert calls.count(("gloo", 6)) == 2 and calls.count(("neuron", 6)) == 1
+    assert res["gloo"]["failures"] == ["main job with gloo (--steps 6) failed (exit -6):\nabort"]
+    assert res["neuron"]["failures"] == []
+    assert "# gloo: a run failed and was run again: main job with gloo" in mainjob.report(res, args)
+
+    def always_fails(backend, steps, args):
+        raise RuntimeError(f"main job with {backend} failed")
+
+    monkeypatch.setattr(mainjob, "run_once", always_fails)
+    with pytest.raises(RuntimeError, match="main job with neuron failed"):
+        mainjob.measure(args)

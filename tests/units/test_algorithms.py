@@ -684,7 +684,7 @@ def _exchange(nc, peer, buf, got):
     nc.wait(last=True)
 
 
-@pytest.mark.parametrize("nbytes", [16, 128 << 10], ids=["with-descriptor", "own-message"])
+@pytest.mark.parametrize("nbytes", [16, 256 << 10], ids=["with-descriptor", "own-message"])
 def test_a_net_call_run_again_reuses_what_its_first_run_posted(nbytes):
     from neuron_dist.collectives.net import NetCall
     from neuron_dist.transport.errors import StepDeferred
@@ -716,6 +716,37 @@ def test_a_net_call_run_again_reuses_what_its_first_run_posted(nbytes):
         _exchange(ncs[0], 1, bufs[0], torch.zeros(nbytes // 4))
 
 
+def test_a_descriptor_box_is_reused_only_once_its_receive_is_done_with_it():
+    """The buffer a descriptor and its data land in is kept across calls (fresh memory
+    costs more than the message), but belongs to one receive at a time: it goes back to
+    the pool only after ``check`` has copied the data out, and a withdrawn receive never
+    gives it back (a late message may still be on its way to it)."""
+    from neuron_dist.collectives.net import PIGGYBACK_BYTES, NetCall
+
+    n = PIGGYBACK_BYTES  # the largest that travels with the descriptor
+    net, scratch = _FakeNet(), {}
+    call = Call("all_gather", torch.uint8, 2 * n)
+    boxes = []
+    for seq, value in ((1, 3), (2, 5)):
+        nc = NetCall(net.end(0), SimpleNamespace(rank=0), call, seq, math.inf, scratch=scratch)
+        peer = NetCall(net.end(1), SimpleNamespace(rank=1), call, seq, math.inf)
+        got = torch.zeros(n, dtype=torch.uint8)
+        assert nc.recv(1, got) is None  # (it travels with the descriptor)
+        box = nc._heard[1][0]
+        boxes.append(box)
+        assert all(box is not b for kept in scratch.get("boxes", {}).values() for b in kept)
+        peer.send(0, torch.full((n,), value, dtype=torch.uint8))
+        nc.check()
+        assert got.eq(value).all()
+        assert any(box is b for b in scratch["boxes"][len(box)])  # given back after the copy
+    assert boxes[0] is boxes[1]  # the second call reused the first one's
+    # a receive that is withdrawn keeps its box: the pool has none to hand out meanwhile
+    nc = NetCall(net.end(0), SimpleNamespace(rank=0), call, 3, math.inf, scratch=scratch)
+    nc.recv(1, torch.zeros(n, dtype=torch.uint8))
+    nc.withdraw(RuntimeError("going away"))
+    assert net.cancelled and scratch["boxes"][len(boxes[0])] == []
+
+
 def test_a_net_call_not_said_replayable_defers_before_posting_anything():
     from neuron_dist.collectives.net import NetCall
     from neuron_dist.transport.errors import StepDeferred
@@ -741,8 +772,10 @@ def test_a_deferred_call_that_will_not_run_again_withdraws_its_messages_first():
     from neuron_dist.errors import GroupAbortedError
     from neuron_dist.work import NeuronWork
 
+    from neuron_dist.collectives.net import PIGGYBACK_BYTES
+
     net = _FakeNet()
-    n = 128 << 10  # above PIGGYBACK_BYTES: the data is received straight into ``got``
+    n = 2 * PIGGYBACK_BYTES  # above it: the data is received straight into ``got``
     nc = NetCall(net.end(0), SimpleNamespace(rank=0), Call("all_gather", torch.uint8, 2 * n),
                  0, math.inf)
     buf, got = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)

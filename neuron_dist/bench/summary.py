@@ -139,12 +139,14 @@ def _over_floor(rows: list[dict], size: int) -> str:
             + (f"; shmfloor {shm['time_us']:.0f} us" if shm and shm["time_us"] else "") + ")")
 
 
-def replace_section(text: str, body: str, name: str = "the file") -> str:
-    """``text`` with what lies between the perf markers replaced by ``body``."""
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+def replace_section(text: str, body: str, name: str = "the file", start: str = START,
+                    end: str = END) -> str:
+    """``text`` with what lies between the markers (the perf ones by default) replaced by
+    ``body``."""
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"{name} has no {START} ... {END} section")
-    return pattern.sub(lambda _: f"{START}\n{body}\n{END}", text)
+        raise SystemExit(f"{name} has no {start} ... {end} section")
+    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text)
 
 
 def main(argv=None) -> None:

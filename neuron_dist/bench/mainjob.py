@@ -152,6 +152,8 @@ def main(argv=None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if len(args.steps) != 2 or not 0 < args.steps[0] < args.steps[1]:
         p.error("--steps needs two counts, short < long")
+    if args.retries < 0:
+        p.error(f"--retries must be 0 or more, not {args.retries}")
     if os.geteuid() != 0:
         print("mainjob: needs root (network namespaces)", file=sys.stderr)
         return 2

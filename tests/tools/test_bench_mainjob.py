@@ -71,3 +71,5 @@ def test_a_failed_run_is_run_again_and_reported(monkeypatch):
     monkeypatch.setattr(mainjob, "run_once", always_fails)
     with pytest.raises(RuntimeError, match="main job with neuron failed"):
         mainjob.measure(args)
+    with pytest.raises(SystemExit):  # (argparse names the problem on stderr)
+        mainjob.main(["--retries", "-1"])

@@ -159,7 +159,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                  self.settings.node_name or "auto", self._channel.layout.eager_bytes / 2**20,
                  self.settings.slot_bytes >> 10, self.settings.mailbox_bytes >> 10,
                  self.settings.small_bytes >> 10,
-                 "auto" if self.settings.spin is None else self.settings.spin,
+                 self._channel.spin,
                  "on" if futex_available else "off")
 
     # ---------------------------------------------------------------- identity

@@ -47,14 +47,14 @@ from .transport.rdm import fd_budget
 from .transport.rdm.driver import RdmTransport
 from .transport.rdm.handshake import derive_key
 from .transport.shm import cma
-from .transport.backoff import default_spin
+from .transport.backoff import SPIN_POLLS
 from .transport.shm.channel import ShmChannel
 from .transport.shm.layout import Layout
 from .transport.shm.ordering import machine, shares_memory_safely
 from .transport.shm.segment import (Segment, ShmSetupError, new_segment_name,
                                      sweep_leftovers)
 from .store_auth import StoreAuth, StoreAuthError
-from .topology import Topology, choose_addresses, node_identity
+from .topology import Topology, choose_addresses, cores_crowded, cpu_identity, node_identity
 
 log = logging.getLogger("neuron_dist")
 
@@ -82,7 +82,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     auth = StoreAuth(store, job_key, f"group of {size}", rank)
     gen = (store.add("neuron/generation", 1) - 1) // size
     key = f"neuron/{gen}"
-    mine = [node_identity(settings), machine(), selection_settings(settings)]
+    mine = [node_identity(settings), machine(), selection_settings(settings), cpu_identity()]
     if auth.enabled:
         mine.append(secrets.token_hex(16))  # freshness: the session binds every rank's
     auth.set(f"{key}/node/{rank}", json.dumps(mine))
@@ -93,15 +93,16 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
                                  f"{rank}) came back changed: someone else writes the store")
         auth.bind(hashlib.sha256(b"".join(len(r).to_bytes(4, "big") + r
                                           for r in raws)).digest())
-    nodes = [json.loads(r)[:3] for r in raws]
-    check_same_selection(rank, [choice for _, _, choice in nodes])
+    nodes = [json.loads(r)[:4] for r in raws]
+    check_same_selection(rank, [node[2] for node in nodes])
+    spin = _spin(settings, [node[3] for node in nodes], rank)
     nodes = [node[:2] for node in nodes]
     topo = Topology.from_names(rank, [name for name, _ in nodes])
     check_memory_model(topo, [arch for _, arch in nodes])
     local = topo.local
     channel = _open_node_channel(auth.for_rank(local.index(rank), local),
                                  f"{key}/n{topo.my_node}", local.index(rank), len(local),
-                                 settings, timeout)
+                                 settings, timeout, spin)
     if len(topo.nodes) == 1:
         return GroupLinks(channel, topo, None, key, auth)
     try:
@@ -109,7 +110,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
             net = _open_mpi(auth, key, rank, size, timeout, label)
         else:
             net = _open_network(auth, key, rank, size, size - len(topo.local), settings,
-                                timeout, label)
+                                timeout, label, spin)
     except BaseException:
         channel.close()
         raise
@@ -118,6 +119,23 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
              "MPI" if settings.transport == "mpi" else f"{settings.rails} rail(s) per peer",
              net.address)
     return GroupLinks(channel, topo, net, key, auth)
+
+
+_crowded = False  # a group of this process showed more ranks than cores: no group spins
+
+
+def _spin(settings, cpus: list, rank: int) -> int:
+    """Polls a waiting rank of this group makes before it yields (``NEURON_DIST_SPIN``; by
+    default ``SPIN_POLLS``, or none once any group of this process has shown more ranks
+    competing for its cores than there are cores, counting ranks of other nodes on the
+    same kernel: virtual nodes and containers share the machine's cores). ``cpus``: every
+    rank's ``topology.cpu_identity``. The verdict is kept for the process's later groups,
+    which see only some of the ranks (the default group, made first, sees them all)."""
+    global _crowded
+    _crowded = _crowded or cores_crowded(cpus[rank], cpus)
+    if settings.spin is not None:
+        return settings.spin
+    return 0 if _crowded else SPIN_POLLS
 
 
 def selection_settings(settings) -> str:
@@ -195,7 +213,7 @@ _REFUSED_ADDRESS = "!"  # published instead of an address by a rank that cannot 
 
 
 def _open_node_channel(auth: StoreAuth, key: str, rank: int, size: int, settings,
-                       timeout: timedelta) -> ShmChannel:
+                       timeout: timedelta, spin: int) -> ShmChannel:
     """The node's shared memory; ``rank``, ``size``: this rank's index on the node and the
     node's rank count; ``auth`` writes as that index."""
     store = auth.store
@@ -213,7 +231,6 @@ def _open_node_channel(auth: StoreAuth, key: str, rank: int, size: int, settings
             store.set(f"{key}/refused", f"local rank {rank} of the node: {exc}")
             store.add(f"{key}/attached", _REFUSED)
             raise
-    spin = settings.spin if settings.spin is not None else default_spin(size)
     channel = ShmChannel(segment, layout, rank, spin)
     store.add(f"{key}/attached", 1)
     try:
@@ -239,7 +256,7 @@ def _open_node_channel(auth: StoreAuth, key: str, rank: int, size: int, settings
 
 
 def _open_network(auth: StoreAuth, key: str, rank: int, size: int, remote: int, settings,
-                  timeout: timedelta, label: str) -> RdmTransport:
+                  timeout: timedelta, label: str, spin: int) -> RdmTransport:
     """The group's rdm transport, its peers' addresses known; ``remote``: how many ranks of
     the group are on other nodes (the most this rank may open rails to: see driver.py)."""
     store = auth.store
@@ -258,9 +275,7 @@ def _open_network(auth: StoreAuth, key: str, rank: int, size: int, remote: int, 
                        frame_mac=bool(settings.auth_key), payload_mac=settings.net_mac,
                        link_timeout=settings.net_link_timeout,
                        max_unexpected_bytes=settings.net_max_unexpected_bytes,
-                       label=label or f"rank {rank}",
-                       spin=settings.spin if settings.spin is not None
-                       else default_spin(size - remote))
+                       label=label or f"rank {rank}", spin=spin)
     try:
         try:  # room for this group's connections, or every rank is told why not
             fd_budget.reserve(settings.rails * remote,

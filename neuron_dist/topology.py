@@ -84,16 +84,48 @@ def node_identity(settings) -> str:
     if settings.node_name:
         return settings.node_name
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    try:
         st = os.stat(settings.shm_dir)
         shm = f"{st.st_dev}:{st.st_ino}"
     except OSError:
         shm = "?"
-    return f"{socket.gethostname()}/{boot}/{shm}/{pid_namespace()}"
+    return f"{_kernel()}/{shm}/{pid_namespace()}"
+
+
+def _kernel() -> str:
+    """The host name and the boot id of the running kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def cpu_identity() -> list:
+    """``[kernel, cpus]``: this process's kernel (host name and boot id) and the cores it
+    may run on, as a bit mask. Processes of one kernel whose masks overlap compete for the
+    same cores, whatever node they count as (virtual nodes, containers with network
+    namespaces of their own): ``cores_crowded`` compares such identities."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # pragma: no cover - non-Linux
+        cpus = range(os.cpu_count() or 1)
+    return [_kernel(), sum(1 << c for c in cpus)]
+
+
+def cores_crowded(mine: list, everyone: list) -> bool:
+    """Do more of ``everyone`` (``cpu_identity`` of each rank) compete for the cores of
+    ``mine`` than those ranks have cores between them? Then a waiting rank must not spin:
+    the core it would spin on is one a peer needs to answer."""
+    kernel, cores = mine
+    while True:  # the ranks on these cores, then on theirs, ... until no more join
+        rivals = [m for k, m in everyone if k == kernel and m & cores]
+        reach = cores
+        for m in rivals:
+            reach |= m
+        if reach == cores:
+            return len(rivals) > bin(cores).count("1")
+        cores = reach
 
 
 def choose_addresses(ifnames: str | None, store=None,

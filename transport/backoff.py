@@ -76,10 +76,4 @@ class Backoff:
         return False
 
 
-def default_spin(local_ranks: int) -> int:
-    """Polls before yielding: none when ranks outnumber the cores we may run on."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        cores = os.cpu_count() or 1
-    return 0 if local_ranks > cores else 500
+SPIN_POLLS = 500  # polls before a waiting rank yields, unless ranks outnumber cores

@@ -360,6 +360,50 @@ def test_a_rank_without_descriptors_for_its_rails_fails_every_rank_at_once_namin
     del store
 
 
+def _spin_when_pinned(rank, world, port, cores):
+    """Init with this rank pinned to ``cores[rank]``; the spin its group's waits use."""
+    import os
+    from datetime import timedelta
+    os.sched_setaffinity(0, cores[rank])
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=30))
+    dist.init_process_group("neuron", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+        sub = dist.new_group([0, 1])  # sees only some of the ranks: keeps the verdict
+        spins = {"world": (pg._channel.spin, pg._net.spin)}
+        if rank < 2:
+            spins["sub"] = (sub._get_backend(torch.device("cpu"))._channel.spin,)
+        t = torch.ones(8)
+        dist.all_reduce(t)
+        assert t[0].item() == world
+        return spins
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("pinned", ["one-core", "a-core-each"])
+def test_ranks_of_other_nodes_on_the_same_cores_turn_spinning_off(pinned):
+    """Nodes that share a machine's cores (virtual nodes, containers) count as rivals for
+    them: three one-rank nodes on one core must not spin-wait, since the core a waiter
+    spins on is the one its peer needs; two nodes with a core each still spin."""
+    from datetime import timedelta
+    world = 3 if pinned == "one-core" else 2
+    cores = [{0}] * 3 if pinned == "one-core" else [{0}, {1}]
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
+                          timeout=timedelta(seconds=30), wait_for_workers=False)
+    results = run_ranks(_spin_when_pinned, world, store.port, cores, init=False,
+                        env=_env(["a", "b", "c"][:world]), timeout=60)
+    want = 0 if pinned == "one-core" else 500
+    for rank, spins in results.items():
+        assert spins["world"] == (want, want), (rank, spins)
+        if rank < 2:
+            assert spins["sub"] == (want,), (rank, spins)
+    del store
+
+
 def _rails_after_collectives(rank, world):
     pg = dist.group.WORLD._get_backend(torch.device("cpu"))
     t = torch.ones(1 << 16)

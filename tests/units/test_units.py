@@ -156,3 +156,19 @@ def test_p2p_size_mismatch_fails_only_that_receive(two_endpoints):
     _pump([a, b], [s1, s2, r1, r2])
     assert isinstance(r1.error, P2PError) and "64 bytes" in str(r1.error)
     assert r2.error is None and r2.data.tolist() == [1] * 8
+
+
+def test_cores_crowded_counts_ranks_of_one_kernel_whose_cores_overlap():
+    from neuron_dist.topology import cores_crowded, cpu_identity
+    a, b = "host/boot-a", "host/boot-b"
+    two = [[a, 0b01], [a, 0b10]]  # two ranks, a core each
+    assert not cores_crowded(two[0], two)
+    three = two + [[a, 0b11]]  # a third on both: 3 ranks, 2 cores
+    assert cores_crowded(three[0], three)
+    assert not cores_crowded([a, 0b01], [[a, 0b01], [b, 0b01]])  # another kernel: no rival
+    assert cores_crowded([a, 0b01], [[a, 0b01], [a, 0b01]])  # one core shared by two
+    # pinned apart on a 4-core machine: each pair has its own 2 cores
+    apart = [[a, 0b0011], [a, 0b0011], [a, 0b1100], [a, 0b1100]]
+    assert not cores_crowded(apart[0], apart)
+    kernel, mask = mine = cpu_identity()
+    assert mask and kernel and not cores_crowded(mine, [mine])

@@ -37,8 +37,9 @@ shared-memory wait (transport/backoff.py). Waking a thread that sleeps in the ke
 than a small message's whole trip here: a 64-byte send/recv round trip between two
 ranks as two nodes on loopback took 172 µs polling first against 498 µs sleeping first
 (medians, the two switched every 100 round trips in one run), with less CPU per round
-trip too (171 µs against 252), since every sleep and wake-up is CPU of its own. ``spin`` is 0 when a node has more ranks than cores
-(``backoff.default_spin``), so a waiter then yields at once; a background thread never
+trip too (171 µs against 252), since every sleep and wake-up is CPU of its own. ``spin`` is 0 when more ranks than cores share the machine
+(``rendezvous._spin``, which counts the ranks of other nodes on the same kernel too), so a
+waiter then yields at once; a background thread never
 polls ahead: it would keep the GIL from the user's thread.
 
 The engine also keeps the process's listeners, one per interface address, shared by every

@@ -71,7 +71,7 @@ class ShmChannel:
         self.rank = rank
         self.size = layout.size
         self.slot_bytes = layout.slot_bytes
-        self._spin = spin
+        self.spin = spin
         self._yield_seconds = yield_seconds
         self._max_sleep = max_sleep
         self._closed = False
@@ -185,7 +185,7 @@ class ShmChannel:
     def _poll(self, pending, e: int, deadline: float) -> None:
         w = self._w
         sw = self._step_word
-        backoff = Backoff(self._spin, self._yield_seconds, self._max_sleep, futex.available)
+        backoff = Backoff(self.spin, self._yield_seconds, self._max_sleep, futex.available)
         polls = 0
         while True:
             pending = [k for k in pending if w[sw[k]] < e]
@@ -310,7 +310,7 @@ class ShmChannel:
 
     def backoff(self) -> Backoff:
         """A fresh waiting policy; ``pause()`` returning True means: call ``sleep_on_doorbell``."""
-        return Backoff(self._spin, self._yield_seconds, self._max_sleep, futex.available)
+        return Backoff(self.spin, self._yield_seconds, self._max_sleep, futex.available)
 
     # -------------------------------------------------------------- doorbells
     # Send/recv progress can wait on many words at once (any source, full mailboxes), so

@@ -73,6 +73,31 @@ def test_transfer_sizes(pair, n):
     assert np.array_equal(src, dst)
 
 
+def test_a_stream_of_large_and_small_messages_lands_whole():
+    """Frames of every kind back to back on one rail: large ones (after which the reader
+    reads ahead less, driver._AHEAD_AFTER_LARGE), small ones (read ahead in bulk), sizes
+    at the read-ahead's edges, the second half arriving before their receives are posted."""
+    ts = _pair(rails=1, segment_bytes=1 << 20)
+    try:
+        rng = np.random.default_rng(5)
+        sizes = [64 << 10, 3, 200 << 10, (64 << 10) - 1, 8 << 10, (8 << 10) + 1, 1,
+                 1 << 20, 70_000, 16 << 10, 0, 65 << 10, 100, 300 << 10] * 3
+        srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+        dsts = [np.zeros(n, np.uint8) for n in sizes]
+        half = len(sizes) // 2  # (receives match in the order sent)
+        early = [ts[1].irecv(0, 4, dsts[k]) for k in range(half)]
+        sends = [ts[0].isend(1, 4, src) for src in srcs]
+        time.sleep(0.1)  # (the rest are in by now, before their receives)
+        late = [ts[1].irecv(0, 4, dsts[k]) for k in range(half, len(sizes))]
+        for req in sends + early + late:
+            req.wait(time.monotonic() + 30)
+        for k, (src, dst) in enumerate(zip(srcs, dsts)):
+            assert np.array_equal(src, dst), (k, sizes[k])
+    finally:
+        for t in ts:
+            t.close()
+
+
 def test_order_per_tag_and_early_messages(pair):
     a, b = pair
     for i in range(5):  # sent before any receive is posted: kept until asked for

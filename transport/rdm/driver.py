@@ -97,6 +97,13 @@ _OUT = select.EPOLLOUT
 _HEADER, _PAYLOAD, _TRAILER, _ASIDE = range(4)  # what a rail is reading
 _INBUF = 64 << 10  # a rail reads small frames in bulk into this much read-ahead ...
 _DIRECT = 16 << 10  # ... and the rest of a payload from this size straight into place
+# After a frame with a payload of _INBUF or more, the next read ahead asks for this much only:
+# the next frame is likely as large, and a full read ahead would take most of its payload
+# into inbuf, to be copied again. Streams of isends between two virtual nodes (windows of
+# 4 MiB, the two switched every block in one run, 40 blocks, two runs): 77 against 105 µs
+# per 64 KiB message, 100-120 against 150-168 per 128 KiB, 336-340 against 373-378 per
+# 256 KiB; 1-8 KiB and 1 MiB messages, all_reduce of 128 and 512 KiB unchanged.
+_AHEAD_AFTER_LARGE = 8 << 10
 _LOWAT = 256 << 10  # a payload read in place wakes its reader once this much (or all) is in
 _DIALING, _ACCEPTING = "dialing", "accepting"  # how a peer's rails are being opened
 _REFUSED_RETRY = 2.0  # seconds a dial retries a refused connection (a listener starting)
@@ -144,7 +151,7 @@ class _Rail:
 
     __slots__ = ("sock", "fd", "peer", "index", "out", "alive", "events", "stage", "got",
                  "hbuf", "hview", "header", "view", "buf", "inbuf", "lo", "hi", "mac", "head",
-                 "lowat")
+                 "lowat", "ahead")
 
     def __init__(self, sock, peer, index, mac=None):
         self.sock, self.fd, self.peer, self.index = sock, sock.fileno(), peer, index
@@ -159,6 +166,7 @@ class _Rail:
         self.view = self.hview  # where the bytes of the current stage go
         self.buf = None  # the frame read aside, or the trailer
         self.inbuf = memoryview(bytearray(_INBUF))  # bytes read ahead: inbuf[lo:hi]
+        self.ahead = self.inbuf  # what the next read ahead asks for (_AHEAD_AFTER_LARGE)
         self.lo = self.hi = 0
         self.lowat = 1  # the socket's SO_RCVLOWAT
 
@@ -782,7 +790,7 @@ class RdmTransport:
                     if not direct and rail.lowat != 1:
                         _wake_at(rail, 1)  # a header wakes the reader at once
                     try:
-                        n = sock.recv_into(view[rail.got:] if direct else inbuf)
+                        n = sock.recv_into(view[rail.got:] if direct else rail.ahead)
                     except (BlockingIOError, InterruptedError):
                         if direct and _RCVLOWAT_SIZES_BUFFER:
                             _wake_at(rail, min(need, _LOWAT))
@@ -798,7 +806,7 @@ class RdmTransport:
                             _wake_at(rail, min(need - n, _LOWAT))
                     else:
                         rail.lo, rail.hi = 0, n
-                        drained = n < inbuf.nbytes
+                        drained = n < rail.ahead.nbytes
                     continue
             self._advance(rail, ep)
 
@@ -822,6 +830,7 @@ class RdmTransport:
                 self._rail_down(rail, f"malformed frame: {e}")
                 return
             lo, end = rail.lo, rail.lo + h.length + h.trailer_bytes
+            rail.ahead = rail.inbuf[:_AHEAD_AFTER_LARGE] if h.length >= _INBUF else rail.inbuf
             if mac is None and end <= rail.hi:  # the whole frame is read ahead already
                 inbuf, mid = rail.inbuf, lo + h.length
                 if ep.land_whole(rail.index, rail.hbuf, h, inbuf[lo:mid], inbuf[mid:end],

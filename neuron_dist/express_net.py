@@ -1,6 +1,6 @@
-"""The express lane of a group that spans nodes: a small synchronous all_reduce or
-broadcast, run by the caller's thread with the group's own algorithm, without the set-up
-a repeated call does not need.
+"""The express lane of a group that spans nodes: a small synchronous all_reduce,
+broadcast, all_gather_into_tensor or reduce_scatter_tensor, run by the caller's thread
+with the group's own algorithm, without the set-up a repeated call does not need.
 
 How it works
 ------------
@@ -10,7 +10,8 @@ shape, reduce op or root), the checked call descriptor and the reduction, holds 
 ``Context`` with one ``NetCall`` that describe each call in turn (``Context.begin``), and
 reuses the last call's Work when nothing else holds it (express.py's ``_run``). What runs
 is the general path's algorithm itself (``allreduce_net.all_reduce``,
-``broadcast_net.broadcast``, with the same selection tables), so ranks may take either
+``broadcast_net.broadcast``, ``allgather_net.all_gather``,
+``reduce_scatter_net.reduce_scatter``, with the same selection tables), so ranks may take either
 path for the same call, and the flight recorder names the algorithm as the algorithm
 chooses it. Served: contiguous CPU tensors up to ``PIGGYBACK_BYTES`` (their data travels
 with the call's descriptor, in one message per peer); anything else (async_op, the
@@ -24,7 +25,7 @@ import torch
 
 from .collectives.descriptor import Call
 from .collectives.net import PIGGYBACK_BYTES
-from .express import ExpressLane, _Entry
+from .express import _MISSING, ExpressLane, _Entry, _flat
 
 
 class _Algorithm:
@@ -38,8 +39,9 @@ class _Algorithm:
 
 
 class NetExpressLane(ExpressLane):
-    """Small synchronous all_reduce and broadcast of a group that spans nodes (see the
-    module docstring); the other collectives always take the general path."""
+    """Small synchronous all_reduce, broadcast, all_gather_into_tensor and
+    reduce_scatter_tensor of a group that spans nodes (see the module docstring); the
+    other collectives always take the general path."""
 
     def __init__(self, channel, engine, scratch, plans, selection, reduce_spec, net_call,
                  algos):
@@ -68,11 +70,58 @@ class NetExpressLane(ExpressLane):
                       _Algorithm(lambda ctx, x: broadcast(ctx, x.view(-1).view(torch.uint8),
                                                           root)))
 
+    def _all_gather_entry(self, out, inp):
+        size = self._size
+        if not (out.dtype == inp.dtype and out.numel() == inp.numel() * size
+                and self._fits(inp, PIGGYBACK_BYTES)):
+            return None
+        n = inp.numel() * inp.element_size()
+        all_gather = self._algos.all_gather
+        return _Entry("all_gather_into_tensor", Call("all_gather", inp.dtype, out.numel()), n,
+                      _Algorithm(lambda ctx, ob, ib: all_gather(
+                          ctx, [ob[k * n:(k + 1) * n] for k in range(size)], ib)))
+
+    def _reduce_scatter_entry(self, out, inp, op):
+        size = self._size
+        if not (out.dtype == inp.dtype and inp.numel() == out.numel() * size
+                and self._fits(inp, PIGGYBACK_BYTES)):
+            return None
+        spec = self._spec(op, out.dtype)
+        if spec is None:
+            return None
+        n = out.numel()
+        reduce_scatter = self._algos.reduce_scatter
+        return _Entry("reduce_scatter_tensor",
+                      Call("reduce_scatter", out.dtype, inp.numel(), reduce=spec.kind),
+                      inp.numel() * inp.element_size(),
+                      _Algorithm(lambda ctx, y, x, s: reduce_scatter(
+                          ctx, y, [x[k * n:(k + 1) * n] for k in range(size)], s)), spec)
+
     def all_gather(self, out, inp, seconds: float):
-        return None
+        """``all_gather_into_tensor(out, inp)``: the completed Work, or None."""
+        if not (self._usable(inp) and self._usable(out)):
+            return None
+        key = ("all_gather", inp.dtype, inp.shape, out.shape)
+        entry = self._entries.get(key, _MISSING)
+        if entry is _MISSING:
+            entry = self._remember(key, self._all_gather_entry(out, inp))
+        if entry is None:
+            return None
+        return self._run(entry, [out], seconds, _flat(out).view(torch.uint8),
+                         _flat(inp).view(torch.uint8))
 
     def reduce_scatter(self, out, inp, opts, seconds: float):
-        return None
+        """``reduce_scatter_tensor(out, inp)``: the completed Work, or None."""
+        if not (self._usable(inp) and self._usable(out)):
+            return None
+        op = opts.reduceOp
+        key = ("reduce_scatter", inp.dtype, inp.shape, out.shape, op.op)
+        entry = self._entries.get(key, _MISSING)
+        if entry is _MISSING:
+            entry = self._remember(key, self._reduce_scatter_entry(out, inp, op))
+        if entry is None:
+            return None
+        return self._run(entry, [out], seconds, _flat(out), _flat(inp), entry.spec)
 
     def all_to_all(self, out, inp, seconds: float):
         return None

@@ -462,11 +462,35 @@ def _express_across_nodes(rank, world):
             b = torch.full((5,), float(rank * 10 + i), dtype=torch.float64)
             dist.broadcast(b, root)
             out["ok"].append(bool((b == root * 10 + i).all()))
+        sync = not (rank + i) % 2  # (the other ranks take the general path meanwhile)
+        gathered = torch.full((world, 3), -1, dtype=torch.int32)
+        mine = torch.tensor([rank, i, rank * i], dtype=torch.int32)
+        w = dist.all_gather_into_tensor(gathered, mine, async_op=not sync)
+        if w is not None:
+            w.wait()
+        want = torch.tensor([[r, i, r * i] for r in range(world)], dtype=torch.int32)
+        out["ok"].append(torch.equal(gathered, want))
+        rs_in = torch.arange(world * 4, dtype=torch.float32).view(world, 4) * (rank + 1) + i
+        rs_out = torch.empty(4)
+        w = dist.reduce_scatter_tensor(rs_out, rs_in, async_op=not sync)
+        if w is not None:
+            w.wait()
+        rows = [torch.arange(world * 4, dtype=torch.float32).view(world, 4) * (r + 1) + i
+                for r in range(world)]
+        out["ok"].append(torch.equal(rs_out, sum(x[rank] for x in rows)))
+        avg = torch.full((world * 2,), float(rank), dtype=torch.float64)
+        got = torch.empty(2, dtype=torch.float64)
+        dist.reduce_scatter_tensor(got, avg, op=dist.ReduceOp.AVG)
+        out["ok"].append(torch.allclose(got, torch.full((2,), (world - 1) / 2,
+                                                         dtype=torch.float64)))
     out["entries"] = sorted(k[0] for k, v in pg._express._entries.items() if v is not None)
     records = [r for r in recorder._ring if r.op == "all_reduce" and r.state == "completed"]
     out["algos"] = sorted({str(r.algo) for r in records})  # (both paths: one algorithm)
     out["broadcast_algos"] = sorted({str(r.algo) for r in recorder._ring
                                      if r.op == "broadcast" and r.state == "completed"})
+    out["other_algos"] = {op: sorted({str(r.algo) for r in recorder._ring
+                                      if r.op == op and r.state == "completed"})
+                          for op in ("all_gather_into_tensor", "reduce_scatter_tensor")}
     return out
 
 
@@ -478,8 +502,11 @@ def test_small_collectives_across_nodes_take_the_express_lane(names):
     for rank, out in results.items():
         assert all(out["ok"]), (rank, out["ok"])
         # (one entry per reduce op, and per root)
-        assert out["entries"] == ["all_reduce"] * 2 + ["broadcast"] * len(names), (rank, out)
+        assert out["entries"] == (["all_gather"] + ["all_reduce"] * 2 + ["broadcast"] * len(names)
+                                  + ["reduce_scatter"] * 2), (rank, out)
         assert len(out["algos"]) == 1 and "None" not in out["algos"], (rank, out)
+        for op, algos in out["other_algos"].items():  # (both paths: one algorithm)
+            assert len(algos) == 1 and "None" not in algos, (rank, op, out)
         assert out["broadcast_algos"] == ["leaders+slots"], (rank, out)
 
 

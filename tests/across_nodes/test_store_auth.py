@@ -264,7 +264,7 @@ def test_genuine_set_up_with_a_key_works(no_leftovers):
 def _forge_node(real):
     import json
     identity = json.loads(real[len(MAGIC) + 32:] if real.startswith(MAGIC) else real)
-    return json.dumps(["a", *identity[1:3]])  # rank 1 now claims to share rank 0's node
+    return json.dumps(["a", *identity[1:]])  # rank 1 now claims to share rank 0's node
 
 
 def test_replaced_node_identity_is_believed_without_a_key(no_leftovers):

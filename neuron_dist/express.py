@@ -213,7 +213,11 @@ class ExpressLane:
             entry = self._remember(key, self._all_gather_entry(out, inp))
         if entry is None:
             return None
-        return self._run(entry, [out], seconds, _flat(out), _flat(inp))
+        return self._run(entry, [out], seconds, *self._all_gather_args(out, inp))
+
+    def _all_gather_args(self, out, inp):
+        """What the all_gather plan's ``run`` takes after the context."""
+        return _flat(out), _flat(inp)
 
     def reduce_scatter(self, out, inp, opts, seconds: float):
         """``reduce_scatter_tensor(out, inp)``: the completed Work, or None."""
@@ -226,10 +230,13 @@ class ExpressLane:
             entry = self._remember(key, self._reduce_scatter_entry(out, inp, op))
         if entry is None:
             return None
+        return self._run(entry, [out], seconds, *self._reduce_scatter_args(out, inp, entry.spec))
+
+    def _reduce_scatter_args(self, out, inp, spec):
+        """What the reduce_scatter plan's ``run`` takes after the context."""
         y = out.detach() if out.requires_grad else out
         base, block = inp.data_ptr(), out.numel() * out.element_size()
-        srcs = [base + k * block for k in range(self._channel.size)]
-        return self._run(entry, [out], seconds, y, srcs, entry.spec)
+        return y, [base + k * block for k in range(self._channel.size)], spec
 
     def all_to_all(self, out, inp, seconds: float):
         """Evenly split ``all_to_all_single(out, inp)``: the completed Work, or None."""

@@ -25,7 +25,7 @@ import torch
 
 from .collectives.descriptor import Call
 from .collectives.net import PIGGYBACK_BYTES
-from .express import _MISSING, ExpressLane, _Entry, _flat
+from .express import ExpressLane, _Entry, _flat
 
 
 class _Algorithm:
@@ -97,31 +97,11 @@ class NetExpressLane(ExpressLane):
                       _Algorithm(lambda ctx, y, x, s: reduce_scatter(
                           ctx, y, [x[k * n:(k + 1) * n] for k in range(size)], s)), spec)
 
-    def all_gather(self, out, inp, seconds: float):
-        """``all_gather_into_tensor(out, inp)``: the completed Work, or None."""
-        if not (self._usable(inp) and self._usable(out)):
-            return None
-        key = ("all_gather", inp.dtype, inp.shape, out.shape)
-        entry = self._entries.get(key, _MISSING)
-        if entry is _MISSING:
-            entry = self._remember(key, self._all_gather_entry(out, inp))
-        if entry is None:
-            return None
-        return self._run(entry, [out], seconds, _flat(out).view(torch.uint8),
-                         _flat(inp).view(torch.uint8))
+    def _all_gather_args(self, out, inp):
+        return _flat(out).view(torch.uint8), _flat(inp).view(torch.uint8)
 
-    def reduce_scatter(self, out, inp, opts, seconds: float):
-        """``reduce_scatter_tensor(out, inp)``: the completed Work, or None."""
-        if not (self._usable(inp) and self._usable(out)):
-            return None
-        op = opts.reduceOp
-        key = ("reduce_scatter", inp.dtype, inp.shape, out.shape, op.op)
-        entry = self._entries.get(key, _MISSING)
-        if entry is _MISSING:
-            entry = self._remember(key, self._reduce_scatter_entry(out, inp, op))
-        if entry is None:
-            return None
-        return self._run(entry, [out], seconds, _flat(out), _flat(inp), entry.spec)
+    def _reduce_scatter_args(self, out, inp, spec):
+        return _flat(out), _flat(inp), spec
 
     def all_to_all(self, out, inp, seconds: float):
         return None

@@ -88,29 +88,31 @@ def node_identity(settings) -> str:
         shm = f"{st.st_dev}:{st.st_ino}"
     except OSError:
         shm = "?"
-    return f"{_kernel()}/{shm}/{pid_namespace()}"
+    return f"{socket.gethostname()}/{_boot_id()}/{shm}/{pid_namespace()}"
 
 
-def _kernel() -> str:
-    """The host name and the boot id of the running kernel."""
+def _boot_id() -> str:
+    """The running kernel's random boot id ("?" if unreadable)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            return f.read().strip()
     except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
+        return "?"
 
 
 def cpu_identity() -> list:
-    """``[kernel, cpus]``: this process's kernel (host name and boot id) and the cores it
-    may run on, as a bit mask. Processes of one kernel whose masks overlap compete for the
-    same cores, whatever node they count as (virtual nodes, containers with network
-    namespaces of their own): ``cores_crowded`` compares such identities."""
+    """``[kernel, cpus]``: this process's kernel and the cores it may run on, as a bit mask.
+    The kernel is its boot id alone, which no namespace changes (a virtual node or a
+    container may have a host name of its own; without a boot id, the host name). Processes
+    of one kernel whose masks overlap compete for the same cores, whatever node they count
+    as: ``cores_crowded`` compares such identities."""
+    boot = _boot_id()
+    kernel = boot if boot != "?" else f"host {socket.gethostname()}"
     try:
         cpus = os.sched_getaffinity(0)
     except AttributeError:  # pragma: no cover - non-Linux
         cpus = range(os.cpu_count() or 1)
-    return [_kernel(), sum(1 << c for c in cpus)]
+    return [kernel, sum(1 << c for c in cpus)]
 
 
 def cores_crowded(mine: list, everyone: list) -> bool:

@@ -360,11 +360,24 @@ def test_a_rank_without_descriptors_for_its_rails_fails_every_rank_at_once_namin
     del store
 
 
+def _own_host_name(name: str) -> None:
+    """Give this process a UTS namespace and host name of its own, as a virtual node or a
+    container has (needs root, like the network namespaces of test_vnodes.py)."""
+    import ctypes
+    import socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x04000000) != 0:  # CLONE_NEWUTS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed (needs root)")
+    socket.sethostname(name)
+
+
 def _spin_when_pinned(rank, world, port, cores):
-    """Init with this rank pinned to ``cores[rank]``; the spin its group's waits use."""
+    """Init with this rank pinned to ``cores[rank]`` and a host name of its own; the spin
+    its group's waits use."""
     import os
     from datetime import timedelta
     os.sched_setaffinity(0, cores[rank])
+    _own_host_name(f"vnode{rank}")
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=timedelta(seconds=30))
     dist.init_process_group("neuron", store=store, rank=rank, world_size=world,
@@ -388,8 +401,13 @@ def _spin_when_pinned(rank, world, port, cores):
 def test_ranks_of_other_nodes_on_the_same_cores_turn_spinning_off(pinned):
     """Nodes that share a machine's cores (virtual nodes, containers) count as rivals for
     them: three one-rank nodes on one core must not spin-wait, since the core a waiter
-    spins on is the one its peer needs; two nodes with a core each still spin."""
+    spins on is the one its peer needs; two nodes with a core each still spin. Each rank
+    has a host name of its own, as in a virtual node: only the kernel's boot id says
+    they share the machine."""
+    import os
     from datetime import timedelta
+    if os.geteuid() != 0:
+        pytest.skip("a host name per rank needs root (a UTS namespace)")
     world = 3 if pinned == "one-core" else 2
     cores = [{0}] * 3 if pinned == "one-core" else [{0}, {1}]
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,

@@ -57,7 +57,12 @@ HIERARCHICAL_MIN_ELEMENTS = 64
 # one run): one step was 1.4-2.5x faster from 64 KiB up to a whole 1 MiB slot at both.
 ONE_STEP_PEER_BYTES = 3 << 20
 RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
-HALVES_BYTES = 2 << 20  # network all-reduce between two peers: halves from here, else direct
+# Network all-reduce between two peers: halves from here, else direct. Halves does half the
+# additions in two dependent phases; direct one phase. Two netns nodes over veth, a group per
+# algorithm taking turns block by block in one run (three runs, direct / halves): 1 MiB
+# 1.08, 2 MiB 0.85-0.88, 3 MiB 0.93, 4 MiB 0.88-0.99, 5 MiB 1.01, 6 MiB 1.10, 8 MiB
+# 1.06-1.14 (from 2 MiB, as before, the 2 MiB cell of bench.internode was its slowest).
+HALVES_BYTES = 5 << 20
 
 
 class Situation:

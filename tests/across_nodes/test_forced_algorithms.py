@@ -23,7 +23,7 @@ SIZES = [1, 1003, 300_001]
 # override -> the algorithm names the record of the last call (2.4 MB) must show, in order;
 # with ``leader`` only the leaders (ranks 0 and 2) take part in the exchange among nodes
 ACROSS = {
-    "all_reduce=leader": ["leader", "halves"],  # (2.4 MB between two leaders: halves)
+    "all_reduce=leader": ["leader", "direct"],  # (2.4 MB between two leaders: direct)
     "all_reduce=leader,all_reduce=two_step,all_reduce=ring": ["leader", "two_step", "ring"],
     "all_reduce=hierarchical,all_reduce=ring": ["hierarchical", "ring"],
     "all_reduce=hierarchical,all_reduce=halves": ["hierarchical", "halves"],

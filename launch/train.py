@@ -797,6 +797,23 @@ def summarize(cfg: TrainConfig, losses: Sequence[float], rates: Sequence[float],
     }
 
 
+def process_resources() -> Optional[dict]:
+    """Threads and sockets this process holds now (every thread, the backend's included,
+    as the kernel counts them); ``None`` where ``/proc`` does not say (not Linux)."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    sockets = 0
+    for fd in fds:
+        try:
+            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # (closed meanwhile, or the listing's own descriptor)
+    return {"threads": threads, "sockets": sockets}
+
+
 def print_summary(summary: dict) -> None:
     """Print the summary produced by :func:`summarize`."""
     share = summary["mean_comm_share"]
@@ -804,6 +821,10 @@ def print_summary(summary: dict) -> None:
           f"{summary['last_loss']:.4f} | mean tokens/s "
           f"{summary['mean_tokens_per_s']:.0f} | mean comm share "
           f"{'n/a' if share is None else f'{100 * share:.1f}%'}")
+    res = summary.get("resources")
+    if res:
+        print(f"resources of rank 0 after the last step: {res['threads']} threads, "
+              f"{res['sockets']} sockets")
     print("config: world_size={world_size} dp={dp} tp={tp} ".format(**summary)
           + json.dumps(summary["config"], sort_keys=True))
     sys.stdout.flush()
@@ -864,6 +885,7 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     if rank != 0:
         return None
     summary = summarize(cfg, losses, rates, shares, dp, tp, world, profiled_step)
+    summary["resources"] = process_resources()  # (every group still open)
     print_summary(summary)
     if cfg.metrics_out:
         with open(cfg.metrics_out, "w") as fh:

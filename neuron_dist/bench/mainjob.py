@@ -12,7 +12,9 @@ once with the long step count. Around each run the command reads
 ranks, so the difference is the user+sys CPU of every process of the run. The long run
 minus the short one, divided by the difference in steps, is the **CPU per step** (start-up,
 imports and rendezvous cancel out). **tokens/s** is the long run's own mean (its summary
-line); the median over rounds is reported.
+line); the median over rounds is reported. The long run's rank 0 also says how many threads
+and sockets its process holds after the last step, with every group still open (the
+most over rounds is reported): what a backend costs in resources besides time.
 
 A run that fails (any backend: gloo itself has been seen to abort with SIGABRT now and
 then) is run again, up to ``--retries`` times, so one crash does not lose the whole
@@ -40,6 +42,7 @@ import sys
 import time
 
 _SUMMARY = re.compile(r"summary: .*mean tokens/s (\d+)")
+_RESOURCES = re.compile(r"resources of rank 0 after the last step: (\d+) threads, (\d+) sockets")
 
 
 def _children_cpu() -> float:
@@ -63,7 +66,11 @@ def run_once(backend: str, steps: int, args) -> dict:
         tail = "\n".join(res.stdout.splitlines()[-15:])
         raise RuntimeError(f"main job with {backend} (--steps {steps}) failed "
                            f"(exit {res.returncode}):\n{tail}")
-    return {"tokens_s": int(found[0]), "cpu_s": cpu, "wall_s": wall}
+    out = {"tokens_s": int(found[0]), "cpu_s": cpu, "wall_s": wall}
+    held = _RESOURCES.findall(res.stdout)
+    if held:
+        out["threads"], out["sockets"] = int(held[0][0]), int(held[0][1])
+    return out
 
 
 def _attempt(backend: str, steps: int, args, failures: list) -> dict:
@@ -101,6 +108,10 @@ def measure(args) -> dict:
         out[b] = {"tokens_s": statistics.median(x["tokens_s"] for x in rs),
                   "cpu_per_step_s": statistics.median(x["cpu_per_step_s"] for x in rs),
                   "rounds": rs, "failures": failures[b]}
+        for key in ("threads", "sockets"):  # rank 0's at the end of the long runs: the most
+            held = [x["long"][key] for x in rs if key in x["long"]]
+            if held:
+                out[b][key] = max(held)
     return out
 
 
@@ -112,15 +123,18 @@ def report(res: dict, args) -> str:
              f"launch/train.py --steps {args.steps[0]} and {args.steps[1]} "
              f"{args.train_args}; {args.reps} round(s), medians; load {os.getloadavg()[0]:.2f}",
              "# CPU/step: user+sys of every process, (long run - short run) / steps between;"
-             " comm = CPU/step above null's (null: collectives do nothing = compute alone)",
-             f"{'backend':>10} {'tokens/s':>9} {'vs gloo':>8} {'CPU s/step':>11} {'comm s/step':>12}"]
+             " comm = CPU/step above null's (null: collectives do nothing = compute alone);"
+             " threads, sockets: what rank 0's process held after the last step (every group open;"
+             " the most over rounds)",
+             f"{'backend':>10} {'tokens/s':>9} {'vs gloo':>8} {'CPU s/step':>11} {'comm s/step':>12}"
+             f" {'threads':>8} {'sockets':>8}"]
     gloo = res.get("gloo", {}).get("tokens_s")
     floor = res.get("null", {}).get("cpu_per_step_s")
     for b, v in res.items():
         vs = f"{v['tokens_s'] / gloo:.2f}x" if gloo else "-"
         comm = f"{v['cpu_per_step_s'] - floor:.3f}" if floor is not None and b != "null" else "-"
         lines.append(f"{b:>10} {v['tokens_s']:>9.0f} {vs:>8} {v['cpu_per_step_s']:>11.3f} "
-                     f"{comm:>12}")
+                     f"{comm:>12} {v.get('threads', '-'):>8} {v.get('sockets', '-'):>8}")
     for b, v in res.items():
         for text in v.get("failures", []):
             lines.append(f"# {b}: a run failed and was run again: {text.splitlines()[0]}")

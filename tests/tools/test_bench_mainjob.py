@@ -23,8 +23,8 @@ needs_netns = pytest.mark.skipif(not vnodes.netns_available(),
 def test_report_compares_with_gloo_and_counts_communication_above_the_floor():
     args = SimpleNamespace(argv=[], nodes=2, nproc_per_node=2, steps=(6, 30), reps=1,
                            train_args="--dim 128")
-    res = {"neuron": {"tokens_s": 1800, "cpu_per_step_s": 1.25},
-           "gloo": {"tokens_s": 1500, "cpu_per_step_s": 1.5},
+    res = {"neuron": {"tokens_s": 1800, "cpu_per_step_s": 1.25, "threads": 5, "sockets": 6},
+           "gloo": {"tokens_s": 1500, "cpu_per_step_s": 1.5, "threads": 11, "sockets": 9},
            "null": {"tokens_s": 3000, "cpu_per_step_s": 1.0}}
     text = mainjob.report(res, args)
     rows = {line.split()[0]: line.split() for line in text.splitlines()
@@ -32,6 +32,8 @@ def test_report_compares_with_gloo_and_counts_communication_above_the_floor():
     assert rows["neuron"][2] == "1.20x" and rows["null"][2] == "2.00x"
     assert rows["neuron"][4] == "0.250" and rows["gloo"][4] == "0.500"
     assert rows["null"][4] == "-"
+    assert rows["neuron"][5:7] == ["5", "6"] and rows["gloo"][5:7] == ["11", "9"]
+    assert rows["null"][5:7] == ["-", "-"]  # (not reported by that run)
     assert "null (no communication at all) reaches 2.00x gloo's tokens/s" in text
 
 
@@ -45,6 +47,9 @@ def test_mainjob_tiny_run(tmp_path):
     assert null["tokens_s"] > 0 and math.isfinite(null["cpu_per_step_s"])
     (r,) = null["rounds"]
     assert r["short"]["cpu_s"] > 0 and r["long"]["cpu_s"] > 0  # every process was counted
+    # rank 0 said what it held after its last step: its threads, and sockets (the store's)
+    assert null["threads"] >= 1 and null["sockets"] >= 1
+    assert r["long"]["threads"] == null["threads"]
 
 
 def test_a_failed_run_is_run_again_and_reported(monkeypatch):

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.cases import pattern as _pattern, settle as _settle
 from helpers.harness import run_ranks
 from neuron_dist.collectives.net import PIGGYBACK_BYTES
 from neuron_dist.collectives.selection import HALVES_BYTES
@@ -34,13 +35,6 @@ SIZES = [1, 15] + [e // 4 + d for e in _EDGES for d in (-1, 0, 1)] + [HALVES_N]
 WEIGHTS = [20, 20] + [6] * (3 * len(_EDGES)) + [2]
 
 
-def _pattern(n: int, cache: dict = {}) -> torch.Tensor:  # noqa: B006 - a deliberate cache
-    """0, 1, .., 250, 0, 1, ... as float32 (exact in every sum below)."""
-    if n not in cache:
-        cache[n] = (torch.arange(n) % 251).float()
-    return cache[n]
-
-
 def soak(rank, world):
     torch.set_num_threads(1)
     across = dist.new_group([1, 2])  # one rank of each node
@@ -51,16 +45,7 @@ def soak(rank, world):
     counts = {"checked": 0, "p2p": 0, "halves": 0}
 
     def settle():
-        for work, (i, what, got, want) in pending:
-            if work is not None:
-                work.wait()
-            expected = want()
-            if not torch.equal(got, expected):
-                bad = (got != expected).nonzero()[0].item()
-                raise AssertionError(f"op {i} ({what}, {got.numel()} elements): element {bad} "
-                                     f"is {got[bad].item()}, expected {expected[bad].item()}")
-            counts["checked"] += 1
-        pending.clear()
+        counts["checked"] += _settle(pending)
 
     for i in range(TOTAL):
         n = rng.choices(SIZES, WEIGHTS)[0]
@@ -73,12 +58,12 @@ def soak(rank, world):
         if kind == 5:  # send/recv between two ranks of the world, a tag per operation
             if rank == src:
                 w = dist.isend(_pattern(n) + src, dst, tag=i)
-                pending.append((w, (i, "send", torch.zeros(0), lambda: torch.zeros(0))))
+                pending.append((w, f"op {i} (send)", torch.zeros(0), lambda: torch.zeros(0)))
             elif rank == dst:
                 t = torch.full((n,), -1.0)
                 w = dist.irecv(t, src, tag=i)
-                pending.append((w, (i, f"recv from {src}", t,
-                                    lambda n=n, src=src: _pattern(n) + src)))
+                pending.append((w, f"op {i} (recv from {src})", t,
+                                lambda n=n, src=src: _pattern(n) + src))
                 counts["p2p"] += 1
         elif g is None or rank in dist.get_process_group_ranks(g):
             gsize, me = dist.get_world_size(g), dist.get_rank(g)
@@ -87,28 +72,28 @@ def soak(rank, world):
             if kind in (0, 1):
                 t = base + me
                 w = dist.all_reduce(t, group=g, async_op=async_op)
-                pending.append((w, (i, "all_reduce", t, lambda base=base, gsize=gsize,
-                                    s=ranks_sum: base * gsize + s)))
+                pending.append((w, f"op {i} (all_reduce)", t, lambda base=base, gsize=gsize,
+                                s=ranks_sum: base * gsize + s))
                 counts["halves"] += n == HALVES_N and g is across
             elif kind == 2:
                 out = torch.empty(n * gsize)
                 w = dist.all_gather_into_tensor(out, base + 1000 * me, group=g,
                                                 async_op=async_op)
-                pending.append((w, (i, "all_gather", out, lambda base=base, gsize=gsize:
-                                    torch.cat([base + 1000 * k for k in range(gsize)]))))
+                pending.append((w, f"op {i} (all_gather)", out, lambda base=base, gsize=gsize:
+                                torch.cat([base + 1000 * k for k in range(gsize)])))
             elif kind == 3:
                 out = torch.empty(n)
                 w = dist.reduce_scatter_tensor(out, _pattern(n * gsize) + me, group=g,
                                                async_op=async_op)
-                pending.append((w, (i, "reduce_scatter", out,
-                                    lambda n=n, gsize=gsize, me=me, s=ranks_sum:
-                                    _pattern(n * gsize)[me * n:(me + 1) * n] * gsize + s)))
+                pending.append((w, f"op {i} (reduce_scatter)", out,
+                                lambda n=n, gsize=gsize, me=me, s=ranks_sum:
+                                _pattern(n * gsize)[me * n:(me + 1) * n] * gsize + s))
             else:
                 root = gsize - 1
                 t = base + 7 if me == root else torch.zeros(n)
                 w = dist.broadcast(t, src=dist.get_global_rank(g, root) if g else root,
                                    group=g, async_op=async_op)
-                pending.append((w, (i, "broadcast", t, lambda base=base: base + 7)))
+                pending.append((w, f"op {i} (broadcast)", t, lambda base=base: base + 7))
         if len(pending) > 8 or not async_op:
             settle()
     settle()

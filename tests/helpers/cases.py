@@ -93,3 +93,27 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
     if dtype.is_floating_point:
         return torch.allclose(a, b, rtol=1e-6, atol=1e-6)
     return torch.equal(a, b)
+
+
+def pattern(n: int, cache: dict = {}) -> torch.Tensor:  # noqa: B006 - a deliberate cache
+    """0, 1, .., 250, 0, 1, ... as float32 (exact in every sum of the soak tests)."""
+    if n not in cache:
+        cache[n] = (torch.arange(n) % 251).float()
+    return cache[n]
+
+
+def settle(pending: list) -> int:
+    """Wait for every ``(work, label, got, want)`` of ``pending`` (``work`` may be None)
+    and compare ``got`` whole with ``want()``; raise naming the first wrong element, else
+    empty ``pending`` and return how many were checked."""
+    for work, label, got, want in pending:
+        if work is not None:
+            work.wait()
+        expected = want()
+        if not torch.equal(got, expected):
+            bad = (got != expected).nonzero()[0].item()
+            raise AssertionError(f"{label} ({got.numel()} elements): element {bad} is "
+                                 f"{got[bad].item()}, expected {expected[bad].item()}")
+    checked = len(pending)
+    pending.clear()
+    return checked

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.cases import pattern as _pattern, settle as _settle
 from helpers.harness import run_ranks
 
 TOTAL = 10_000
@@ -21,13 +22,6 @@ def _usage():
     shm = len([n for n in os.listdir("/dev/shm") if n.startswith("neuron-")])
     return {"rss_kib": rss, "fds": len(os.listdir("/proc/self/fd")),
             "threads": threading.active_count(), "shm_names": shm}
-
-
-def _pattern(n: int, cache: dict = {}) -> torch.Tensor:  # noqa: B006 - a deliberate cache
-    """0, 1, .., 250, 0, 1, ... as float32 (exact in every sum below)."""
-    if n not in cache:
-        cache[n] = (torch.arange(n) % 251).float()
-    return cache[n]
 
 
 def soak(rank, world):
@@ -43,16 +37,7 @@ def soak(rank, world):
 
     def settle():
         nonlocal checked
-        for w, (i, got, want) in pending:
-            if w is not None:
-                w.wait()
-            expected = want()
-            if not torch.equal(got, expected):
-                bad = (got != expected).nonzero()[0].item()
-                raise AssertionError(f"op {i}: element {bad} is {got[bad].item()}, expected "
-                                     f"{expected[bad].item()}")
-            checked += 1
-        pending.clear()
+        checked += _settle(pending)
 
     for i in range(TOTAL):
         if i in (1000, TOTAL - 1):
@@ -71,23 +56,23 @@ def soak(rank, world):
         if kind == 0:
             t = base + me
             w = dist.all_reduce(t, group=g, async_op=async_op)
-            check = (i, t, lambda base=base, gsize=gsize, s=ranks_sum: base * gsize + s)
+            check = (t, lambda base=base, gsize=gsize, s=ranks_sum: base * gsize + s)
         elif kind == 1:
             out = torch.empty(n * gsize)
             w = dist.all_gather_into_tensor(out, base + 1000 * me, group=g, async_op=async_op)
-            check = (i, out, lambda base=base, gsize=gsize:
+            check = (out, lambda base=base, gsize=gsize:
                      torch.cat([base + 1000 * k for k in range(gsize)]))
         elif kind == 2:
             out = torch.empty(n)
             w = dist.reduce_scatter_tensor(out, _pattern(n * gsize) + me, group=g,
                                            async_op=async_op)
-            check = (i, out, lambda n=n, gsize=gsize, me=me, s=ranks_sum:
+            check = (out, lambda n=n, gsize=gsize, me=me, s=ranks_sum:
                      _pattern(n * gsize)[me * n:(me + 1) * n] * gsize + s)
         else:
             t = base + 7 if me == 0 else torch.zeros(n)
             w = dist.broadcast(t, src=0, group=g, async_op=async_op)
-            check = (i, t, lambda base=base: base + 7)
-        pending.append((w, check))
+            check = (t, lambda base=base: base + 7)
+        pending.append((w, f"op {i}", *check))
         if len(pending) > 8 or not async_op:
             settle()
     settle()

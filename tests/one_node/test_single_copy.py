@@ -55,6 +55,15 @@ def _cases(rank, world, group):
     mine = torch.empty(N)
     dist.reduce_scatter(mine, list(big.chunk(world)), op=dist.ReduceOp.MAX, group=group)
     out["reduce_scatter_list_max"] = mine
+    # the output is the input's own block (in place), and an average in bfloat16 (summed
+    # in float32, out of place)
+    inplace = big.clone()
+    dist.reduce_scatter_tensor(inplace[rank * N:(rank + 1) * N], inplace, group=group)
+    out["reduce_scatter_inplace"] = inplace
+    mine = torch.empty(N, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(mine, (big * 100).to(torch.bfloat16), op=dist.ReduceOp.AVG,
+                               group=group)
+    out["reduce_scatter_avg_bf16"] = mine
     # all_to_all: even (tensor form), uneven splits, list form
     even = torch.empty(N * world)
     dist.all_to_all_single(even, big, group=group)
@@ -103,6 +112,10 @@ def compare(rank, world):
     block = torch.stack([b[rank * N:(rank + 1) * N] for b in bigs])
     if not torch.allclose(got_on["reduce_scatter_sum"], block.sum(0), rtol=1e-5, atol=1e-5):
         fails.append("reduce_scatter_sum value")
+    inplace = bigs[rank].clone()
+    inplace[rank * N:(rank + 1) * N] = got_on["reduce_scatter_sum"]
+    if not torch.equal(got_on["reduce_scatter_inplace"], inplace):
+        fails.append("reduce_scatter_inplace value")
     if not torch.equal(got_on["reduce_scatter_list_max"], block.max(0).values):
         fails.append("reduce_scatter_list_max value")
     if not torch.equal(got_on["all_to_all_even"], torch.cat([b[rank * N:(rank + 1) * N] for b in bigs])):

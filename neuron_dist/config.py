@@ -58,6 +58,7 @@ class Settings:
     mailbox_bytes: int
     small_bytes: int
     spin: int | None
+    async_hold: float | None
     shm_dir: str
     node_name: str | None
     debug: str
@@ -85,11 +86,13 @@ class Settings:
             A variable holds a value it cannot take (the message names it).
         """
         spin = _env("NEURON_DIST_SPIN", "auto", env)
+        hold = _env("NEURON_DIST_ASYNC_HOLD", "auto", env)
         settings = cls(
             slot_bytes=parse_bytes(_env("NEURON_DIST_SHM_SLOT_BYTES", "1M", env)),
             mailbox_bytes=parse_bytes(_env("NEURON_DIST_SHM_MAILBOX_BYTES", "4M", env)),
             small_bytes=parse_bytes(_env("NEURON_DIST_SMALL_BYTES", "64K", env)),
             spin=None if spin == "auto" else int(spin),
+            async_hold=None if hold == "auto" else _seconds("NEURON_DIST_ASYNC_HOLD", hold),
             shm_dir=_env("NEURON_DIST_SHM_DIR", "/dev/shm", env),
             node_name=_env("NEURON_DIST_NODE_NAME", None, env) or None,
             debug=_env("NEURON_DIST_DEBUG", "WARN", env).upper(),
@@ -123,8 +126,18 @@ class Settings:
         if self.net_link_timeout <= 0:
             raise ValueError(f"NEURON_DIST_NET_LINK_TIMEOUT must be > 0 seconds, got "
                              f"{self.net_link_timeout}")
+        if self.async_hold is not None and not 0 <= self.async_hold <= 3600:
+            raise ValueError(f"NEURON_DIST_ASYNC_HOLD must be auto or 0..3600 seconds, got "
+                             f"{self.async_hold}")
         if self.debug not in ("WARN", "INFO", "TRACE"):
             raise ValueError(f"NEURON_DIST_DEBUG must be WARN, INFO or TRACE, got {self.debug!r}")
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be auto or a number of seconds, got {text!r}") from None
 
 
 def flight_recorder_size() -> int:

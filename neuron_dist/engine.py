@@ -29,6 +29,21 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   so costs no thread hand-off (each costs 25-55 µs and a GIL hand-over, several per
   collective); one that is not waited for overlaps as before, since the peers progress on
   what was published.
+* async_op=True with no core spare for the engine thread (``hold``: a one-node group of
+  as many ranks as cores or more, rendezvous.py ``_hold``): the task is *held*: queued,
+  and left to the caller for up to ``hold`` seconds (5 ms) after the last one was queued,
+  unless it is the group's next and every peer has entered it already (in a one-node
+  group, ``peers_published``). ``Work.wait`` runs it in the waiting thread;
+  ``is_completed``, a future, a hook, a later collective of the group or the time limit
+  (whichever comes first) has the engine thread start it. On a machine whose cores all
+  compute, the engine thread could only take turns with the caller's compute on the same
+  cores, and every step of a collective would wait for the peers' engine threads to be
+  scheduled. With 2 ranks on 2 cores (``bench --overlap``, an async 4 MiB all_reduce
+  before ~1 ms of matmuls, overlapped and serial samples taking turns, three runs each):
+  started at once, overlapped took 4-5% longer than the two one after the other and hid
+  2-100% of a late peer's wait; held, 3% less to 0.2% more, and all of it. The time limit
+  keeps a program whose ranks wait for each other by other means (another group, a store)
+  from stalling: the held collective starts on its own.
 * A waiter on a queued collective runs the queue head itself when the engine thread has
   not started it (``run_for``).
 * A ``Work.wait`` issued from the progress thread itself (a future callback that waits on a
@@ -67,8 +82,12 @@ class CollectiveEngine:
         user sees and says whether the group is unusable afterwards.
     """
 
-    def __init__(self, label: str, on_error, group_name: str = "", rank: int = 0, size: int = 1):
+    def __init__(self, label: str, on_error, group_name: str = "", rank: int = 0, size: int = 1,
+                 hold: float = 0.0):
         self.label = label
+        self.hold = hold  # seconds an async collective is left to its caller ("Held")
+        self._due = 0.0  # the engine thread starts nothing queued before this time
+        self._idle = False  # the engine thread waits with no time limit
         self.group_name = group_name
         self.rank = rank
         self.size = size
@@ -82,12 +101,15 @@ class CollectiveEngine:
         self.seq = 0
         self.broken = None
 
-    def submit(self, fn, work, async_op: bool, name: str, call=None, nbytes: int = 0) -> None:
+    def submit(self, fn, work, async_op: bool, name: str, call=None, nbytes: int = 0,
+               peers_waiting=None) -> None:
         """Issue ``fn(seq, rec)`` as the group's next collective, completing ``work``.
 
         ``call`` (its descriptor) goes into the flight recorder, ``nbytes`` into the stats;
         ``rec`` is the call's flight-recorder record (or None), where ``fn`` names the
-        algorithm it chose (``Context.chose``).
+        algorithm it chose (``Context.chose``). ``peers_waiting()``, if given, tells
+        whether every peer has entered the group's next collective: an async one that
+        would be the next is then not held (the peers wait for it).
         """
         if not async_op and self.run_now(fn, work, name, call, nbytes):
             return
@@ -100,7 +122,15 @@ class CollectiveEngine:
             rec = recorder.issue(self.group_name, self.rank, self.size, self.seq, name, call)
             work.engine = self
             self._queue.append((fn, work, self.seq, rec))
-        self.wake()
+            held = async_op and self.hold and not (
+                peers_waiting is not None and len(self._queue) == 1 and not self._busy
+                and peers_waiting())
+            if held:
+                work.op = _Held(self, work)
+                self._due = time.monotonic() + self.hold
+                if self._thread is not None and not self._idle:
+                    return  # (it will see the new time limit before it starts anything)
+        self._start_thread(now=not held)
 
     def run_now(self, fn, work, name: str, call=None, nbytes: int = 0, algo=None) -> bool:
         """Run ``fn(seq, rec)`` as the group's next collective now, in the caller's thread,
@@ -198,8 +228,15 @@ class CollectiveEngine:
         return True
 
     def wake(self) -> None:
-        """Have the engine thread run what is queued (started on first use)."""
+        """Have the engine thread run what is queued now (started on first use)."""
+        self._start_thread(now=True)
+
+    def _start_thread(self, now: bool) -> None:
+        """Start the engine thread if it is not running and wake it: ``now``, to run what
+        is queued at once (held collectives too), else to see the queue's time limit."""
         with self._cv:
+            if now:
+                self._due = 0.0
             if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(
                     target=self._loop, name=f"neuron-engine[{self.label}]", daemon=True)
@@ -222,10 +259,21 @@ class CollectiveEngine:
         set_background_thread()
         while True:
             with self._cv:
-                while not self._stopped and (self._busy or not self._queue):
-                    self._cv.wait()
-                if self._stopped and not self._queue:
-                    return
+                while True:
+                    if self._stopped:
+                        if not self._queue:
+                            return
+                    elif self._busy or not self._queue:
+                        self._idle = True
+                        self._cv.wait()
+                        self._idle = False
+                        continue
+                    else:
+                        left = self._due - time.monotonic()
+                        if left > 0:  # held for the caller: see the module docstring
+                            self._cv.wait(left)
+                            continue
+                    break
                 task = self._queue.popleft()
                 self._busy = True
             self._run_busy(task)
@@ -330,6 +378,39 @@ def _fail_unrun(work, rec, failure) -> None:
     work._complete(failure)
 
 
+def _drive(engine: CollectiveEngine, work, deadline: float) -> None:
+    """``Work.wait`` on a queued collective: run the queue up to it in the waiting thread
+    (which waits for the peers with each call's own timeout); a wait with a timeout of its
+    own leaves it to the engine thread, woken now, and blocks."""
+    if engine.is_engine_thread():
+        engine.run_until(work)
+    elif deadline != _FOREVER or not engine.run_for(work):
+        engine.wake()
+
+
+class _Held:
+    """The progress of an async collective held for its caller (see the module docstring),
+    as its Work's ``op`` (work.py): whoever looks at the Work starts it."""
+
+    __slots__ = ("engine", "work")
+
+    def __init__(self, engine: CollectiveEngine, work):
+        self.engine, self.work = engine, work
+
+    def drive(self, deadline: float) -> None:
+        """``Work.wait``: run the queue up to it here; a wait with a timeout of its own
+        leaves it to the engine thread and blocks."""
+        _drive(self.engine, self.work, deadline)
+
+    def poll(self) -> None:
+        """``is_completed``: whoever polls wants it to progress: the engine thread, now."""
+        self.engine.wake()
+
+    def arm(self) -> None:
+        """A future or hook wants it to complete by itself."""
+        self.engine.wake()
+
+
 class _Deferred:
     """The rest of a deferred collective, as its Work's ``op`` (see work.py): run by
     whoever looks first, or by the engine thread once armed."""
@@ -342,11 +423,7 @@ class _Deferred:
     def drive(self, deadline: float) -> None:
         """``Work.wait``: run it here (it waits for the peers with the call's own timeout);
         a wait with a timeout of its own leaves it to the engine thread and blocks."""
-        engine = self.engine
-        if engine.is_engine_thread():
-            engine.run_until(self.work)
-        elif deadline != _FOREVER or not engine.run_for(self.work):
-            engine.wake()
+        _drive(self.engine, self.work, deadline)
 
     def poll(self) -> None:
         """``is_completed``: finish it here if that needs no waiting, else let the engine."""

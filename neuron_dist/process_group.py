@@ -140,7 +140,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._selection = Selection(self.settings.small_bytes, self.settings.slot_bytes,
                                     self.settings.algo)
         self._calls = {}
-        self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size)
+        self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size,
+                                        links.hold)
         install_signal_handler()
         self._p2p = PointToPoint(rank, size, self._channel, self._net, self._label,
                                  self._on_error, lambda: self._timeout_s, self._timeout_text)
@@ -295,7 +296,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         if not (deferrable is not None
                 and self._engine.try_now(run, work, name, deferrable, call, nbytes)):
-            self._engine.submit(run, work, async_op, name, call, nbytes)
+            self._engine.submit(run, work, async_op, name, call, nbytes,
+                                None if net is not None else channel.peers_published)
         return work
 
     def _on_error(self, exc: BaseException, what: str):

@@ -115,10 +115,11 @@ def cpu_identity() -> list:
     return [kernel, sum(1 << c for c in cpus)]
 
 
-def cores_crowded(mine: list, everyone: list) -> bool:
-    """Do more of ``everyone`` (``cpu_identity`` of each rank) compete for the cores of
-    ``mine`` than those ranks have cores between them? Then a waiting rank must not spin:
-    the core it would spin on is one a peer needs to answer."""
+def core_rivals(mine: list, everyone: list) -> tuple[int, int]:
+    """``(ranks, cores)``: how many of ``everyone`` (``cpu_identity`` of each rank) compete
+    for the cores of ``mine``, and how many cores those ranks have between them. More ranks
+    than cores: a waiting rank must not spin (the core it would spin on is one a peer needs
+    to answer). As many: no core is spare for a background thread's work either."""
     kernel, cores = mine
     while True:  # the ranks on these cores, then on theirs, ... until no more join
         rivals = [m for k, m in everyone if k == kernel and m & cores]
@@ -126,8 +127,14 @@ def cores_crowded(mine: list, everyone: list) -> bool:
         for m in rivals:
             reach |= m
         if reach == cores:
-            return len(rivals) > bin(cores).count("1")
+            return len(rivals), bin(cores).count("1")
         cores = reach
+
+
+def cores_crowded(mine: list, everyone: list) -> bool:
+    """Do more ranks compete for the cores of ``mine`` than they have cores (``core_rivals``)?"""
+    ranks, cores = core_rivals(mine, everyone)
+    return ranks > cores
 
 
 def choose_addresses(ifnames: str | None, store=None,

@@ -3,7 +3,8 @@
 Runs inside the torch ranks, for each torch backend, on one float32 all_reduce size
 (``--overlap-bytes``) and a loop of square float32 matmuls (``--overlap-matmul``) whose
 length is calibrated on rank 0 so that the loop takes about as long as the all_reduce alone.
-Every measurement is a median over ``--iters`` iterations, each after a barrier.
+Every measurement is a median over ``--iters`` iterations, each after a barrier; the
+overlapped and serial runs of a variant take turns, sample by sample.
 
 * ``balanced``: every rank measures ``compute`` (the matmul loop alone), ``comm`` (the
   all_reduce alone), ``serial`` (a synchronous all_reduce, then the loop) and ``overlapped``
@@ -85,9 +86,7 @@ def measure(rank: int, world: int, backend: str, group, exchange, nbytes: int,
             "matmuls": k}
     # balanced
     time_iterations(overlapped, barrier, max(1, warmup))
-    t_over = time_iterations(overlapped, barrier, iters)
-    blocked.clear()
-    t_serial = time_iterations(serial, barrier, iters)
+    t_over, t_serial = _alternating(overlapped, serial, barrier, iters)
     shared = exchange.all([t_over, t_serial])
     rows.append(_row(base, "balanced", compute_med, comm_med,
                      _median_over([s[1] for s in shared], everyone),
@@ -104,13 +103,11 @@ def measure(rank: int, world: int, backend: str, group, exchange, nbytes: int,
 
     if world > 1:
         if rank == late:
-            t_over = time_iterations(straggler, barrier, iters)
-            t_serial = time_iterations(straggler, barrier, iters)
+            t_over, t_serial = _alternating(straggler, straggler, barrier, iters)
             blocked = [0.0] * iters
         else:
-            t_over = time_iterations(overlapped, barrier, iters)
             blocked.clear()
-            t_serial = time_iterations(serial, barrier, iters)
+            t_over, t_serial = _alternating(overlapped, serial, barrier, iters)
         shared = exchange.all([t_over, t_serial, blocked])
         rows.append(_row(base, "late", compute_med,
                          _median_over([s[2] for s in shared], early),
@@ -118,6 +115,17 @@ def measure(rank: int, world: int, backend: str, group, exchange, nbytes: int,
                          _median_over([s[0] for s in shared], early),
                          note=f"rank {late} sleeps {delay * 1e3:.1f} ms before its all_reduce"))
     return rows
+
+
+def _alternating(first, second, barrier, iters: int) -> tuple[list, list]:
+    """``iters`` timed samples of each of two runs, taking turns (first, second, then
+    second, first, ...), each after a barrier: a machine that slows down or speeds up
+    during the measurement moves both alike."""
+    a, b = [], []
+    for i in range(iters):
+        for run, out in ((first, a), (second, b)) if i % 2 == 0 else ((second, b), (first, a)):
+            out.extend(time_iterations(run, barrier, 1))
+    return a, b
 
 
 def _row(base, variant, compute, comm, serial, overlapped, note=""):

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from helpers.harness import run_ranks
-from one_node.test_async import (LATE, check_deferred, deferred, deferred_then_other_group,
-                                 engine_threads)
+from one_node.test_async import (LATE, check_deferred, check_held, deferred,
+                                 deferred_then_other_group, engine_threads, held,
+                                 held_then_other_group)
 
 
 def _nodes(world):
@@ -41,6 +42,18 @@ def test_a_deferred_collective_between_nodes_never_holds_back_a_peer():
     # named once although the call ran twice
     parts = algo.split("+")
     assert len(parts) == len(set(parts)), algo
+
+
+@pytest.mark.timeout(120)
+def test_held_collectives_between_nodes_start_however_they_are_looked_at():
+    # held only when asked for between nodes (NEURON_DIST_ASYNC_HOLD), and then as on one node
+    env = lambda rank: {"NEURON_DIST_NODE_NAME": f"node{rank}", "NEURON_DIST_ASYNC_HOLD": "3600"}
+    check_held(run_ranks(held, 2, timeout=100, env=env))
+    hold = 0.5
+    env = lambda rank: {"NEURON_DIST_NODE_NAME": f"node{rank}", "NEURON_DIST_ASYNC_HOLD": str(hold)}
+    res = run_ranks(held_then_other_group, 2, hold, timeout=60, pg_timeout=20, env=env)
+    assert res[0][1] == res[1][1] == 3.0, res
+    assert hold * 0.9 < res[1][0] < 15, res
 
 
 def three_ranks_one_late(rank, world):

@@ -287,3 +287,109 @@ def test_a_deferred_call_with_more_steps_goes_on_by_itself():
     res = run_ranks(deferred_two_steps, 2, timeout=60, pg_timeout=20,
                     env={"NEURON_DIST_ALGO": "all_reduce=two_step"})
     assert res[0] == res[1] == [3.0 * i for i in range(8)], res
+
+
+# --- held async collectives (engine.py: "held"; NEURON_DIST_ASYNC_HOLD) -----------------
+# With no core spare for the engine thread, an async collective is left to its caller for a
+# while. Each way of looking at its Work must start it, and so must the time limit.
+
+BIG = 1 << 19  # float32 elements: 2 MiB, more than a slot (no deferred path)
+
+
+def held(rank, world):
+    out = {}
+    other = dist.new_group([0, 1])
+    # 1. waited for: nothing runs it before, the waiting thread runs it
+    x = torch.full((BIG,), float(rank + 1))
+    dist.barrier()
+    t0 = time.perf_counter()
+    w = dist.all_reduce(x, async_op=True)
+    out["returned"] = time.perf_counter() - t0
+    time.sleep(0.2)  # (compute)
+    out["held"] = not w._finished and x[0].item() == rank + 1  # (is_completed would start it)
+    w.wait()
+    out["waited"] = (x[0].item(), x[-1].item())
+    # 2. polled with is_completed: the poll has the engine thread start it
+    x.fill_(rank + 1)
+    dist.barrier()
+    w = dist.all_reduce(x, async_op=True)
+    t0 = time.monotonic()
+    while not w.is_completed():
+        assert time.monotonic() - t0 < 20, "is_completed never became true"
+        time.sleep(0.01)
+    out["polled"] = (x[0].item(), x[-1].item())
+    # 3. a future: completes by itself
+    x.fill_(rank + 1)
+    dist.barrier()
+    out["future"] = dist.all_reduce(x, async_op=True).get_future().wait()[0][-1].item()
+    # 4. the group's next collective, synchronous: runs the held one first
+    x.fill_(rank + 1)
+    y = torch.ones(3) * (rank + 2)
+    dist.barrier()
+    w = dist.all_reduce(x, async_op=True)
+    dist.all_reduce(y)
+    out["next_sync"] = (w.is_completed(), x[-1].item(), y.tolist())
+    w.wait()
+    return out
+
+
+def test_a_held_async_collective_starts_however_it_is_looked_at():
+    check_held(run_ranks(held, 2, timeout=90, env={"NEURON_DIST_ASYNC_HOLD": "3600"}))
+
+
+def check_held(res):
+    """What ``held`` must return on each rank (also across nodes: test_async_net.py)."""
+    for rank, out in res.items():
+        assert out["returned"] < 0.02, (rank, out)
+        assert out["held"], (rank, out)
+        assert out["waited"] == out["polled"] == (3.0, 3.0), (rank, out)
+        assert out["future"] == 3.0, (rank, out)
+        assert out["next_sync"] == (True, 3.0, [5.0] * 3), (rank, out)
+
+
+def held_then_other_group(rank, world, hold):
+    """Rank 0's held all_reduce is never looked at while rank 0 blocks in another group's
+    barrier, which rank 1 joins only once that all_reduce has completed on its side: only
+    the time limit can start it (held for ever, both would wait until the timeout)."""
+    b = dist.new_group([0, 1])
+    dist.barrier(group=b)
+    x = torch.full((BIG,), float(rank + 1))
+    t0 = time.monotonic()
+    w = dist.all_reduce(x, async_op=True)
+    if rank == 0:
+        dist.barrier(group=b)
+        w.wait()
+    else:
+        w.wait()
+        dist.barrier(group=b)
+    return time.monotonic() - t0, x[-1].item()
+
+
+def test_a_held_async_collective_starts_by_itself_when_nobody_looks():
+    hold = 0.5
+    res = run_ranks(held_then_other_group, 2, hold, timeout=60, pg_timeout=20,
+                    env={"NEURON_DIST_ASYNC_HOLD": str(hold)})
+    assert res[0][1] == res[1][1] == 3.0, res
+    assert hold * 0.9 < res[1][0] < 15, res  # rank 1 waited for rank 0's time limit
+
+
+def held_but_awaited(rank, world):
+    """Rank 1 is in the all_reduce already when rank 0 issues it asynchronously and goes
+    on computing: it is not held (rank 1 would wait for rank 0's compute)."""
+    x = torch.full((BIG,), float(rank + 1))
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank == 1:
+        dist.all_reduce(x)
+        return time.monotonic() - t0, x[-1].item()
+    time.sleep(0.3)
+    w = dist.all_reduce(x, async_op=True)
+    time.sleep(1.5)  # (compute, not looking at the Work)
+    w.wait()
+    return time.monotonic() - t0, x[-1].item()
+
+
+def test_an_async_collective_its_peers_wait_for_already_is_not_held():
+    res = run_ranks(held_but_awaited, 2, timeout=60, env={"NEURON_DIST_ASYNC_HOLD": "3600"})
+    assert res[0][1] == res[1][1] == 3.0, res
+    assert res[1][0] < 1.2, res  # not ~1.8 s: rank 0's engine thread ran it at once

@@ -172,3 +172,26 @@ def test_cores_crowded_counts_ranks_of_one_kernel_whose_cores_overlap():
     assert not cores_crowded(apart[0], apart)
     kernel, mask = mine = cpu_identity()
     assert mask and kernel and not cores_crowded(mine, [mine])
+
+
+def test_async_collectives_are_held_for_the_caller_only_when_no_core_is_spare():
+    import pytest
+
+    from neuron_dist import rendezvous
+    from neuron_dist.config import Settings
+    from neuron_dist.topology import core_rivals
+    a = "host/boot-a"
+    assert core_rivals([a, 0b01], [[a, 0b01], [a, 0b10]]) == (1, 1)
+    assert core_rivals([a, 0b11], [[a, 0b11], [a, 0b11]]) == (2, 2)
+    auto = Settings.from_env({})
+    assert rendezvous._hold(auto, (2, 2), False) == rendezvous.HOLD_SECONDS > 0  # no spare core
+    assert rendezvous._hold(auto, (3, 2), False) == rendezvous.HOLD_SECONDS
+    assert rendezvous._hold(auto, (2, 4), False) == 0  # the engine thread has a core of its own
+    assert rendezvous._hold(auto, (4, 2), True) == 0  # across nodes: the network's waits
+    assert rendezvous._spin(auto, (2, 2)) > 0 and rendezvous._spin(auto, (3, 2)) == 0
+    forced = Settings.from_env({"NEURON_DIST_ASYNC_HOLD": "0.25"})
+    assert rendezvous._hold(forced, (2, 4), False) == rendezvous._hold(forced, (2, 4), True) == 0.25
+    assert rendezvous._hold(Settings.from_env({"NEURON_DIST_ASYNC_HOLD": "0"}), (4, 2), False) == 0
+    for bad in ("-1", "nan", "5000", "5ms"):
+        with pytest.raises(ValueError, match="NEURON_DIST_ASYNC_HOLD"):
+            Settings.from_env({"NEURON_DIST_ASYNC_HOLD": bad})

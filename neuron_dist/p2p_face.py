@@ -28,7 +28,7 @@ from torch.autograd import profiler as _profiler
 
 from . import stats
 from .collectives.net import as_bytes
-from .collectives.p2p import P2P, Request
+from .collectives.p2p import P2P, Memory, Request
 from .errors import GroupAbortedError, PeerTimeoutError
 from .flat import Flat
 from .p2p_engine import P2PEngine
@@ -133,10 +133,13 @@ class PointToPoint:
             raise GroupAbortedError(f"{name}: the group was destroyed")
         if self._net is not None:
             return self._post_net(t, peer, tag, is_send, name)
-        f = Flat(t, read=is_send)
-        data = f.bytes  # (a torch view: made once)
+        if t.is_contiguous():  # (the Work's outputs keep ``t`` alive)
+            f, data = None, Memory(t.data_ptr(), t.numel() * t.element_size())
+        else:
+            f = Flat(t, read=is_send)
+            data = f.bytes  # (a torch view: made once)
         req = Request(peer, int(tag), data, is_send, time.monotonic() + self._timeout())
-        work = NeuronWork([t], f"{req.describe()} in group {self._label()}")
+        work = NeuronWork([t], lambda: f"{req.describe()} in group {self._label()}")
         op = work.op = _ShmOp(self._engine(), req, work, None if is_send else f)
         req.callback = op.done
         stats.add_call(data.numel())

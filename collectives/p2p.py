@@ -37,12 +37,14 @@ class Memory:
     """A contiguous tensor's bytes as a request's ``data``: its address and size, which is
     all the rings need (``data_ptr``, ``numel``; ``copy_`` from an unexpected message's
     buffer), without making a torch view of it (three of them, detach, reshape and a
-    uint8 view, cost about 3 µs per receive here). The caller keeps the tensor alive."""
+    uint8 view, cost about 3 µs per receive here). It holds the tensor, so the memory a
+    pending request reads or writes lives as long as the request."""
 
-    __slots__ = ("address", "nbytes")
+    __slots__ = ("tensor", "address", "nbytes")
 
-    def __init__(self, address: int, nbytes: int):
-        self.address, self.nbytes = address, nbytes
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.address, self.nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
     def data_ptr(self) -> int:
         return self.address

@@ -133,8 +133,8 @@ class PointToPoint:
             raise GroupAbortedError(f"{name}: the group was destroyed")
         if self._net is not None:
             return self._post_net(t, peer, tag, is_send, name)
-        if t.is_contiguous():  # (the Work's outputs keep ``t`` alive)
-            f, data = None, Memory(t.data_ptr(), t.numel() * t.element_size())
+        if t.is_contiguous():
+            f, data = None, Memory(t)
         else:
             f = Flat(t, read=is_send)
             data = f.bytes  # (a torch view: made once)

@@ -105,7 +105,7 @@ def cpu_identity() -> list:
     The kernel is its boot id alone, which no namespace changes (a virtual node or a
     container may have a host name of its own; without a boot id, the host name). Processes
     of one kernel whose masks overlap compete for the same cores, whatever node they count
-    as: ``cores_crowded`` compares such identities."""
+    as: ``core_rivals`` compares such identities."""
     boot = _boot_id()
     kernel = boot if boot != "?" else f"host {socket.gethostname()}"
     try:
@@ -129,12 +129,6 @@ def core_rivals(mine: list, everyone: list) -> tuple[int, int]:
         if reach == cores:
             return len(rivals), bin(cores).count("1")
         cores = reach
-
-
-def cores_crowded(mine: list, everyone: list) -> bool:
-    """Do more ranks compete for the cores of ``mine`` than they have cores (``core_rivals``)?"""
-    ranks, cores = core_rivals(mine, everyone)
-    return ranks > cores
 
 
 def choose_addresses(ifnames: str | None, store=None,

@@ -298,7 +298,6 @@ BIG = 1 << 19  # float32 elements: 2 MiB, more than a slot (no deferred path)
 
 def held(rank, world):
     out = {}
-    other = dist.new_group([0, 1])
     # 1. waited for: nothing runs it before, the waiting thread runs it
     x = torch.full((BIG,), float(rank + 1))
     dist.barrier()

@@ -159,7 +159,11 @@ def test_p2p_size_mismatch_fails_only_that_receive(two_endpoints):
 
 
 def test_cores_crowded_counts_ranks_of_one_kernel_whose_cores_overlap():
-    from neuron_dist.topology import cores_crowded, cpu_identity
+    from neuron_dist.topology import core_rivals, cpu_identity
+
+    def cores_crowded(mine, everyone):  # (rendezvous._spin's verdict: no spinning)
+        ranks, cores = core_rivals(mine, everyone)
+        return ranks > cores
     a, b = "host/boot-a", "host/boot-b"
     two = [[a, 0b01], [a, 0b10]]  # two ranks, a core each
     assert not cores_crowded(two[0], two)

@@ -165,10 +165,18 @@ class P2PEngine:
             peers = [k for k in peers if k != self._channel.rank]
             try:
                 # A peer that sent everything and exited has done its part: only data it
-                # never wrote is lost (its mailbox is drained before this check runs).
+                # never wrote is lost.
                 self._channel.check_peers(peers, req.deadline, any_suffices=req.peer is None)
             except Exception as exc:  # noqa: BLE001
-                self._p2p.fail(req, self._translate(exc, f"{req.describe()} in group {self._label}"))
+                # Its mailbox was drained before this check, but it may have written its
+                # last message and exited in between: drain once more before judging.
+                try:
+                    self._p2p.progress()
+                except Exception:  # noqa: BLE001 - a corrupt stream: judged as it stands
+                    pass
+                if not req.done:
+                    self._p2p.fail(req, self._translate(
+                        exc, f"{req.describe()} in group {self._label}"))
 
     def _fail_all(self, error) -> None:
         for req in self._p2p.pending_requests():

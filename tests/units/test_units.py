@@ -143,6 +143,31 @@ def test_p2p_unexpected_messages_keep_order_per_tag(two_endpoints):
     assert [int(x[0]) for x in bufs] == [10, 21, 12]
 
 
+def test_a_message_written_just_before_its_sender_died_is_still_received(two_endpoints):
+    # The receiver drains its rings, finds nothing, then checks its peers' liveness; the
+    # sender writes its last message and exits in between. The message must be delivered,
+    # not the receive failed with PeerDied.
+    from neuron_dist.p2p_engine import P2PEngine
+    from neuron_dist.transport.errors import PeerDied
+
+    a, b = two_endpoints
+    msg = torch.arange(8, dtype=torch.uint8)
+
+    class DiesAfterSending:
+        rank, size = 1, 2
+
+        def check_peers(self, peers, deadline, any_suffices=False):
+            assert a.send_now(1, 3, msg.data_ptr(), msg.numel())
+            raise PeerDied(0, 12345, "exited")
+
+    engine = P2PEngine(b, DiesAfterSending(), "test", lambda exc, what: exc)
+    got = torch.zeros(8, dtype=torch.uint8)
+    r = Request(0, 3, got, False, 1e18)
+    b.post_recv(r)
+    engine._progress_locked()
+    assert r.done and r.error is None and torch.equal(got, msg), r.error
+
+
 def test_p2p_size_mismatch_fails_only_that_receive(two_endpoints):
     a, b = two_endpoints
     s1 = Request(1, 0, torch.ones(64, dtype=torch.uint8), True, 1e18)

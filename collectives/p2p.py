@@ -11,7 +11,11 @@ in the order they were posted (a receive names a source, or None for any source,
 tag). A message nobody has asked for yet is drained into a private buffer (the "unexpected
 queue") so that a sender is never stuck behind a receiver that posts late; a later receive
 takes the oldest matching unexpected message. Messages from one source are matched in the
-order sent (MPI's non-overtaking rule). This module moves no threads: ``P2P.progress`` does
+order sent (MPI's non-overtaking rule). A receive may carry a ``claim``: a receive from any
+rank of a group that spans nodes is posted here and on the network at once, and
+``claim()``, called just before a message is bound to it, says whether it may still take
+one (False: the network got one first; it then takes nothing here and ends with
+``Claimed``). This module moves no threads: ``P2P.progress`` does
 whatever is possible now and returns, and a driver calls it (neuron_dist/p2p_engine.py).
 """
 
@@ -22,6 +26,7 @@ from collections import deque
 
 import torch
 
+from ..transport.errors import Claimed
 from . import one_thread
 
 MAGIC = 0x5032504E  # "NP2P"
@@ -63,7 +68,7 @@ class Request:
     ``data``: a flat uint8 tensor or a ``Memory``."""
 
     __slots__ = ("peer", "tag", "data", "moved", "done", "error", "source", "deadline",
-                 "is_send", "header_sent", "callback")
+                 "is_send", "header_sent", "callback", "claim", "names")
 
     def __init__(self, peer, tag: int, data, is_send: bool, deadline: float):
         self.peer = peer  # group rank, or None for a receive from any source
@@ -77,11 +82,14 @@ class Request:
         self.source = -1
         self.header_sent = False
         self.callback = None
+        self.claim = None  # see the module docstring
+        self.names = None  # group ranks of peer numbers, for messages (None: the same)
 
     def describe(self) -> str:
+        peer = self.peer if self.names is None or self.peer is None else self.names[self.peer]
         if self.is_send:
-            return f"send to rank {self.peer} (tag {self.tag}, {self.data.numel()} bytes)"
-        who = "any rank" if self.peer is None else f"rank {self.peer}"
+            return f"send to rank {peer} (tag {self.tag}, {self.data.numel()} bytes)"
+        who = "any rank" if peer is None else f"rank {peer}"
         return f"recv from {who} (tag {self.tag}, {self.data.numel()} bytes)"
 
     def _finish(self, error=None) -> None:
@@ -158,6 +166,8 @@ class P2P:
     def post_recv(self, req: Request) -> None:
         for i, (src, tag, buf) in enumerate(self._unexpected):
             if tag == req.tag and req.peer in (None, src):
+                if not _may_take(req):
+                    return
                 del self._unexpected[i]
                 self._deliver(req, src, buf)
                 return
@@ -280,24 +290,23 @@ class P2P:
         return True
 
     def _match(self, src: int, tag: int, nbytes: int) -> _Incoming:
-        for i, req in enumerate(self._recvs):
-            if req.tag == tag and req.peer in (None, src):
-                del self._recvs[i]
-                if req.data.numel() != nbytes:
-                    req._finish(P2PError(
-                        f"{req.describe()}: rank {src} sent {nbytes} bytes with tag {tag}; "
-                        "sizes of matching send and recv must be equal"))
-                    return _Incoming(tag, nbytes, None, None)
-                req.source = src
-                return _Incoming(tag, nbytes, req.data, req)
-        return _Incoming(tag, nbytes, torch.empty(nbytes, dtype=torch.uint8), None)
+        req = self._matching(src, tag)
+        if req is None:
+            return _Incoming(tag, nbytes, torch.empty(nbytes, dtype=torch.uint8), None)
+        if req.data.numel() != nbytes:
+            req._finish(P2PError(
+                f"{req.describe()}: rank {_name(req, src)} sent {nbytes} bytes with tag "
+                f"{tag}; sizes of matching send and recv must be equal"))
+            return _Incoming(tag, nbytes, None, None)
+        req.source = src
+        return _Incoming(tag, nbytes, req.data, req)
 
     def _deliver(self, req: Request, src: int, buf) -> None:
         if buf is not None:
             if buf.numel() != req.data.numel():
                 req._finish(P2PError(
-                    f"{req.describe()}: rank {src} sent {buf.numel()} bytes with tag {req.tag}; "
-                    "sizes of matching send and recv must be equal"))
+                    f"{req.describe()}: rank {_name(req, src)} sent {buf.numel()} bytes with "
+                    f"tag {req.tag}; sizes of matching send and recv must be equal"))
                 return
             threads = one_thread.enter()  # (a message that came before its receive)
             try:
@@ -309,9 +318,35 @@ class P2P:
 
     def _rematch(self) -> None:
         src, tag, buf = self._unexpected[-1]
-        for i, req in enumerate(self._recvs):
+        req = self._matching(src, tag)
+        if req is not None:
+            self._unexpected.pop()
+            self._deliver(req, src, buf)
+
+    def _matching(self, src: int, tag: int):
+        """The oldest posted receive that takes a message of ``tag`` from ``src``, taken
+        off the list (receives whose claim failed are dropped on the way), or None."""
+        i = 0
+        recvs = self._recvs
+        while i < len(recvs):
+            req = recvs[i]
             if req.tag == tag and req.peer in (None, src):
-                del self._recvs[i]
-                self._unexpected.pop()
-                self._deliver(req, src, buf)
-                return
+                del recvs[i]
+                if _may_take(req):
+                    return req
+                continue
+            i += 1
+        return None
+
+
+def _name(req: Request, k: int) -> int:
+    """Group rank of peer number ``k`` (see ``Request.names``)."""
+    return k if req.names is None else req.names[k]
+
+
+def _may_take(req: Request) -> bool:
+    """May ``req`` take a message now? (Not if its claim fails: it is finished then.)"""
+    if req.claim is None or req.claim():
+        return True
+    req._finish(Claimed())
+    return False

@@ -81,6 +81,12 @@ class P2PEngine:
             if not req.done and (self._idle or req.is_send):
                 self._wake.notify()
 
+    def withdraw(self, req: Request, error: BaseException) -> None:
+        """Withdraw ``req`` unless it has completed; it then fails with ``error``."""
+        with self._lock:
+            if not req.done:
+                self._p2p.fail(req, error)
+
     def send_now(self, dst: int, tag: int, address: int, nbytes: int) -> bool:
         """Send a small message at once if it fits (see ``P2P.send_now``); else False."""
         with self._lock:

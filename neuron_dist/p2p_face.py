@@ -8,8 +8,13 @@ How it works
 * **One node, otherwise**: a ``collectives.p2p`` request is posted on the group's
   shared-memory send/recv engine (``p2p_engine.py``, its own progress); its callback
   completes the Work (a non-contiguous receive is copied back first).
-* **A group that spans nodes**: straight over the inter-node transport, tags offset by
-  ``P2P_TAG_BASE`` (collectives use ``collectives.net.COLLECTIVE_TAG``). A small send completes
+* **A group that spans nodes**: a rank of this node is sent to and received from through
+  shared memory as above (the node's channel numbers the node's ranks 0..n-1), any other
+  rank straight over the inter-node transport, tags offset by ``P2P_TAG_BASE``
+  (collectives use ``collectives.net.COLLECTIVE_TAG``); a receive from any rank listens on
+  both (p2p_any.py). (Over a transport that cannot share a receive from any rank with
+  shared memory, ``CLAIMS`` false: MPI, whose own shared memory serves ranks of one node,
+  everything goes over the transport.) Over the network, a small send completes
   as it is posted; everything else completes for whoever looks at its Work (``wait``,
   ``is_completed``, ...), so no thread hand-off is on a message's path, and a future or a
   hook arms a completion callback. A receive that times out is withdrawn from the
@@ -31,8 +36,9 @@ from .collectives.net import as_bytes
 from .collectives.p2p import P2P, Memory, Request
 from .errors import GroupAbortedError, PeerTimeoutError
 from .flat import Flat
+from .p2p_any import AnySourceRecv
 from .p2p_engine import P2PEngine
-from .transport.errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout
+from .transport.errors import ChannelClosed, Claimed, PeerAborted, PeerDied, PeerTimeout
 from .work import NeuronWork
 
 EXPRESS_SEND_BYTES = 1 << 20  # sends up to this size are written into the ring at once if they fit
@@ -57,12 +63,23 @@ class PointToPoint:
         transport errors (it also aborts the group when fatal).
     timeout, timeout_text : callable
         The group's current default timeout, in seconds and as text.
+    local : sequence of int, optional
+        In a group that spans nodes: the group ranks on this node, in the order of the
+        node's channel.
     """
 
     def __init__(self, rank: int, size: int, channel, net, label, on_error, timeout,
-                 timeout_text):
+                 timeout_text, local=None):
         self._rank, self._size = rank, size
         self._channel, self._net = channel, net
+        # group rank -> the node channel's number for it: the peers reached through
+        # shared memory (every peer in a one-node group; see the module docstring)
+        if net is None:
+            self._local, self._names = {k: k for k in range(size)}, None
+        elif local is not None and len(local) > 1 and getattr(net, "CLAIMS", False):
+            self._local, self._names = {g: i for i, g in enumerate(local)}, tuple(local)
+        else:
+            self._local, self._names = {}, None
         self._label, self._on_error = label, on_error
         self._timeout, self._timeout_text = timeout, timeout_text
         self._shm = None  # P2PEngine, made on first use
@@ -74,9 +91,10 @@ class PointToPoint:
         nbytes = t.numel() * t.element_size()
         # A small message that fits the ring is written whole, now, from the tensor itself:
         # no request, no progress engine (send and isend alike: the bytes have left).
-        if (nbytes <= EXPRESS_SEND_BYTES and self._net is None and not self._stopped
+        shm_dst = self._local.get(dst)
+        if (nbytes <= EXPRESS_SEND_BYTES and shm_dst is not None and not self._stopped
                 and t.is_contiguous() and not _profiler._is_profiler_enabled
-                and self._engine().send_now(dst, int(tag), t.data_ptr(), nbytes)):
+                and self._engine().send_now(shm_dst, int(tag), t.data_ptr(), nbytes)):
             stats.add_call(nbytes)
             return self._sent(t, lambda: f"send to rank {dst} (tag {tag}, {nbytes} bytes) "
                                          f"in group {self._label()}")
@@ -114,12 +132,17 @@ class PointToPoint:
     def _engine(self) -> P2PEngine:
         """The group's shared-memory send/recv engine (made on first use)."""
         if self._shm is None:
-            ch = self._channel
-            p2p = P2P(self._rank, self._size, lambda k: ch.mailbox(self._rank, k),
-                      lambda k: ch.mailbox(k, self._rank), ch.ring)
+            ch = self._channel  # (ch.rank, ch.size: this node's part of the group)
+            p2p = P2P(ch.rank, ch.size, lambda k: ch.mailbox(ch.rank, k),
+                      lambda k: ch.mailbox(k, ch.rank), ch.ring)
             self._shm = P2PEngine(p2p, ch, self._label(),
                                   lambda exc, what: self._on_error(exc, what)[0])
         return self._shm
+
+    def _shm_withdraw(self, req) -> None:
+        """Withdraw a request of the shared-memory engine unless it completed."""
+        if self._shm is not None:
+            self._shm.withdraw(req, Claimed())
 
     def _post(self, t, peer, tag: int, is_send: bool, name: str):
         if _profiler._is_profiler_enabled:
@@ -131,19 +154,45 @@ class PointToPoint:
     def _post_now(self, t, peer, tag: int, is_send: bool, name: str):
         if self._stopped:
             raise GroupAbortedError(f"{name}: the group was destroyed")
-        if self._net is not None:
+        shm_peer = self._local.get(peer)
+        if shm_peer is None and self._net is not None:
+            if peer is None and self._names is not None:
+                return self._post_any(t, tag)
             return self._post_net(t, peer, tag, is_send, name)
         if t.is_contiguous():
             f, data = None, Memory(t)
         else:
             f = Flat(t, read=is_send)
             data = f.bytes  # (a torch view: made once)
-        req = Request(peer, int(tag), data, is_send, time.monotonic() + self._timeout())
+        req = Request(shm_peer, int(tag), data, is_send, time.monotonic() + self._timeout())
+        req.names = self._names
         work = NeuronWork([t], lambda: f"{req.describe()} in group {self._label()}")
         op = work.op = _ShmOp(self._engine(), req, work, None if is_send else f)
         req.callback = op.done
         stats.add_call(data.numel())
         op.engine.post(req)
+        return work
+
+    def _post_any(self, t, tag: int):
+        """A receive from any rank, in a group that spans nodes with other ranks on this
+        node: on shared memory and the network at once (p2p_any.py)."""
+        if tag < 0:
+            raise ValueError(f"recv: tag must be >= 0, not {tag}")
+        if t.is_contiguous():
+            f, data, buf = None, Memory(t), as_bytes(t)
+        else:
+            f = Flat(t, read=False)
+            data, buf = f.bytes, as_bytes(f.bytes)
+        op = AnySourceRecv(self, int(tag), data, buf, f, self._names, P2P_TAG_BASE + int(tag),
+                           time.monotonic() + self._timeout())
+        stats.add_call(data.numel())
+        work = NeuronWork([t], op)
+        work.op = op
+        try:
+            op.start(work)
+        except (PeerDied, PeerAborted, ChannelClosed) as e:
+            self._shm_withdraw(op.shm)
+            raise self._on_error(e, op())[0] from None
         return work
 
     def _post_net(self, t, peer, tag: int, is_send: bool, name: str):
@@ -208,7 +257,10 @@ class _ShmOp:
         work, self.work = self.work, None
         self.req = None  # (the request's callback refers to this object: no cycle is left)
         if work is not None:
-            work._complete(req.error, req.source)
+            source = req.source
+            if req.names is not None and source >= 0:
+                source = req.names[source]  # (the node's number -> the group rank)
+            work._complete(req.error, source)
 
     def poll(self) -> None:
         pass

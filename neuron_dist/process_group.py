@@ -144,7 +144,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                                         links.hold)
         install_signal_handler()
         self._p2p = PointToPoint(rank, size, self._channel, self._net, self._label,
-                                 self._on_error, lambda: self._timeout_s, self._timeout_text)
+                                 self._on_error, lambda: self._timeout_s, self._timeout_text,
+                                 self._topo.local if self._net is not None else None)
         if self._net is None:
             self._express = ExpressLane(self._channel, self._engine, self._scratch,
                                         self._plans, self._selection, reduce_spec)

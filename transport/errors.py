@@ -65,6 +65,11 @@ class PeerUnreachable(PeerDied):
         super().__init__(rank, None, detail)
 
 
+class Claimed(TransportError):
+    """A receive from any rank took nothing: another path (shared memory) satisfied it
+    first (``RdmTransport.irecv_any``'s ``claim``). Its owner expects this and ignores it."""
+
+
 class MessageSizeMismatch(TransportError, ValueError):
     """A message's size differs from its receive's buffer. The receive fails with this and
     the message is consumed (the next receive of the stream gets the next message).

@@ -20,6 +20,9 @@ is the kernel (copies, wake-ups), e.g. for a 2 MiB all_reduce between two nodes:
 
     python -m neuron_dist.bench.hotloop -n 2 --nodes 2 --bytes 2097152 --thread-cpu
 
+``send_recv`` is a round trip between ranks 0 and 1 (the others idle): with ``-n 4 --nodes
+2`` the two share a node in a group that spans nodes.
+
 Each rank uses one torch thread unless ``--threads`` says otherwise; ``--threads 0`` keeps
 torch's default (a thread per core in every rank), as a script that sets nothing gets.
 """
@@ -51,6 +54,8 @@ def make_op(name: str, rank: int, world: int, t: torch.Tensor, group=None):
         out = torch.empty(world * t.numel(), dtype=t.dtype)
         return lambda: dist.all_gather_into_tensor(out, t, group=group)
     peer = 1 - rank  # send_recv: ping-pong between ranks 0 and 1, one round trip per op
+    if rank > 1:
+        return lambda: None
     if rank == 0:
         return lambda: (dist.send(t, peer, group=group), dist.recv(t, peer, group=group))
     return lambda: (dist.recv(t, peer, group=group), dist.send(t, peer, group=group))
@@ -123,6 +128,7 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     if rank == 0:
         _say(f"{args.backend} {args.op} {t.numel() * 4} B, {world} rank(s) on "
              f"{args.nodes} node(s): {per_op * 1e6:.1f} us per operation ({n} back to back)")
+    dist.barrier()  # (send_recv: ranks 2.. finish their loop at once)
     dist.destroy_process_group()
 
 
@@ -165,8 +171,8 @@ def main(argv=None) -> None:
         return
     if not 1 <= args.nodes <= args.nprocs:
         p.error("--nodes must be between 1 and the number of ranks")
-    if args.op == "send_recv" and args.nprocs != 2:
-        p.error("send_recv needs -n 2")
+    if args.op == "send_recv" and args.nprocs < 2:
+        p.error("send_recv needs -n 2 or more")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -569,6 +569,29 @@ def test_receive_from_any_source():
             t.close()
 
 
+def test_a_receive_from_any_rank_whose_claim_fails_takes_nothing(pair):
+    """A receive from any rank that shared memory may satisfy too (neuron_dist/p2p_any.py):
+    once the other path has the token, this one binds nothing, and the message stays for
+    the next receive; posted before the message arrives or after."""
+    from neuron_dist.transport.errors import Claimed
+    calls = []
+
+    def lost():
+        calls.append(1)
+        return False
+
+    waiting = pair[0].irecv_any(5, np.zeros(3, np.uint8), claim=lost)  # posted first
+    pair[1].isend(0, 5, np.full(3, 7, np.uint8)).wait(time.monotonic() + 5)
+    _until(lambda: waiting.done())
+    assert isinstance(waiting.error, Claimed) and waiting.buf.tolist() == [0, 0, 0]
+    late = pair[0].irecv_any(5, np.zeros(3, np.uint8), claim=lost)  # the message is early now
+    assert late.done() and isinstance(late.error, Claimed) and late.buf.tolist() == [0, 0, 0]
+    assert len(calls) == 2
+    won = pair[0].irecv_any(5, np.zeros(3, np.uint8), claim=lambda: True)
+    won.wait(time.monotonic() + 5)
+    assert won.source == 1 and won.buf.tolist() == [7, 7, 7]
+
+
 def _until(cond, seconds=5.0):
     end = time.monotonic() + seconds
     while not cond():

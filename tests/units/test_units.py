@@ -168,6 +168,36 @@ def test_a_message_written_just_before_its_sender_died_is_still_received(two_end
     assert r.done and r.error is None and torch.equal(got, msg), r.error
 
 
+def test_p2p_a_receive_whose_claim_fails_takes_nothing(two_endpoints):
+    # A receive from any rank that the network may satisfy too (neuron_dist/p2p_any.py):
+    # once the network has the token, this one binds nothing and the message stays for
+    # the next receive, whether it arrives after the receive was posted or before.
+    from neuron_dist.transport.errors import Claimed
+    a, b = two_endpoints
+    calls = []
+
+    def lost():
+        calls.append(1)
+        return False
+
+    r1 = Request(None, 2, torch.zeros(8, dtype=torch.uint8), False, 1e18)
+    r1.claim = lost
+    b.post_recv(r1)
+    s1 = Request(1, 2, torch.full((8,), 5, dtype=torch.uint8), True, 1e18)
+    a.post_send(s1)
+    _pump([a, b], [s1, r1])
+    assert isinstance(r1.error, Claimed) and not r1.data.any()
+    r2 = Request(None, 2, torch.zeros(8, dtype=torch.uint8), False, 1e18)
+    r2.claim = lost
+    b.post_recv(r2)  # the message is unexpected now
+    assert r2.done and isinstance(r2.error, Claimed) and not r2.data.any()
+    assert len(calls) == 2
+    r3 = Request(None, 2, torch.zeros(8, dtype=torch.uint8), False, 1e18)
+    r3.claim = lambda: True
+    b.post_recv(r3)
+    assert r3.done and r3.error is None and r3.source == 0 and r3.data.tolist() == [5] * 8
+
+
 def test_p2p_size_mismatch_fails_only_that_receive(two_endpoints):
     a, b = two_endpoints
     s1 = Request(1, 0, torch.ones(64, dtype=torch.uint8), True, 1e18)

@@ -67,7 +67,8 @@ import time
 from collections import deque
 from itertools import islice
 
-from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismatch, PeerAborted,
+from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, Claimed, MessageSizeMismatch,
+                      PeerAborted,
                       PeerTimeout, PeerUnreachable)
 from ..requests import Request as _Request
 from . import frames as F
@@ -174,13 +175,15 @@ class _Rail:
 class Request(_Request):
     """A pending ``isend``, ``irecv`` or ``irecv_any`` (see transport/requests.py).
 
-    Waiting drives the process's progress engine from the waiting thread."""
+    Waiting drives the process's progress engine from the waiting thread. ``claim``: see
+    ``RdmTransport.irecv_any``."""
 
-    __slots__ = ("_owner",)
+    __slots__ = ("_owner", "claim")
 
     def __init__(self, peer, tag: int, buf, is_send: bool, owner: "RdmTransport"):
         super().__init__(peer, tag, buf, is_send, owner._engine.callbacks)
         self._owner = owner
+        self.claim = None
 
     def on_complete(self, callback) -> None:
         super().on_complete(callback)
@@ -234,6 +237,10 @@ class RdmTransport:
     label : str
         Names the group in log messages.
     """
+
+    # ``irecv_any`` takes a ``claim`` and ``drive_until``/``wake`` exist, so a receive from
+    # any rank can also listen on shared memory (neuron_dist/p2p_any.py).
+    CLAIMS = True
 
     def __init__(self, rank: int, world_size: int, *, host: str, rails: int, key: bytes,
                  group: bytes, segment_bytes: int = 1 << 20, window_bytes: int = 32 << 20,
@@ -579,19 +586,29 @@ class RdmTransport:
             self._engine.kick()  # see _bulk_pending
         return req
 
-    def irecv_any(self, tag: int, buf, callback=None) -> Request:
+    def irecv_any(self, tag: int, buf, callback=None, claim=None) -> Request:
         """Receive the next message of ``tag`` from whichever rank sends one first.
 
         The source is in ``request.source`` once complete. Messages go to receives naming
         their source first; a receive from any source takes the earliest message that no
         such receive was waiting for.
+
+        ``claim``: a receive that another path (shared memory) may satisfy instead.
+        ``claim()`` is called just before a message is bound to this receive; False means
+        the other path got a message first: then the receive takes nothing, the message
+        stays for the next receive, and the request ends with ``Claimed``. (It must not
+        wait on anything: it runs under this transport's lock.)
         """
         view = memoryview(buf).cast("B")
         req = Request(None, tag, view, False, self)
         req.callback = callback
+        req.claim = claim
         with self._lock:
             if self._closed:
                 raise ChannelClosed(f"rdm transport of {self._label} is closed")
+            if claim is not None and self.ep.peek_early_any(tag) is not None and not claim():
+                req._finish(Claimed())
+                return req
             early = self.ep.take_early_any(tag)
             if early is not None:
                 req.source = early[0]
@@ -604,6 +621,17 @@ class RdmTransport:
         if req.nbytes > EAGER_BYTES or callback is not None:
             self._engine.kick()
         return req
+
+    def drive_until(self, done, deadline: float) -> bool:
+        """Make progress from the calling thread until ``done()`` or ``deadline``; the
+        result of ``done()``. For a waiter that also waits for something else (a receive
+        from any rank that shared memory may satisfy too): whoever makes ``done()`` true
+        from another thread calls ``wake`` so that this thread leaves ``epoll`` at once."""
+        return self._engine.drive(done, deadline, None, self.spin)
+
+    def wake(self) -> None:
+        """Make a thread in ``drive_until`` look at its condition again now."""
+        self._engine.wake()
 
     def cancel(self, req: Request, error: Exception) -> bool:
         """Withdraw ``req`` unless it has completed; True if it was withdrawn.
@@ -995,6 +1023,8 @@ class RdmTransport:
         if ev.posted:
             return  # it landed in a receive that was withdrawn since: nobody gets it
         anyone = self._any.get(ev.tag)
+        while anyone and anyone[0].claim is not None and not anyone[0].claim():
+            anyone.popleft()._finish(Claimed())  # (satisfied by another path meanwhile)
         if anyone:  # an early message (kept by the endpoint): the oldest such receive takes it
             req = anyone.popleft()
             req.source = ev.src

@@ -530,15 +530,24 @@ class Endpoint:
     def take_early_any(self, tag: int):
         """``(src, message)`` of the earliest-arrived early message of ``tag`` from any
         peer, or None."""
+        best = self._earliest(tag)
+        if best is None:
+            return None
+        return best[0], self._take(best[1], best[2])
+
+    def peek_early_any(self, tag: int):
+        """The source of the message ``take_early_any(tag)`` would take, or None."""
+        best = self._earliest(tag)
+        return None if best is None else best[0]
+
+    def _earliest(self, tag: int):
         best = None
         for src, state in [*self._peers.items(), *self._left.items()]:
             stream = state.streams.get(tag)
             if stream is not None and stream.early and (
                     best is None or stream.early[0][0] < best[2].early[0][0]):
                 best = (src, state, stream)
-        if best is None:
-            return None
-        return best[0], self._take(best[1], best[2])
+        return best
 
     def _take(self, state: _Peer, stream: _Stream) -> bytearray:
         data = stream.early.popleft()[1]

@@ -1,0 +1,192 @@
+"""A receive from any rank in a group that spans nodes and has other ranks on this node.
+
+How it works
+------------
+In such a group a rank of this node sends to us through shared memory (p2p_face.py) and
+the others over the network, so a receive from any rank is posted on both paths at once:
+on the node's send/recv engine (collectives/p2p.py, a receive from any of the node's
+ranks) and on the inter-node transport (``irecv_any``), both into the caller's tensor.
+Both requests carry the same ``claim``: a one-shot token (``list.pop`` is atomic) that a
+path takes just before it binds a message to its request. The path that gets the token
+delivers the message; the other binds nothing (its request ends with ``Claimed`` and the
+message it would have taken stays for the next receive) and is withdrawn. So exactly one
+message is consumed, and only one path ever writes into the tensor.
+
+Completion: the shared-memory request completes through its engine's callback (the
+engine's own thread moves it while nobody drives that engine). The network request
+completes when someone looks, or by its callback once a future or hook asks for it. A
+thread in ``wait`` drives the network transport (``drive_until``) until the Work is
+done; a shared-memory completion wakes it (``wake``). A failure of either path (a
+deadline, a dead peer, the group torn down) takes the token too, so it fails the receive
+only if no message was bound; the deadline is the group's timeout, like every receive's.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .collectives.p2p import Request
+from .errors import PeerTimeoutError
+from .transport.errors import Claimed
+
+
+class AnySourceRecv:
+    """One receive from any rank as its Work sees it (``NeuronWork.op``): ``drive``,
+    ``poll``, ``arm``, and, called, the Work's description.
+
+    Parameters
+    ----------
+    face : PointToPoint
+        The group's send/recv (its shared-memory engine, transport, labels, errors).
+    tag : int
+    data, buf
+        The receiving bytes: ``data`` for the node's engine (a ``Memory`` or a uint8
+        tensor), ``buf`` for the transport (a buffer over the same memory).
+    flat : Flat or None
+        Copied back into the caller's non-contiguous tensor on success.
+    names : sequence of int
+        Group ranks of the node's ranks (the engine's peer numbers).
+    net_tag : int
+        The transport's tag for ``tag``.
+    """
+
+    __slots__ = ("face", "tag", "nbytes", "flat", "names", "work", "token", "shm", "net",
+                 "deadline", "armed", "_buf_tag")
+
+    def __init__(self, face, tag: int, data, buf, flat, names, net_tag: int, deadline: float):
+        self.face, self.tag, self.flat, self.names = face, tag, flat, names
+        self.nbytes = data.numel()
+        self.deadline = deadline
+        self.token = [True]
+        self.armed = False
+        self.work = None
+        self.net = None
+        self.shm = Request(None, tag, data, False, deadline)
+        self.shm.claim = self.claim
+        self.shm.names = names
+        self.shm.callback = self._shm_done
+        self._buf_tag = (buf, net_tag)
+
+    def start(self, work) -> None:
+        """Post on both paths (the shared-memory one first: it may complete at once)."""
+        self.work = work
+        self.face._engine().post(self.shm)
+        if self.token:
+            buf, net_tag = self._buf_tag
+            net = self.net = self.face._net.irecv_any(net_tag, buf, claim=self.claim)
+            if net.done():
+                self._net_done(net)
+            elif self.work is None:  # the node's engine completed it meanwhile
+                self._withdraw_net()
+        self._buf_tag = None
+
+    def claim(self) -> bool:
+        """Take the token; True for the one caller that gets it."""
+        try:
+            self.token.pop()
+        except IndexError:
+            return False
+        return True
+
+    def __call__(self) -> str:
+        return (f"recv from any rank (tag {self.tag}, {self.nbytes} bytes) in group "
+                f"{self.face._label()}")
+
+    # ------------------------------------------------------------- completion
+    def _finish(self, error, source: int) -> None:
+        work, self.work = self.work, None
+        if work is None:
+            return
+        if error is None and self.flat is not None:
+            self.flat.finish()
+        work._complete(error, source)
+
+    def _shm_done(self, req) -> None:
+        """The node's engine finished its request (under the engine's lock)."""
+        if isinstance(req.error, Claimed):
+            return  # the network took the message
+        if req.error is None:
+            self._finish(None, self.names[req.source])
+        elif self.claim():  # a real failure, and no message was bound anywhere
+            self._finish(req.error, -1)
+        else:
+            return  # the network bound a message: it completes the receive
+        self._withdraw_net()
+        if self.net is not None:
+            self.face._net.wake()  # a thread in drive() looks again
+        self._release_shm()
+
+    def _net_done(self, req) -> None:
+        """The transport finished its request (seen by whoever looks, or its callback)."""
+        if isinstance(req.error, Claimed) or self.work is None:
+            return
+        if req.error is None:
+            self._finish(None, req.source if req.source is not None else -1)
+        elif self.claim():
+            self._finish(self.face._on_error(req.error, self())[0], -1)
+        else:
+            return  # the node's engine bound a message: it completes the receive
+        self.face._shm_withdraw(self.shm)
+        self._release_shm()
+        if req.done():
+            req.claim = None  # (no cycle is left)
+
+    def _withdraw_net(self) -> None:
+        """Withdraw the network request unless it completed (it then refers to us no more)."""
+        net = self.net
+        if net is None:
+            return
+        if not net.done():
+            try:
+                self.face._net.cancel(net, Claimed())
+            except Exception:  # noqa: BLE001 - closed: it is finished with the rest
+                return
+        net.claim = None  # (done: nothing calls it any more; no cycle is left)
+
+    def _release_shm(self) -> None:
+        shm = self.shm
+        if shm.done:  # (withdrawn or complete: its callback and claim are not called again)
+            shm.callback = shm.claim = None
+
+    # ---------------------------------------------------------------- Work.op
+    def poll(self) -> None:
+        net = self.net
+        if net is not None and net.done():
+            self._net_done(net)
+
+    def arm(self) -> None:
+        net = self.net
+        if net is not None and not self.armed:
+            self.armed = True
+            net.on_complete(self._net_done)
+
+    def drive(self, deadline: float) -> None:
+        end = min(deadline, self.deadline)
+        face = self.face
+        while self.work is not None:
+            net = self.net
+            if net is not None and net.done():
+                self._net_done(net)
+                continue
+            if net is None:  # (the node's engine bound a message as it was posted)
+                try:
+                    face._shm.drive(self.shm, end)
+                except PeerTimeoutError:
+                    pass
+            else:
+                face._net.drive_until(lambda: self.work is None or net.done(), end)
+            if self.work is None or time.monotonic() < end:
+                continue
+            if deadline < self.deadline:
+                work = self.work
+                if work is not None:
+                    raise PeerTimeoutError(f"{work.what}: Timed out in Work.wait")
+                return
+            if self.claim():  # nothing was bound: withdraw both, then fail
+                face._shm_withdraw(self.shm)
+                self._release_shm()
+                self._withdraw_net()
+                self._finish(PeerTimeoutError(
+                    f"{self()}: Timed out after {face._timeout_text()}: no rank sent it"), -1)
+                return
+            end = time.monotonic() + 0.05  # a path is completing it right now

@@ -8,7 +8,10 @@ sends and delayed acks (``driver.EAGER_BYTES``), segments (``NEURON_DIST_NET_SEG
 all-reduce in halves (``selection.HALVES_BYTES``). Operations are synchronous or
 asynchronous at random (up to 8 in flight, the same sequence on every rank), in three
 groups (the world, a pair across the two nodes and a pair inside one), with send/recv
-between random pairs among them. Inputs depend on the rank and the position, so a block
+between random pairs among them (a pair of one node through shared memory, others over
+the network), half the receives from any rank (posted on both paths at once:
+neuron_dist/p2p_any.py; the tag is the operation's, so exactly one message matches, and
+the reported source is checked). Inputs depend on the rank and the position, so a block
 from the wrong rank, at the wrong offset or from another call shows.
 """
 
@@ -42,7 +45,7 @@ def soak(rank, world):
     groups = [None, across, inside]
     rng = random.Random(4321)  # the same sequence on every rank
     pending = []
-    counts = {"checked": 0, "p2p": 0, "halves": 0}
+    counts = {"checked": 0, "p2p": 0, "halves": 0, "any": 0}
 
     def settle():
         counts["checked"] += _settle(pending)
@@ -55,16 +58,18 @@ def soak(rank, world):
         async_op = rng.random() < 0.5
         g = groups[rng.randrange(3)]
         src, dst = rng.sample(range(world), 2)
+        from_any = rng.random() < 0.5
         if kind == 5:  # send/recv between two ranks of the world, a tag per operation
             if rank == src:
                 w = dist.isend(_pattern(n) + src, dst, tag=i)
                 pending.append((w, f"op {i} (send)", torch.zeros(0), lambda: torch.zeros(0)))
             elif rank == dst:
                 t = torch.full((n,), -1.0)
-                w = dist.irecv(t, src, tag=i)
+                w = dist.irecv(t, None if from_any else src, tag=i)
                 pending.append((w, f"op {i} (recv from {src})", t,
-                                lambda n=n, src=src: _pattern(n) + src))
+                                lambda n=n, src=src, w=w, i=i: _from(w, src, i) + _pattern(n)))
                 counts["p2p"] += 1
+                counts["any"] += from_any
         elif g is None or rank in dist.get_process_group_ranks(g):
             gsize, me = dist.get_world_size(g), dist.get_rank(g)
             ranks_sum = float(gsize * (gsize - 1) // 2)
@@ -101,6 +106,14 @@ def soak(rank, world):
     return counts
 
 
+def _from(work, src: int, i: int) -> int:
+    """``src``, after checking that ``work`` says its message came from there."""
+    got = work._source_rank()
+    if got != src:
+        raise AssertionError(f"op {i}: a receive of rank {src}'s message reports rank {got}")
+    return src
+
+
 @pytest.mark.timeout(300)
 def test_mixed_operations_across_nodes_at_every_threshold_land_exactly():
     res = run_ranks(soak, len(NAMES), timeout=240,
@@ -108,6 +121,6 @@ def test_mixed_operations_across_nodes_at_every_threshold_land_exactly():
                                    "NEURON_DIST_NET_SEGMENT_BYTES": "64K"})
     for rank, counts in res.items():
         assert counts["checked"] > TOTAL * 0.25, (rank, counts)  # (rank 0 is in the world only)
-        assert counts["p2p"] > 0, (rank, counts)
+        assert counts["p2p"] > counts["any"] > 0, (rank, counts)
     # the two-node all-reduce in halves ran (ranks 1 and 2 are the pair across)
     assert res[1]["halves"] > 0 and res[2]["halves"] > 0, res

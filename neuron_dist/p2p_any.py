@@ -39,21 +39,20 @@ class AnySourceRecv:
     face : PointToPoint
         The group's send/recv (its shared-memory engine, transport, labels, errors).
     tag : int
-    data, buf
-        The receiving bytes: ``data`` for the node's engine (a ``Memory`` or a uint8
-        tensor), ``buf`` for the transport (a buffer over the same memory).
+    data
+        The receiving bytes for the node's engine (a ``Memory`` or a uint8 tensor).
     flat : Flat or None
         Copied back into the caller's non-contiguous tensor on success.
     names : sequence of int
         Group ranks of the node's ranks (the engine's peer numbers).
-    net_tag : int
-        The transport's tag for ``tag``.
+    deadline : float
+        When the receive fails if nothing came (``time.monotonic()``).
     """
 
     __slots__ = ("face", "tag", "nbytes", "flat", "names", "work", "token", "shm", "net",
-                 "deadline", "armed", "_buf_tag")
+                 "deadline", "armed")
 
-    def __init__(self, face, tag: int, data, buf, flat, names, net_tag: int, deadline: float):
+    def __init__(self, face, tag: int, data, flat, names, deadline: float):
         self.face, self.tag, self.flat, self.names = face, tag, flat, names
         self.nbytes = data.numel()
         self.deadline = deadline
@@ -65,20 +64,18 @@ class AnySourceRecv:
         self.shm.claim = self.claim
         self.shm.names = names
         self.shm.callback = self._shm_done
-        self._buf_tag = (buf, net_tag)
 
-    def start(self, work) -> None:
-        """Post on both paths (the shared-memory one first: it may complete at once)."""
+    def start(self, work, buf, net_tag: int) -> None:
+        """Post on both paths, the shared-memory one first (it may complete at once);
+        ``buf`` is the receiving memory as the transport takes it, ``net_tag`` its tag."""
         self.work = work
         self.face._engine().post(self.shm)
         if self.token:
-            buf, net_tag = self._buf_tag
             net = self.net = self.face._net.irecv_any(net_tag, buf, claim=self.claim)
             if net.done():
                 self._net_done(net)
             elif self.work is None:  # the node's engine completed it meanwhile
                 self._withdraw_net()
-        self._buf_tag = None
 
     def claim(self) -> bool:
         """Take the token; True for the one caller that gets it."""

@@ -183,13 +183,13 @@ class PointToPoint:
         else:
             f = Flat(t, read=False)
             data, buf = f.bytes, as_bytes(f.bytes)
-        op = AnySourceRecv(self, int(tag), data, buf, f, self._names, P2P_TAG_BASE + int(tag),
+        op = AnySourceRecv(self, int(tag), data, f, self._names,
                            time.monotonic() + self._timeout())
         stats.add_call(data.numel())
         work = NeuronWork([t], op)
         work.op = op
         try:
-            op.start(work)
+            op.start(work, buf, P2P_TAG_BASE + int(tag))
         except (PeerDied, PeerAborted, ChannelClosed) as e:
             self._shm_withdraw(op.shm)
             raise self._on_error(e, op())[0] from None

@@ -1,7 +1,9 @@
 """Pipeline parallelism (``torch.distributed.pipelining``) over ``neuron`` send/recv.
 
 A 4-layer MLP is cut into stages (2 ranks: one stage each for GPipe and 1F1B, two each for
-interleaved 1F1B). With ``n_microbatches`` equal micro-batches and the default
+interleaved 1F1B; 4 ranks on two virtual nodes: a layer each, so activations and gradients
+go through shared memory between the two ranks of a node and over the network between
+the nodes, in a group that spans both). With ``n_microbatches`` equal micro-batches and the default
 ``scale_grads=True``, gradients equal those of the mean loss over the whole batch, so the
 per-micro-batch losses, the gradients and the parameters after SGD steps must equal a
 single process's.
@@ -86,12 +88,13 @@ def pipeline(rank, world, schedule):
         mods = {i: model[i] for i in mine}
         last = rank == world - 1
     else:
-        mine = [2 * rank, 2 * rank + 1]
-        sub = nn.Sequential(model[mine[0]], model[mine[1]])
+        per = len(model) // world
+        mine = list(range(per * rank, per * (rank + 1)))
+        sub = nn.Sequential(*[model[i] for i in mine])
         stage = pipelining.PipelineStage(sub, rank, world, cpu)
         cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
         sched = cls(stage, n_microbatches=MICRO, loss_fn=mse)
-        mods = {mine[0]: sub[0], mine[1]: sub[1]}
+        mods = {i: sub[j] for j, i in enumerate(mine)}
         last = rank == world - 1
     params = [p for m in mods.values() for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
@@ -116,8 +119,17 @@ def pipeline(rank, world, schedule):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_pipeline_schedules_match_single_process(schedule):
+    _check(run_ranks(pipeline, 2, schedule, timeout=150))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_over_two_nodes_matches_single_process(schedule):
+    _check(run_ranks(pipeline, 4, schedule, timeout=150,
+                     env=lambda r: {"NEURON_DIST_NODE_NAME": "ab"[r // 2]}))
+
+
+def _check(res):
     want, want_losses, want_grads = reference()
-    res = run_ranks(pipeline, 2, schedule, timeout=150)
     seen = set()
     for rank, info in res.items():
         for k, v in info["params"].items():
@@ -128,5 +140,5 @@ def test_pipeline_schedules_match_single_process(schedule):
         # activations forward and gradients backward went over neuron send/recv
         assert info["p2p"]["send"] >= STEPS * MICRO and info["p2p"]["recv"] >= STEPS * MICRO
     assert seen == set(want)
-    got = torch.tensor(res[1]["losses"])
+    got = torch.tensor(res[len(res) - 1]["losses"])
     assert torch.allclose(got, torch.tensor(want_losses), atol=1e-6), (got, want_losses)

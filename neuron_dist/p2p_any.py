@@ -19,6 +19,12 @@ thread in ``wait`` drives the network transport (``drive_until``) until the Work
 done; a shared-memory completion wakes it (``wake``). A failure of either path (a
 deadline, a dead peer, the group torn down) takes the token too, so it fails the receive
 only if no message was bound; the deadline is the group's timeout, like every receive's.
+Neither path giving up because its ranks are gone (they finished and closed, or died) is
+such a failure while the other path may still deliver: the network's failure then only
+ends its request, the node's engine does not judge its request by its ranks' liveness, and
+a thread in ``wait`` checks that some rank of this node is left once the network's is
+over; when none is, the receive fails (after draining once more: a rank may have written
+its last message just before it exited).
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import time
 
 from .collectives.p2p import Request
 from .errors import PeerTimeoutError
-from .transport.errors import Claimed
+from .transport.errors import Claimed, PeerDied, TransportError
+
+LIVENESS_PERIOD = 0.2  # with only this node's ranks left, a waiter checks them this often
 
 
 class AnySourceRecv:
@@ -71,7 +79,10 @@ class AnySourceRecv:
         self.work = work
         self.face._engine().post(self.shm)
         if self.token:
-            net = self.net = self.face._net.irecv_any(net_tag, buf, claim=self.claim)
+            try:
+                net = self.net = self.face._net.irecv_any(net_tag, buf, claim=self.claim)
+            except PeerDied:
+                return  # every rank on other nodes is gone: this node's may still send
             if net.done():
                 self._net_done(net)
             elif self.work is None:  # the node's engine completed it meanwhile
@@ -119,6 +130,13 @@ class AnySourceRecv:
             return
         if req.error is None:
             self._finish(None, req.source if req.source is not None else -1)
+        elif isinstance(req.error, PeerDied):
+            # Every rank on other nodes is gone (done, or dead): nothing more can come from
+            # there, but this node's ranks may still send. (If they are gone too, the
+            # node's engine fails its request: then the receive fails.)
+            self.net = None
+            self.face._net.wake()
+            return
         elif self.claim():
             self._finish(self.face._on_error(req.error, self())[0], -1)
         else:
@@ -145,6 +163,21 @@ class AnySourceRecv:
         if shm.done:  # (withdrawn or complete: its callback and claim are not called again)
             shm.callback = shm.claim = None
 
+    def _check_local(self) -> None:
+        """Fail the receive if no rank of this node is left to send it (nor, by now, on
+        any other node), or one aborted the group."""
+        face = self.face
+        ch = face._channel
+        try:
+            ch.check_peers([k for k in range(ch.size) if k != ch.rank], float("inf"),
+                           any_suffices=True)
+        except TransportError as e:
+            face._shm.poll()  # (a last message written just before its sender exited)
+            if self.work is not None and self.claim():
+                face._shm_withdraw(self.shm)
+                self._release_shm()
+                self._finish(face._on_error(e, self())[0], -1)
+
     # ---------------------------------------------------------------- Work.op
     def poll(self) -> None:
         net = self.net
@@ -165,11 +198,13 @@ class AnySourceRecv:
             if net is not None and net.done():
                 self._net_done(net)
                 continue
-            if net is None:  # (the node's engine bound a message as it was posted)
+            if net is None:  # only the node's engine can still deliver
                 try:
-                    face._shm.drive(self.shm, end)
+                    face._shm.drive(self.shm, min(end, time.monotonic() + LIVENESS_PERIOD))
                 except PeerTimeoutError:
                     pass
+                if self.work is not None and self.token:
+                    self._check_local()
             else:
                 face._net.drive_until(lambda: self.work is None or net.done(), end)
             if self.work is None or time.monotonic() < end:

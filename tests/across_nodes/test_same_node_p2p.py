@@ -158,3 +158,27 @@ def size_mismatch_names_group_ranks(rank, world):
 def test_a_size_mismatch_between_ranks_of_one_node_names_their_group_ranks():
     res = run_ranks(size_mismatch_names_group_ranks, 4, env=_env, timeout=100)
     assert "recv from rank 2" in res[3] and "rank 2 sent 32 bytes" in res[3], res[3]
+
+
+def this_node_leaves(rank, world):
+    """Rank 0's other rank on its node finishes at once, without sending; a receive from any
+    rank must still get the message that a rank of the other node sends later (that no
+    rank of this node is left is no reason to fail while the network may deliver)."""
+    import time
+    if rank in (1, 3):
+        return "gone"
+    if rank == 2:
+        time.sleep(1.5)  # rank 1 has left by now
+        dist.send(torch.full((3,), 2.0), 0, tag=4)
+        return "sent"
+    got = torch.empty(3)
+    try:
+        src = dist.recv(got, tag=4)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "ok" if src == 2 and torch.equal(got, torch.full((3,), 2.0)) else f"{got} from {src}"
+
+
+def test_a_receive_from_any_rank_outlives_this_nodes_other_ranks():
+    res = run_ranks(this_node_leaves, 4, env=_env, timeout=100)
+    assert res == {0: "ok", 1: "gone", 2: "sent", 3: "gone"}, res

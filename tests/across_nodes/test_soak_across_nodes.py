@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.cases import pattern as _pattern, settle as _settle
+from helpers.cases import pattern as _pattern, send_recv, settle as _settle
 from helpers.harness import run_ranks
 from neuron_dist.collectives.net import PIGGYBACK_BYTES
 from neuron_dist.collectives.selection import HALVES_BYTES
@@ -60,14 +60,7 @@ def soak(rank, world):
         src, dst = rng.sample(range(world), 2)
         from_any = rng.random() < 0.5
         if kind == 5:  # send/recv between two ranks of the world, a tag per operation
-            if rank == src:
-                w = dist.isend(_pattern(n) + src, dst, tag=i)
-                pending.append((w, f"op {i} (send)", torch.zeros(0), lambda: torch.zeros(0)))
-            elif rank == dst:
-                t = torch.full((n,), -1.0)
-                w = dist.irecv(t, None if from_any else src, tag=i)
-                pending.append((w, f"op {i} (recv from {src})", t,
-                                lambda n=n, src=src, w=w, i=i: _from(w, src, i) + _pattern(n)))
+            if send_recv(rank, src, dst, n, i, pending, from_any) and rank == dst:
                 counts["p2p"] += 1
                 counts["any"] += from_any
         elif g is None or rank in dist.get_process_group_ranks(g):
@@ -104,14 +97,6 @@ def soak(rank, world):
     settle()
     dist.barrier()
     return counts
-
-
-def _from(work, src: int, i: int) -> int:
-    """``src``, after checking that ``work`` says its message came from there."""
-    got = work._source_rank()
-    if got != src:
-        raise AssertionError(f"op {i}: a receive of rank {src}'s message reports rank {got}")
-    return src
 
 
 @pytest.mark.timeout(300)

@@ -117,3 +117,28 @@ def settle(pending: list) -> int:
     checked = len(pending)
     pending.clear()
     return checked
+
+
+def send_recv(rank: int, src: int, dst: int, n: int, i: int, pending: list,
+              from_any: bool = False) -> bool:
+    """Operation ``i`` of a soak: ``src`` isends ``pattern(n) + src`` to ``dst`` with tag
+    ``i`` and ``dst`` irecvs it (from any rank if ``from_any``: the tag is the operation's,
+    so exactly one message matches); what to check goes on ``pending`` (see ``settle``), the
+    receive's reported source included. True if this rank took part."""
+    if rank == src:
+        w = dist.isend(pattern(n) + src, dst, tag=i)
+        pending.append((w, f"op {i} (send)", torch.zeros(0), lambda: torch.zeros(0)))
+    elif rank == dst:
+        t = torch.full((n,), -1.0)
+        w = dist.irecv(t, None if from_any else src, tag=i)
+        pending.append((w, f"op {i} (recv from {src})", t,
+                        lambda: _sent_by(w, src, i) + pattern(n)))
+    return rank in (src, dst)
+
+
+def _sent_by(work, src: int, i: int) -> int:
+    """``src``, after checking that ``work`` says its message came from there."""
+    got = work._source_rank()
+    if got != src:
+        raise AssertionError(f"op {i}: a receive of rank {src}'s message reports rank {got}")
+    return src

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.cases import pattern as _pattern, settle as _settle
+from helpers.cases import pattern as _pattern, send_recv, settle as _settle
 from helpers.harness import run_ranks
 
 TOTAL = 10_000
@@ -53,15 +53,7 @@ def soak(rank, world):
         async_op = rng.random() < 0.5
         src, dst = rng.sample(range(world), 2)
         if kind == 4:  # send/recv between two ranks of the world, a tag per operation
-            if rank == src:
-                w = dist.isend(_pattern(n) + src, dst, tag=i)
-                pending.append((w, f"op {i} (send)", torch.zeros(0), lambda: torch.zeros(0)))
-            elif rank == dst:
-                t = torch.full((n,), -1.0)
-                w = dist.irecv(t, src, tag=i)
-                pending.append((w, f"op {i} (recv from {src})", t,
-                                lambda n=n, src=src: _pattern(n) + src))
-            if rank in (src, dst):
+            if send_recv(rank, src, dst, n, i, pending):
                 expected += 1
                 if len(pending) > 8 or not async_op:
                     settle()

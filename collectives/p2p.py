@@ -166,7 +166,7 @@ class P2P:
     def post_recv(self, req: Request) -> None:
         for i, (src, tag, buf) in enumerate(self._unexpected):
             if tag == req.tag and req.peer in (None, src):
-                if not _may_take(req):
+                if req.claim is not None and not _may_take(req):
                     return
                 del self._unexpected[i]
                 self._deliver(req, src, buf)
@@ -332,7 +332,7 @@ class P2P:
             req = recvs[i]
             if req.tag == tag and req.peer in (None, src):
                 del recvs[i]
-                if _may_take(req):
+                if req.claim is None or _may_take(req):
                     return req
                 continue
             i += 1
@@ -345,8 +345,9 @@ def _name(req: Request, k: int) -> int:
 
 
 def _may_take(req: Request) -> bool:
-    """May ``req`` take a message now? (Not if its claim fails: it is finished then.)"""
-    if req.claim is None or req.claim():
+    """May ``req``, which has a claim, take a message now? (Not if its claim fails: it is
+    finished then.)"""
+    if req.claim():
         return True
     req._finish(Claimed())
     return False

@@ -68,8 +68,7 @@ from collections import deque
 from itertools import islice
 
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, Claimed, MessageSizeMismatch,
-                      PeerAborted,
-                      PeerTimeout, PeerUnreachable)
+                      PeerAborted, PeerTimeout, PeerUnreachable)
 from ..requests import Request as _Request
 from . import frames as F
 from . import handshake, progress

@@ -328,12 +328,18 @@ class CollectiveEngine:
         if rec is not None:
             rec.finish(error)
         log.log(logging.WARNING if fatal else logging.INFO, "neuron: %s", error)
-        if fatal and self.broken is None:
+        if fatal:
+            self.mark_broken(error)
+        work._complete(error)
+
+    def mark_broken(self, error: BaseException) -> None:
+        """The group failed (``error``, the first such failure, is kept): later tasks fail
+        at once naming it. The flight recorder is written then."""
+        if self.broken is None:
             self.broken = error
             path = recorder.dump(str(error))
             if path:
                 log.warning("neuron: flight recorder written to %s", path)
-        work._complete(error)
 
     def is_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread

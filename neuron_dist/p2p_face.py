@@ -335,13 +335,14 @@ class _NetOp:
                 raise PeerTimeoutError(f"{work.what}: Timed out in Work.wait") from None
             face = self.face
             who = f"rank {self.peer}" if self.peer is not None else "any rank"
-            error = PeerTimeoutError(
-                f"{work.what}: Timed out after {face._timeout_text()}: {who} did not "
-                f"{'receive' if self.is_send else 'send'} it")
-            # Withdrawn before the Work fails: the tensor is the caller's again, a late
-            # message never lands in it, and later traffic with that peer fails loudly
-            # instead of matching the wrong message (the peer is told).
-            if not face._net.cancel(req, e):
+            timeout = PeerTimeout([] if self.peer is None else [self.peer], 0.0,
+                                  f"{who} did not {'receive' if self.is_send else 'send'} it",
+                                  network=True)
+            # Withdrawn before the Work fails: the tensor is the caller's again and a late
+            # message never lands in it. A receive from any rank binds no stream: the group
+            # goes on. Otherwise the stream with that peer is out of step: the group fails,
+            # on every rank, as after a collective's time-out (one node alike).
+            if not face._net.cancel(req, timeout):
                 self.finish(req)  # it completed in the meantime after all
                 return
             try:
@@ -349,6 +350,11 @@ class _NetOp:
             except IndexError:
                 return
             self.work = self.req = None
+            if self.peer is None:
+                error = PeerTimeoutError(f"{work.what}: Timed out after "
+                                         f"{face._timeout_text()}: {timeout}")
+            else:
+                error = face._on_error(timeout, work.what)[0]
             work._complete(error, -1)
             return
         except Exception:  # noqa: BLE001 - finish() reports it

@@ -144,7 +144,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                                         links.hold)
         install_signal_handler()
         self._p2p = PointToPoint(rank, size, self._channel, self._net, self._label,
-                                 self._on_error, lambda: self._timeout_s, self._timeout_text,
+                                 self._on_p2p_error, lambda: self._timeout_s, self._timeout_text,
                                  self._topo.local if self._net is not None else None)
         if self._net is None:
             self._express = ExpressLane(self._channel, self._engine, self._scratch,
@@ -300,6 +300,15 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             self._engine.submit(run, work, async_op, name, call, nbytes,
                                 None if net is not None else channel.peers_published)
         return work
+
+    def _on_p2p_error(self, exc: BaseException, what: str):
+        """``_on_error`` for a send or receive, which the collective engine does not see:
+        a fatal failure (the peers are told) also breaks the engine here, so this rank's
+        later collectives fail at once naming it, as after a collective's failure."""
+        error, fatal = self._on_error(exc, what)
+        if fatal:
+            self._engine.mark_broken(error)
+        return error, fatal
 
     def _on_error(self, exc: BaseException, what: str):
         """Translate a failure into the user-facing error; say whether it is fatal."""

@@ -171,3 +171,41 @@ def test_timeout_errors_use_torchs_wording_and_name_rank_op_sequence(nodes):
     assert "never arrived" in res["barrier"] and 0.9 < res["took"] < 3, res
     assert "recv from rank 1" in res["recv"], res
     assert "all_reduce #" in res["after"] and "Timed out after 1.5 s" in res["after"], res
+
+
+# ------------------------------------------------------------- a send/recv that times out
+def p2p_timeout(rank, world):
+    """Rank 0's receive from rank 1 times out, then every rank calls an all_reduce."""
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=1))
+    out = {}
+    if rank == 0:
+        out["recv"] = error_of(lambda: dist.recv(torch.zeros(4), 1, group=g))
+    else:
+        time.sleep(2.5)  # past rank 0's time-out
+    x = torch.full((3,), float(rank + 1))
+    t0 = time.monotonic()
+    out["all_reduce"] = error_of(lambda: dist.all_reduce(x, group=g))
+    out["took"] = time.monotonic() - t0
+    dist.barrier()  # (the world group is another group: it goes on)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nodes", list(NODES))
+def test_a_receive_that_times_out_fails_the_group_on_every_rank_itself_included(nodes):
+    """The stream with the peer is out of step (its message may still come): the group
+    fails as after a collective's time-out, on every rank. Rank 0's own next collective
+    fails at once naming the receive; before, on one node, it went through while its
+    peers' same collective failed, and across nodes it failed naming an internal tag."""
+    names = NODES[nodes]
+    world = 3 if names else 2
+    res = run_ranks(p2p_timeout, world, env=_node_env(names), timeout=100)
+    assert "recv from rank 1" in res[0]["recv"] and "Timed out after 1 s" in res[0]["recv"], res
+    first = res[0]["all_reduce"]
+    assert first and first.startswith("GroupAbortedError"), res
+    assert "unusable after an earlier failure" in first and "recv from rank 1" in first, res
+    assert "tag 4294967296" not in first, res
+    for rank in range(1, world):
+        err = res[rank]["all_reduce"]
+        assert err and "rank 0 aborted the group" in err and "recv from rank 1" in err, (rank, res)
+    assert all(r["took"] < 1.0 for r in res.values()), res

@@ -304,7 +304,7 @@ class RdmTransport:
             self._addresses = {p: a for p, a in peers.items() if p != self.rank}
             self._connect_timeout = max(1.0, deadline - time.monotonic())
 
-    def _open_rails(self, peer: int, deadline: float | None = None) -> None:
+    def _open_rails(self, peer: int, deadline: float | None = None, notice: bool = False) -> None:
         """Return once the ``rails`` connections to ``peer`` are up, opening them if nobody
         has: this rank dials rail 0, 1, ... in turn (rail ``i`` goes from this rank's
         address ``i % n`` to the peer's address ``i % m``). When both ranks dial each
@@ -318,10 +318,13 @@ class RdmTransport:
             connection broke while opening); the peer is failed for this transport.
         PeerTimeout
             The peer's rails did not come up by ``deadline``.
+
+        ``notice``: only to tell the peer of an abort, which may follow a withdrawal that
+        failed the peer here already (see ``abort``).
         """
         if deadline is None:
             deadline = time.monotonic() + self._connect_timeout
-        if self._wait_rails(peer, deadline, dial=True):
+        if self._wait_rails(peer, deadline, dial=True, notice=notice):
             return
         try:
             theirs = [_split(a) for a in self._addresses[peer].split(",")]
@@ -343,16 +346,17 @@ class RdmTransport:
             with self._lock:
                 self._link_failed(peer, error)
             raise error from None
-        self._wait_rails(peer, deadline, dial=False)
+        self._wait_rails(peer, deadline, dial=False, notice=notice)
 
-    def _wait_rails(self, peer: int, deadline: float, dial: bool) -> bool:
+    def _wait_rails(self, peer: int, deadline: float, dial: bool, notice: bool = False) -> bool:
         """Wait until ``peer``'s rails are up (True) or, with ``dial``, until nobody is
         opening them (False: the caller now is, and must dial)."""
         with self._lock:
             while True:
                 if peer in self._up:
                     return True
-                self._check_usable(peer)
+                if not (notice and peer in self._notices and not self._closed):
+                    self._check_usable(peer)
                 if dial and peer not in self._links:
                     self._links[peer] = _DIALING
                     return False
@@ -1061,17 +1065,21 @@ class RdmTransport:
         payload = bytes([kind]) + reason.encode("utf-8", "replace")[:4000]
         reqs = []
         deadline = time.monotonic() + grace
+        with self._lock:
+            # Every peer but those that failed us: a peer this rank failed itself by
+            # withdrawing a request, and has not told yet, is told now too.
+            told = {p for p in self._expected if p not in self._failed or p in self._notices}
         if not self._closed:
-            for peer in sorted(self._expected - self._up - set(self._failed)):
+            for peer in sorted(told - self._up):
                 try:
-                    self._open_rails(peer, deadline - grace / 2)
+                    self._open_rails(peer, deadline - grace / 2, notice=True)
                 except Exception:  # noqa: BLE001 - best effort: it learns otherwise
                     pass
         with self._lock:
             if self._closed:
                 return
             for peer in sorted(self._up):
-                if peer not in self._failed:
+                if peer in told:
                     msg_id = self._send_notice(peer, payload)
                     if msg_id is None:
                         continue

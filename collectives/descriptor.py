@@ -81,7 +81,7 @@ class Call:
         parts = []
         if self.dtype is not None:
             parts.append(str(self.dtype).replace("torch.", ""))
-        if self.op != "barrier":
+        if self.op not in ("barrier", "all_to_all"):  # (all_to_all: sizes may differ by rank)
             parts.append(f"{self.count} elements")
         if self.root >= 0:
             parts.append(f"root={self.root}")

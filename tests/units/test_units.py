@@ -73,6 +73,8 @@ def test_descriptor_round_trip_and_text():
     seq, back = Call.from_words(call.words(42))
     assert seq == 42 and back == call
     assert call.describe().startswith("reduce_scatter(bfloat16, 1024 elements")
+    # all_to_all's element counts may differ between ranks: not compared, not named
+    assert Call("all_to_all", torch.float32, 0).describe() == "all_to_all(float32)"
     with pytest.raises(ValueError, match="dtype"):
         Call("all_reduce", torch.quint8, 1).words(1)
     # A peer that never entered a collective left all-zero words: still describable (the

@@ -19,7 +19,7 @@ def engine():
     me = threading.get_ident()
     polls = []  # (seconds since the first poll, timeout) of the test's own thread
 
-    def poll(timeout):
+    def poll(timeout, done=None):
         if threading.get_ident() in eng.recorded:
             polls.append((time.monotonic(), timeout))
         if timeout > 0:

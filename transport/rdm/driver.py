@@ -105,6 +105,13 @@ _DIRECT = 16 << 10  # ... and the rest of a payload from this size straight into
 # 256 KiB; 1-8 KiB and 1 MiB messages, all_reduce of 128 and 512 KiB unchanged.
 _AHEAD_AFTER_LARGE = 8 << 10
 _LOWAT = 256 << 10  # a payload read in place wakes its reader once this much (or all) is in
+# One visit of the engine to a rail reads at most this much and writes at most this much
+# (the socket, still ready, is reported again at the next poll; visits for bulk bytes come
+# after the others: progress.poll). Before, a visit read or wrote whatever the socket held
+# or took, for as long as a sender kept it full (a test saw 4.7 MB read and 17.6 MB
+# written in one visit), and every other rail of the process, of any group or peer,
+# waited. See design.md, "Rails", for what it does to latency and throughput.
+_VISIT_BYTES = 256 << 10
 _DIALING, _ACCEPTING = "dialing", "accepting"  # how a peer's rails are being opened
 _REFUSED_RETRY = 2.0  # seconds a dial retries a refused connection (a listener starting)
 
@@ -774,6 +781,12 @@ class RdmTransport:
                 if not self._closed:
                     self._pump(deadline_passed=True)
 
+    @staticmethod
+    def _in_bulk(rail: _Rail, mask: int) -> bool:
+        """Is the engine's visit to ``rail`` for bulk bytes (a payload being read in place,
+        or only writing)? Those visits come after the others (progress.poll)."""
+        return rail.stage == _PAYLOAD or not mask & ~_OUT
+
     def _on_ready(self, rail: _Rail, mask: int) -> None:
         """The engine saw ``rail`` readable or writable: read and write what it can."""
         with self._lock:
@@ -798,9 +811,11 @@ class RdmTransport:
         Small frames arrive in bulk: one ``recv`` fills the read-ahead buffer with as many
         as the socket holds, and they are cut from it. The rest of a payload of ``_DIRECT``
         bytes or more is read straight into its place. A read that returns less than it
-        asked for emptied the socket: stop there (epoll says when more comes)."""
+        asked for emptied the socket: stop there (epoll says when more comes); so does a
+        visit that has read ``_VISIT_BYTES`` (epoll reports the socket again)."""
         sock, ep, inbuf = rail.sock, self.ep, rail.inbuf
         drained = False
+        budget = _VISIT_BYTES
         while rail.alive:
             view = rail.view
             need = view.nbytes - rail.got
@@ -816,23 +831,30 @@ class RdmTransport:
                         continue
                 elif drained:
                     return
+                elif budget <= 0:  # more to read: the engine reports the rail again
+                    if rail.lowat != 1:
+                        _wake_at(rail, 1)  # (what is left may be less than the old mark)
+                    return
                 else:
                     direct = need >= _DIRECT
                     if not direct and rail.lowat != 1:
                         _wake_at(rail, 1)  # a header wakes the reader at once
+                    want = need if need < budget else budget
                     try:
-                        n = sock.recv_into(view[rail.got:] if direct else rail.ahead)
+                        n = sock.recv_into(view[rail.got:rail.got + want] if direct
+                                           else rail.ahead)
                     except (BlockingIOError, InterruptedError):
                         if direct and _RCVLOWAT_SIZES_BUFFER:
                             _wake_at(rail, min(need, _LOWAT))
                         return
+                    budget -= n
                     if n == 0:
                         raise ConnectionError(
                             f"{_CLEAN_EOF} ({rail.got} of {view.nbytes} bytes of a frame read)"
                             if rail.got or rail.stage else _CLEAN_EOF)
                     if direct:
                         rail.got += n
-                        drained = n < need
+                        drained = n < want
                         if drained and _RCVLOWAT_SIZES_BUFFER:
                             _wake_at(rail, min(need - n, _LOWAT))
                     else:
@@ -962,11 +984,21 @@ class RdmTransport:
         self._due = due
 
     def _flush(self, rail: _Rail) -> None:
-        """Under the lock: write what ``rail``'s socket takes now; wait for it to be
-        writable for the rest."""
+        """Under the lock: write what ``rail``'s socket takes now, at most ``_VISIT_BYTES``;
+        wait for it to be writable for the rest."""
         out = rail.out
-        while out and rail.alive:
-            chunk = list(islice(out, _IOV_MAX)) if len(out) > 1 else [out[0]]
+        budget = _VISIT_BYTES
+        while out and rail.alive and budget > 0:
+            if len(out) == 1 and out[0].nbytes <= budget:
+                chunk = [out[0]]
+            else:
+                chunk, room = [], budget
+                for v in islice(out, _IOV_MAX):
+                    if v.nbytes >= room:
+                        chunk.append(v[:room])
+                        break
+                    chunk.append(v)
+                    room -= v.nbytes
             try:
                 sent = _send_some(rail.sock, chunk)
             except (BlockingIOError, InterruptedError):
@@ -974,6 +1006,7 @@ class RdmTransport:
             except OSError as e:
                 self._rail_down(rail, f"send failed: {e}")
                 return
+            budget -= sent
             while sent:
                 v = out[0]
                 if sent >= v.nbytes:

@@ -30,6 +30,11 @@ costs two thread wake-ups, so the background thread holds back as long as it can
   (Two virtual nodes, 8 x 64 KiB / 256 KiB isend per batch: 15-25% less time per message
   and a fifth of the context switches than with 2 ms for everything.)
 
+**Fairness.** Each visit to a rail moves a bounded number of bytes (the driver's
+``_VISIT_BYTES``), visits for bulk bytes come after the others in a poll, and a leader
+whose own condition holds leaves the rails not visited yet to the next poll: a bulk stream
+on one rail does not hold up small messages on the others (design.md, "Rails").
+
 **Waiting.** The leader does not sleep in ``epoll`` at once: it polls without sleeping
 (``spin`` polls, at most ``backoff.SPIN_SECONDS``), then polls with a ``sched_yield``
 between polls for up to ``_YIELD_SECONDS``, and only then sleeps in ``epoll``, like a
@@ -167,8 +172,14 @@ class Progress:
 
     # ------------------------------------------------------------------ polling
 
-    def poll(self, timeout: float) -> None:
-        """Under ``_poll``: wait up to ``timeout`` for rails or timers, and handle them."""
+    def poll(self, timeout: float, done=None) -> None:
+        """Under ``_poll``: wait up to ``timeout`` for rails or timers, and handle them.
+
+        Visits for bulk bytes (a payload being read in place, a queue being written) come
+        after the others, and each visit moves a bounded number of bytes (the driver's
+        ``_VISIT_BYTES``); once ``done()`` (the leader's own condition), the rails not
+        handled yet are left for the next poll (epoll reports them again). So a small
+        message that completes a waiter's request is not read after other rails' bulk."""
         now = time.monotonic()
         for t in self._transports:
             due = t._next_due()
@@ -182,6 +193,7 @@ class Progress:
             events = []
         finally:
             self._polling = None
+        bulk = []
         for fd, mask in events:
             if fd == self._wake_r:
                 try:
@@ -192,7 +204,17 @@ class Progress:
                 continue
             handler = self._handlers.get(fd)
             if handler is not None:
+                if handler[0]._in_bulk(handler[1], mask):
+                    bulk.append((handler, mask))
+                    continue
                 handler[0]._on_ready(handler[1], mask)
+                if done is not None and done():
+                    bulk = ()
+                    break
+        for handler, mask in bulk:
+            if done is not None and done():
+                break
+            handler[0]._on_ready(handler[1], mask)
         now = time.monotonic()
         for t in list(self._transports):
             t._on_tick(now)
@@ -226,7 +248,7 @@ class Progress:
                 if got:
                     try:
                         if not done():
-                            self.poll(min(remaining, _BG_POLL) if sleep else 0.0)
+                            self.poll(min(remaining, _BG_POLL) if sleep else 0.0, done)
                     finally:
                         self._poll.release()
                     if not sleep and not done():

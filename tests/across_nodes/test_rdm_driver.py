@@ -1098,3 +1098,15 @@ def test_the_engine_visits_bulk_rails_last_and_leaves_the_rest_once_its_waiter_i
             s.close()
         eng._poll.release()
         eng._shutdown()
+
+
+def test_a_peer_whose_group_closed_is_named_as_such_not_as_gone():
+    # Its process still listens (for its other groups): a dial for this group is ended in
+    # the handshake, which says what that means instead of a bare "connection closed".
+    ts = _pair(open_rails=False)
+    try:
+        ts[1].close()
+        with pytest.raises(PeerUnreachable, match="it has closed or aborted this group"):
+            ts[0].isend(1, 1, b"x")
+    finally:
+        ts[0].close()

@@ -347,6 +347,10 @@ class RdmTransport:
                 error = PeerTimeout([peer], 0.0, f"rank {peer} did not answer rank "
                                                  f"{self.rank}'s connection in time (stalled?)",
                                     network=True)
+            elif isinstance(e, handshake.HandshakeError):  # (its listener says why in its log)
+                error = PeerUnreachable(peer, f"could not open rails to rank {peer}: it ended "
+                                              f"the handshake ({e}): it has closed or aborted "
+                                              f"this group, or did not take rank {self.rank}")
             else:
                 error = PeerUnreachable(peer, f"could not open rails to rank {peer}: "
                                               f"{type(e).__name__}: {e}")
@@ -401,9 +405,10 @@ class RdmTransport:
                     source_address=(source, 0) if len(self._hosts) > 1 else None)
                 break
             except ConnectionRefusedError:
-                if time.monotonic() > refused_until:  # its listener is gone: so is it
+                if time.monotonic() > refused_until:  # its listener is gone
                     raise PeerUnreachable(peer, f"rank {peer} refuses connections at "
-                                                f"{host}:{port} (its process is gone)") from None
+                                                f"{host}:{port} (its process has exited, or "
+                                                f"closed all its groups)") from None
                 time.sleep(0.05)
         try:
             session = handshake.dial(sock, self._key, self._group, self.rank, rail, peer)

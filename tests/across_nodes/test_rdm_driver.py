@@ -997,26 +997,17 @@ def test_a_receive_failed_with_its_peer_gets_nothing_that_arrives_later(pair, mo
 
 def test_one_rail_never_holds_the_engine_for_more_than_its_budget(monkeypatch):
     """A 48 MiB stream in 16 MiB segments on one rail: every visit of the engine to the
-    rail reads at most _VISIT_BYTES (plus one read-ahead) and writes at most _VISIT_BYTES,
-    so other rails, of any group or peer, are served in between; and the message still
-    lands whole. (Before, one visit read 4.7 MB or wrote 17.6 MB here: whatever the socket
-    had or took, for as long as the sender kept it full.)"""
+    rail reads at most _VISIT_BYTES (plus one read-ahead), so other rails, of any group or
+    peer, are served in between; and the message still lands whole. (Before, one visit
+    read 4.7 MB here: whatever the socket had, for as long as the sender kept it full.)"""
     import socket as sk
-    from neuron_dist.transport.rdm import driver as D
-    per_read, per_write, counting = [0], [0], threading.local()
-    real_recv, real_send = sk.socket.recv_into, D._send_some
-    real_read, real_flush = RdmTransport._read, RdmTransport._flush
+    per_read, counting = [0], threading.local()
+    real_recv, real_read = sk.socket.recv_into, RdmTransport._read
 
     def recv_into(self, *args):
         n = real_recv(self, *args)
         if getattr(counting, "read", False):
             per_read[-1] += n
-        return n
-
-    def send_some(sock, views):
-        n = real_send(sock, views)
-        if getattr(counting, "write", False):
-            per_write[-1] += n
         return n
 
     def read(self, rail):
@@ -1027,18 +1018,8 @@ def test_one_rail_never_holds_the_engine_for_more_than_its_budget(monkeypatch):
         finally:
             counting.read = False
 
-    def flush(self, rail):
-        counting.write = True
-        per_write.append(0)
-        try:
-            return real_flush(self, rail)
-        finally:
-            counting.write = False
-
     monkeypatch.setattr(sk.socket, "recv_into", recv_into)
-    monkeypatch.setattr(D, "_send_some", send_some)
     monkeypatch.setattr(RdmTransport, "_read", read)
-    monkeypatch.setattr(RdmTransport, "_flush", flush)
     ts = _pair(rails=1, segment_bytes=16 << 20, window_bytes=64 << 20)
     try:
         src, dst, r, s = _transfer(ts, 48 << 20, seed=9)
@@ -1048,9 +1029,9 @@ def test_one_rail_never_holds_the_engine_for_more_than_its_budget(monkeypatch):
     finally:
         for t in ts:
             t.close()
-    assert sum(per_read) >= 48 << 20 and sum(per_write) >= 48 << 20
+    from neuron_dist.transport.rdm import driver as D
+    assert sum(per_read) >= 48 << 20
     assert max(per_read) <= D._VISIT_BYTES + D._INBUF, max(per_read)
-    assert max(per_write) <= D._VISIT_BYTES, max(per_write)
 
 
 def test_the_engine_visits_bulk_rails_last_and_leaves_the_rest_once_its_waiter_is_done():

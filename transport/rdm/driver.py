@@ -105,13 +105,15 @@ _DIRECT = 16 << 10  # ... and the rest of a payload from this size straight into
 # 256 KiB; 1-8 KiB and 1 MiB messages, all_reduce of 128 and 512 KiB unchanged.
 _AHEAD_AFTER_LARGE = 8 << 10
 _LOWAT = 256 << 10  # a payload read in place wakes its reader once this much (or all) is in
-# One visit of the engine to a rail reads at most this much and writes at most this much
-# (the socket, still ready, is reported again at the next poll; visits for bulk bytes come
-# after the others: progress.poll). Before, a visit read or wrote whatever the socket held
-# or took, for as long as a sender kept it full (a test saw 4.7 MB read and 17.6 MB
-# written in one visit), and every other rail of the process, of any group or peer,
-# waited. See design.md, "Rails", for what it does to latency and throughput.
-_VISIT_BYTES = 256 << 10
+# One visit of the engine to a rail reads at most this much (the socket, still readable,
+# is reported again at the next poll; visits for bulk bytes come after the others:
+# progress.poll). Before, a visit read whatever the socket held for as long as a sender
+# kept it full (4.7 MB in one visit in a test; 10-90 ms visits on two virtual nodes while
+# 64 MiB messages streamed), and every other rail of the process, of any group or peer,
+# waited. 256 KiB made 64 MiB all_reduces between two virtual nodes 5-11% slower (more
+# visits per byte); capping writes as well cost the main job 3-7% (the tail of a message
+# waited for the engine instead of leaving with its head). See design.md, "Rails".
+_VISIT_BYTES = 1 << 20
 _DIALING, _ACCEPTING = "dialing", "accepting"  # how a peer's rails are being opened
 _REFUSED_RETRY = 2.0  # seconds a dial retries a refused connection (a listener starting)
 
@@ -989,21 +991,11 @@ class RdmTransport:
         self._due = due
 
     def _flush(self, rail: _Rail) -> None:
-        """Under the lock: write what ``rail``'s socket takes now, at most ``_VISIT_BYTES``;
-        wait for it to be writable for the rest."""
+        """Under the lock: write what ``rail``'s socket takes now; wait for it to be
+        writable for the rest."""
         out = rail.out
-        budget = _VISIT_BYTES
-        while out and rail.alive and budget > 0:
-            if len(out) == 1 and out[0].nbytes <= budget:
-                chunk = [out[0]]
-            else:
-                chunk, room = [], budget
-                for v in islice(out, _IOV_MAX):
-                    if v.nbytes >= room:
-                        chunk.append(v[:room])
-                        break
-                    chunk.append(v)
-                    room -= v.nbytes
+        while out and rail.alive:
+            chunk = list(islice(out, _IOV_MAX)) if len(out) > 1 else [out[0]]
             try:
                 sent = _send_some(rail.sock, chunk)
             except (BlockingIOError, InterruptedError):
@@ -1011,7 +1003,6 @@ class RdmTransport:
             except OSError as e:
                 self._rail_down(rail, f"send failed: {e}")
                 return
-            budget -= sent
             while sent:
                 v = out[0]
                 if sent >= v.nbytes:

@@ -30,7 +30,7 @@ costs two thread wake-ups, so the background thread holds back as long as it can
   (Two virtual nodes, 8 x 64 KiB / 256 KiB isend per batch: 15-25% less time per message
   and a fifth of the context switches than with 2 ms for everything.)
 
-**Fairness.** Each visit to a rail moves a bounded number of bytes (the driver's
+**Fairness.** Each visit to a rail reads a bounded number of bytes (the driver's
 ``_VISIT_BYTES``), visits for bulk bytes come after the others in a poll, and a leader
 whose own condition holds leaves the rails not visited yet to the next poll: a bulk stream
 on one rail does not hold up small messages on the others (design.md, "Rails").
@@ -176,7 +176,7 @@ class Progress:
         """Under ``_poll``: wait up to ``timeout`` for rails or timers, and handle them.
 
         Visits for bulk bytes (a payload being read in place, a queue being written) come
-        after the others, and each visit moves a bounded number of bytes (the driver's
+        after the others, and each visit reads a bounded number of bytes (the driver's
         ``_VISIT_BYTES``); once ``done()`` (the leader's own condition), the rails not
         handled yet are left for the next poll (epoll reports them again). So a small
         message that completes a waiter's request is not read after other rails' bulk."""

@@ -341,7 +341,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 error = cls(f"{what}: rank {exc.rank} aborted the group: {exc.reason}")
                 self._channel.abort(str(error), exc.kind)
                 return error, True
-            return cls(f"{what}: rank {self._peer(exc.rank)} aborted the group: {exc.reason}"), True
+            error = cls(f"{what}: rank {self._peer(exc.rank)} aborted the group: {exc.reason}")
+            if self._net is not None:
+                # The aborting rank tells the other nodes itself, but a rank there may be
+                # waiting on this one, and would otherwise see only its rails close when
+                # this process goes on to exit: this rank's notice comes first.
+                self._net.abort(str(error), exc.kind)
+            return error, True
         elif isinstance(exc, ChannelClosed):
             return GroupAbortedError(f"{what}: {exc}"), True
         elif isinstance(exc, (ValueError, TypeError, P2PError)):

@@ -256,3 +256,27 @@ def test_async_collectives_are_held_for_the_caller_only_when_no_core_is_spare():
     for bad in ("-1", "nan", "5000", "5ms"):
         with pytest.raises(ValueError, match="NEURON_DIST_ASYNC_HOLD"):
             Settings.from_env({"NEURON_DIST_ASYNC_HOLD": bad})
+
+
+def test_an_abort_heard_through_shared_memory_is_passed_on_to_the_other_nodes():
+    """A rank that hears of a node-mate's abort through shared memory tells its network
+    peers too, with the same kind: one of them may be waiting on this rank and would
+    otherwise see only its rails close when this process exits (a mismatch between two
+    ranks of one node reached the other node as PeerDiedError, 1 run in 3-5)."""
+    from types import SimpleNamespace
+    from unittest import mock
+    from neuron_dist.errors import CollectiveMismatchError
+    from neuron_dist.process_group import ProcessGroupNeuron
+    from neuron_dist.transport.errors import ABORTED_MISMATCH, PeerAborted
+    group = SimpleNamespace(_net=mock.Mock(), _channel=mock.Mock(), _peer=lambda k: k + 10)
+    error, fatal = ProcessGroupNeuron._on_error(
+        group, PeerAborted(1, "collective mismatch: ...", ABORTED_MISMATCH), "all_reduce #1")
+    assert fatal and isinstance(error, CollectiveMismatchError)
+    assert "rank 11 aborted the group: collective mismatch" in str(error)
+    group._net.abort.assert_called_once_with(str(error), ABORTED_MISMATCH)
+    group._channel.abort.assert_not_called()  # (this node knows already)
+    # heard from another node: told to this node, not sent back over the network
+    group = SimpleNamespace(_net=mock.Mock(), _channel=mock.Mock(), _peer=lambda k: k + 10)
+    ProcessGroupNeuron._on_error(group, PeerAborted(3, "x", ABORTED_MISMATCH, network=True), "w")
+    group._channel.abort.assert_called_once()
+    group._net.abort.assert_not_called()

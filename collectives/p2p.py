@@ -150,6 +150,25 @@ class P2P:
         self._notify(dst)
         return True
 
+    def recv_now(self, src: int, tag: int, address: int, nbytes: int) -> bool:
+        """Take a message of ``tag`` and ``nbytes`` bytes from ``src`` that is whole at the
+        head of its ring straight into memory at ``address``, if nothing else could take it
+        first (no receive posted, no message being read or queued as unexpected). True if
+        done; otherwise nothing has changed and the caller posts a request, which also
+        reports a size mismatch or a corrupt frame."""
+        if self._recvs or self._unexpected or self._incoming[src] is not None:
+            return False
+        box = self._in[src]
+        frame = HEADER_BYTES + nbytes + (-nbytes) % FRAME_ALIGN
+        if box.available() < frame:
+            return False
+        magic, got_tag, got_bytes = box.peek_words(3)
+        if magic != MAGIC or got_tag != tag or got_bytes != nbytes:
+            return False
+        box.take(HEADER_BYTES, address, nbytes, frame)
+        self._notify(src)
+        return True
+
     def post_send(self, req: Request) -> None:
         self._open(req.peer)
         self._sends[req.peer].append(req)
@@ -174,11 +193,14 @@ class P2P:
         self._recvs.append(req)
 
     def pending(self) -> bool:
-        """Is there anything to move: a request, or bytes waiting in an inbound ring (their
-        sender may be stuck until they are drained into the unexpected-message queue)?"""
+        """Is there anything to move that nobody may ask for soon: a request, a message
+        read in part, or an inbound ring at least half full (its sender may soon be stuck
+        until it is drained into the unexpected-message queue)? Whole messages in a ring
+        below that wait for their receive, which reads them straight into its tensor
+        (``recv_now``); a sender is only stuck once its ring is all but full."""
         return bool(self._recvs) or any(self._sends.values()) or any(
-            inc is not None and inc.req is not None for inc in self._incoming.values()) or any(
-            box.available() for box in self._in.values())
+            inc is not None for inc in self._incoming.values()) or any(
+            box.available() * 2 >= box.capacity for box in self._in.values())
 
     def pending_requests(self) -> list[Request]:
         reqs = [r for q in self._sends.values() for r in q] + list(self._recvs)
@@ -255,13 +277,20 @@ class P2P:
         inc = self._incoming[src]
         moved = False
         if inc is None:
-            if box.available() < HEADER_BYTES:
+            available = box.available()
+            if available < HEADER_BYTES:
                 return False
             magic, tag, nbytes, _ = box.peek_words(4)
             if magic != MAGIC or nbytes < 0:
                 raise P2PError(f"corrupt frame from rank {src} (magic {magic:#x}, size {nbytes})")
+            req = self._matching(src, tag)
+            frame = HEADER_BYTES + nbytes + (-nbytes) % FRAME_ALIGN
+            if req is not None and available >= frame and req.data.numel() == nbytes:
+                box.take(HEADER_BYTES, req.data.data_ptr(), nbytes, frame)  # whole: in one go
+                self._deliver(req, src, None)
+                return True
             box.skip(HEADER_BYTES)
-            inc = self._incoming[src] = self._match(src, tag, nbytes)
+            inc = self._incoming[src] = self._incoming_for(req, src, tag, nbytes)
             moved = True
         want = inc.nbytes - inc.got
         if want:
@@ -289,8 +318,9 @@ class P2P:
             self._rematch()
         return True
 
-    def _match(self, src: int, tag: int, nbytes: int) -> _Incoming:
-        req = self._matching(src, tag)
+    def _incoming_for(self, req, src: int, tag: int, nbytes: int) -> _Incoming:
+        """Where a message of ``nbytes`` from ``src`` goes: into the receive ``req`` it
+        matched, else (None) into a buffer of its own, queued as unexpected."""
         if req is None:
             return _Incoming(tag, nbytes, torch.empty(nbytes, dtype=torch.uint8), None)
         if req.data.numel() != nbytes:

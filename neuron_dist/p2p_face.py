@@ -5,6 +5,10 @@ How it works
 * **One node, small send**: a contiguous tensor of up to ``EXPRESS_SEND_BYTES`` that fits
   its ring now is written whole from the tensor, in the caller's thread; the Work is
   finished when it is returned (send and isend alike: the bytes have left).
+* **One node, a message that is there already**: a receive naming its source, into a
+  contiguous tensor, whose message is whole at the head of the source's ring and that no
+  earlier receive or queued message comes before, reads it straight into the tensor in
+  the caller's thread; its Work is finished when it is returned.
 * **One node, otherwise**: a ``collectives.p2p`` request is posted on the group's
   shared-memory send/recv engine (``p2p_engine.py``, its own progress); its callback
   completes the Work (a non-contiguous receive is copied back first).
@@ -84,7 +88,7 @@ class PointToPoint:
         self._timeout, self._timeout_text = timeout, timeout_text
         self._shm = None  # P2PEngine, made on first use
         self._stopped = False
-        self._spare = None  # the last Work of a send that completed as posted (_sent)
+        self._spare = None  # the last Work of a send/recv that completed as posted (_done)
 
     def send(self, t, dst: int, tag: int):
         """Send tensor ``t`` to group rank ``dst``; its Work."""
@@ -96,12 +100,13 @@ class PointToPoint:
                 and t.is_contiguous() and not _profiler._is_profiler_enabled
                 and self._engine().send_now(shm_dst, int(tag), t.data_ptr(), nbytes)):
             stats.add_call(nbytes)
-            return self._sent(t, lambda: f"send to rank {dst} (tag {tag}, {nbytes} bytes) "
+            return self._done(t, lambda: f"send to rank {dst} (tag {tag}, {nbytes} bytes) "
                                          f"in group {self._label()}")
         return self._post(t, dst, tag, True, "send")
 
-    def _sent(self, t, what):
-        """The finished Work of a send of ``t`` that completed as it was posted.
+    def _done(self, t, what, source: int = -1):
+        """The finished Work of a send or receive of ``t`` that completed as it was posted
+        (``source``: a receive's sender).
 
         c10d waits on a synchronous send's Work and drops it, so the last such Work is
         made again (not a c10d object made and freed per send) when nothing else can reach
@@ -113,14 +118,24 @@ class PointToPoint:
         # references: self._spare, the local `work`, getrefcount's argument
         if (work is not None and sys.getrefcount(work) == 3 and work._future is None
                 and work._hooks is None):
-            work._outputs, work._what = [t], what  # (finished, no error, source -1: as before)
+            work._outputs, work._what, work._source = [t], what, source  # (finished, no error)
             return work
         work = self._spare = NeuronWork([t], what)
-        work._finished = True
+        work._finished, work._source = True, source
         return work
 
     def recv(self, t, src, tag: int):
         """Receive into tensor ``t`` from group rank ``src`` (None: any rank); its Work."""
+        # A message from this node that is already whole at the head of its ring is read
+        # straight into the tensor, now: no request, no progress engine.
+        shm_src = self._local.get(src)
+        if (shm_src is not None and not self._stopped and t.is_contiguous()
+                and not _profiler._is_profiler_enabled):
+            nbytes = t.numel() * t.element_size()
+            if self._engine().recv_now(shm_src, int(tag), t.data_ptr(), nbytes):
+                stats.add_call(nbytes)
+                return self._done(t, lambda: f"recv from rank {src} (tag {tag}, {nbytes} "
+                                             f"bytes) in group {self._label()}", src)
         return self._post(t, src, tag, False, "recv")
 
     def stop(self, error) -> None:
@@ -220,7 +235,7 @@ class PointToPoint:
             elif is_send:
                 req = net.isend(peer, P2P_TAG_BASE + int(tag), buf)
                 if req.test():
-                    return self._sent(t, op)
+                    return self._done(t, op)
             else:
                 req = net.irecv(peer, P2P_TAG_BASE + int(tag), buf)
         except (PeerDied, PeerAborted, ChannelClosed) as e:

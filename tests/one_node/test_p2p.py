@@ -316,3 +316,31 @@ def test_a_send_work_someone_holds_is_never_reused(nodes):
     results = run_ranks(kept_send_works, 2, env=env, timeout=90)
     assert results[0] == (True, True, True, True), results
     assert results[1] == [1.0, 2.0, 3.0, 4.0, 5.0], results
+
+
+def receives_of_messages_already_there(rank, world):
+    """Rank 1's messages are all in the ring before rank 0 receives: the ones at the ring's
+    head are read straight into the tensors, the others take the request path, and the
+    order per tag, the sizes and the Works are as always."""
+    if rank == 1:
+        for tag, v in ((0, 1.0), (1, 2.0), (0, 3.0), (0, 4.0)):
+            dist.send(torch.full((4,), v), 0, tag=tag)
+        dist.barrier()
+        return None
+    dist.barrier()
+    first = torch.empty(4)
+    kept = dist.irecv(first, 1, tag=0)  # at the head: done as it is posted
+    done_at_once = kept.is_completed()
+    second = torch.empty(4)
+    dist.recv(second, 1, tag=0)  # the tag-1 message comes first: the request path
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        dist.recv(torch.empty(2), 1, tag=0)  # a size mismatch is still named (and consumed)
+    third = torch.empty(4)
+    dist.recv(third, 1, tag=1)
+    return (done_at_once, kept.is_completed(), kept.result()[0] is first, first[0].item(),
+            second[0].item(), third[0].item())
+
+
+def test_receives_of_messages_already_there_keep_order_sizes_and_works():
+    results = run_ranks(receives_of_messages_already_there, 2, timeout=60)
+    assert results[0] == (True, True, True, 1.0, 3.0, 2.0), results

@@ -200,6 +200,50 @@ def test_p2p_a_receive_whose_claim_fails_takes_nothing(two_endpoints):
     assert r3.done and r3.error is None and r3.source == 0 and r3.data.tolist() == [5] * 8
 
 
+def test_p2p_receive_now_takes_only_a_whole_message_nothing_comes_before(two_endpoints):
+    # recv_now reads a message straight from the ring into memory, without a request, only
+    # when it is whole at the ring's head and no posted receive or queued message could
+    # take it first; otherwise it changes nothing and the request path decides (order,
+    # sizes, corrupt frames).
+    a, b = two_endpoints
+    got = torch.zeros(40, dtype=torch.uint8)
+    addr = got.data_ptr()
+    assert not b.recv_now(0, 7, addr, 40)  # nothing there
+    wrap = torch.arange(200, dtype=torch.uint8).repeat(20)  # 4000 bytes: the next frame wraps
+    assert a.send_now(1, 9, wrap.data_ptr(), wrap.numel())
+    assert b.recv_now(0, 9, torch.empty_like(wrap).data_ptr(), wrap.numel())
+    msgs = [torch.full((40,), v, dtype=torch.uint8) for v in (1, 2, 3, 4)]
+    for tag, m in zip((7, 7, 8, 7), msgs):
+        assert a.send_now(1, tag, m.data_ptr(), m.numel())
+    assert not b.recv_now(0, 7, addr, 32)  # a size mismatch is the request path's to report
+    assert not b.recv_now(0, 8, addr, 40)  # another tag at the head
+    assert b.recv_now(0, 7, addr, 40) and got.tolist() == [1] * 40  # (it wrapped the ring)
+    early = Request(0, 7, torch.zeros(40, dtype=torch.uint8), False, 1e18)
+    b.post_recv(early)  # a receive posted first takes the next message of its tag
+    assert not b.recv_now(0, 7, addr, 40) and got.tolist() == [1] * 40
+    _pump([a, b], [early])
+    assert early.data.tolist() == [2] * 40
+    assert not b.recv_now(0, 7, addr, 40)  # the tag-8 message is at the head now
+    r8 = Request(0, 8, torch.zeros(40, dtype=torch.uint8), False, 1e18)
+    b.post_recv(r8)
+    _pump([a, b], [r8])
+    assert r8.data.tolist() == [3] * 40
+    assert b.recv_now(0, 7, addr, 40) and got.tolist() == [4] * 40
+    # a message drained into the unexpected queue comes before one still in the ring
+    for v in (5, 6):
+        m = torch.full((40,), v, dtype=torch.uint8)
+        assert a.send_now(1, 7, m.data_ptr(), m.numel())
+        if v == 5:
+            b.progress()
+    assert not b.recv_now(0, 7, addr, 40) and got.tolist() == [4] * 40
+    later = [Request(0, 7, torch.zeros(40, dtype=torch.uint8), False, 1e18) for _ in range(2)]
+    for r in later:
+        b.post_recv(r)
+    _pump([a, b], later)
+    assert [r.data.tolist() for r in later] == [[5] * 40, [6] * 40]
+    assert not b.pending()
+
+
 def test_p2p_size_mismatch_fails_only_that_receive(two_endpoints):
     a, b = two_endpoints
     s1 = Request(1, 0, torch.ones(64, dtype=torch.uint8), True, 1e18)

@@ -82,6 +82,20 @@ class ShmMailbox:
             self._w[base + i] = v
         self._w[self._head] = head + 8 * len(values)
 
-    def peek_words(self, count: int) -> tuple[int, ...]:
+    def take(self, skip: int, address: int, nbytes: int, frame: int) -> None:
+        """Consume a whole ``frame`` bytes at once: copy the ``nbytes`` that start ``skip``
+        bytes in (past a header) to memory at ``address``; the tail moves once."""
+        w, cap = self._w, self.capacity
+        tail = w[self._tail]
+        if nbytes:
+            pos = (tail + skip) % cap
+            first = min(nbytes, cap - pos)
+            ctypes.memmove(address, self._base + pos, first)
+            if nbytes > first:
+                ctypes.memmove(address + first, self._base, nbytes - first)
+        w[self._tail] = tail + frame
+
+    def peek_words(self, count: int) -> list[int]:
+        """The first ``count`` words at the tail (a frame's header: it never wraps)."""
         base = self._data_word + (self._w[self._tail] % self.capacity) // 8
-        return tuple(self._w[base + i] for i in range(count))
+        return self._w[base:base + count].tolist()

@@ -244,6 +244,24 @@ def test_p2p_receive_now_takes_only_a_whole_message_nothing_comes_before(two_end
     assert not b.pending()
 
 
+def test_p2p_whole_messages_wait_in_the_ring_until_it_is_half_full(two_endpoints):
+    # The helper thread drains rings nobody asked for only once a sender may be stuck
+    # (pending()); below half full, messages wait for their receive (recv_now).
+    a, b = two_endpoints
+    m = torch.ones(1000, dtype=torch.uint8)  # frames of 1024 bytes in a 4096-byte ring
+    assert a.send_now(1, 1, m.data_ptr(), m.numel())
+    assert not b.pending()
+    assert a.send_now(1, 1, m.data_ptr(), m.numel())
+    assert b.pending()  # half full: drain
+    b.progress()  # one message drained into the unexpected queue
+    assert not b.pending()  # the other waits in the ring
+    first, second = torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)
+    r = Request(0, 1, first, False, 1e18)
+    b.post_recv(r)
+    assert r.done and first.tolist() == [1] * 1000
+    assert b.recv_now(0, 1, second.data_ptr(), 1000) and second.tolist() == [1] * 1000
+
+
 def test_p2p_size_mismatch_fails_only_that_receive(two_endpoints):
     a, b = two_endpoints
     s1 = Request(1, 0, torch.ones(64, dtype=torch.uint8), True, 1e18)

@@ -63,14 +63,30 @@ def run_once(backend: str, steps: int, args) -> dict:
     wall, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     found = _SUMMARY.findall(res.stdout)
     if res.returncode != 0 or not found:
-        tail = "\n".join(res.stdout.splitlines()[-15:])
+        lines = res.stdout.splitlines()
+        why = failure_reason(lines)
         raise RuntimeError(f"main job with {backend} (--steps {steps}) failed "
-                           f"(exit {res.returncode}):\n{tail}")
+                           f"(exit {res.returncode})" + (f": {why}" if why else "") + ":\n"
+                           + "\n".join(lines[-15:]))
     out = {"tokens_s": int(found[0]), "cpu_s": cpu, "wall_s": wall}
     held = _RESOURCES.findall(res.stdout)
     if held:
         out["threads"], out["sockets"] = int(held[0][0]), int(held[0][1])
     return out
+
+
+def failure_reason(lines: list) -> str:
+    """The line of a failed run's output that says why, shortened: torchrun's report of
+    the first failure (``exitcode : -6 (pid: ...) (SIGABRT)``), else the last error or
+    exception line; empty if there is none."""
+    for line in lines:
+        if "exitcode" in line:
+            return " ".join(line.split("]", 1)[-1].split())
+    for line in reversed(lines):
+        text = line.split("]", 1)[-1].strip()
+        if re.match(r"[\w.]*(Error|Exception)\b", text) or text.startswith("terminate called"):
+            return text[:300]
+    return ""
 
 
 def _attempt(backend: str, steps: int, args, failures: list) -> dict:

@@ -391,3 +391,16 @@ def test_the_shared_memory_floor_moves_the_right_bytes(world, slot_bytes):
         assert got["big_sum"], rank
         assert "contiguous tensors only" in got["strided"], got  # a clear error
         assert left == [], left  # unlinked once every rank had mapped it
+
+
+def test_mainjob_names_why_a_run_failed():
+    from neuron_dist.bench.mainjob import failure_reason
+    torchrun = ["[vnode1] Root Cause (first observed failure):", "[vnode1] [0]:",
+                "[vnode1]   exitcode  : -6 (pid: 9031)  (SIGABRT)",
+                "[vnodes] vnode1 failed first; exit codes: vnode0=-9, vnode1=1"]
+    assert failure_reason(torchrun) == "exitcode : -6 (pid: 9031) (SIGABRT)"
+    raised = ["[vnode0] Traceback (most recent call last):", '[vnode0]   File "x.py", line 1',
+              "[vnode0] neuron_dist.errors.PeerTimeoutError: all_reduce #3 timed out",
+              "[vnodes] vnode0 failed first"]
+    assert failure_reason(raised) == "neuron_dist.errors.PeerTimeoutError: all_reduce #3 timed out"
+    assert failure_reason(["[vnode0] step 1 | loss 4.8"]) == ""

@@ -15,10 +15,11 @@ class Flat:
 
     def __init__(self, t: torch.Tensor, read: bool = True):
         self.t = t
-        d = t.detach()
+        # (torch view ops cost about a µs each here: made only when needed)
+        d = t.detach() if t.requires_grad else t
         self.copied = not d.is_contiguous()
         if not self.copied:
-            self.flat = d.reshape(-1)
+            self.flat = d if d.dim() == 1 else d.view(-1)
         elif read:
             threads = one_thread.enter()
             try:

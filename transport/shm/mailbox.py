@@ -58,13 +58,7 @@ class ShmMailbox:
 
     def read_into(self, address: int, nbytes: int) -> None:
         """Consume ``nbytes`` into memory at ``address``."""
-        tail = self._w[self._tail]
-        pos = tail % self.capacity
-        first = min(nbytes, self.capacity - pos)
-        ctypes.memmove(address, self._base + pos, first)
-        if nbytes > first:
-            ctypes.memmove(address + first, self._base, nbytes - first)
-        self._w[self._tail] = tail + nbytes
+        self.take(0, address, nbytes, nbytes)
 
     def pad(self, nbytes: int) -> None:
         """Producer side: advance past ``nbytes`` without writing them (frame padding)."""

@@ -51,7 +51,8 @@ def _through_relay(relay, **kw):
     return ts
 
 
-TAG_BYTE = PROOF_BYTES + 31  # last byte of the first frame's tag field (offset 24..31)
+# last byte of the first frame's tag field (offset 24..31 of its header, after the prefix)
+TAG_BYTE = PROOF_BYTES + F.LINK_PREFIX + 31
 
 
 def test_altered_header_is_believed_without_frame_authentication():
@@ -97,7 +98,7 @@ def test_altered_payload_is_rejected_in_payload_mode(caplog):
     """Payload mode: a byte of the payload altered on the way (past TCP's checksum) closes
     the rail; the message arrives intact over the other one."""
     caplog.set_level(logging.ERROR, logger="neuron_dist.rdm")
-    relay = Relay(tamper=(PROOF_BYTES + F.HEADER_SIZE + TAG + 10, 0xFF))
+    relay = Relay(tamper=(PROOF_BYTES + F.LINK_PREFIX + F.HEADER_SIZE + TAG + 10, 0xFF))
     ts = _through_relay(relay, frame_mac=True, payload_mac=True)
     try:
         data = np.arange(100, dtype=np.uint8)
@@ -143,11 +144,15 @@ def test_session_keys_are_per_connection():
     assert k != handshake.session_key(os.urandom(32), GROUP, ca, cd, 1, 0, 0)
 
 
+_PREFIX = bytes.fromhex("0123456789abcdef")  # a group's context on the rail (links.py)
+_H = F.LINK_PREFIX + F.HEADER_SIZE + TAG  # prefix, header and its tag
+
+
 def _frames(mac, *txs):
     """The bytes ``mac`` puts on the wire for ``txs``, frame by frame."""
     out = []
     for tx in txs:
-        s = mac.seal(tx)
+        s = mac.seal(tx, _PREFIX + tx.header)
         out.append(bytes(s.header) + bytes(s.payload) + bytes(s.trailer))
     return out
 
@@ -158,28 +163,33 @@ def test_railmac_checks_order_content_and_direction():
     ack = Transmit(1, 0, F.pack_ack(1, 0, [(0, 0)], 0))
     sender, receiver = RailMac(session, True, False), RailMac(session, False, False)
     first, second = _frames(sender, tx, ack)
-    receiver.check_header(first[:F.HEADER_SIZE + TAG])
-    receiver.check_header(second[:F.HEADER_SIZE + TAG])  # an ACK: its entries are covered
-    receiver.check_tail(second[F.HEADER_SIZE + TAG:-TAG], second[-TAG:])
+    receiver.check_header(first[:_H])
+    receiver.check_header(second[:_H])  # an ACK: its entries are covered
+    receiver.check_tail(second[_H:-TAG], second[-TAG:])
     fresh = RailMac(session, False, False)
     with pytest.raises(F.FrameError, match="failed authentication"):
-        fresh.check_header(second[:F.HEADER_SIZE + TAG])  # out of order (a replay, a drop)
+        fresh.check_header(second[:_H])  # out of order (a replay, a drop)
     fresh = RailMac(session, False, False)
     forged = bytearray(first)
-    forged[31] ^= 1  # the tag field
+    forged[F.LINK_PREFIX + 31] ^= 1  # the tag field
     with pytest.raises(F.FrameError, match="failed authentication"):
-        fresh.check_header(forged[:F.HEADER_SIZE + TAG])
+        fresh.check_header(forged[:_H])
     fresh = RailMac(session, False, False)
-    fresh.check_header(first[:F.HEADER_SIZE + TAG])
-    fresh.check_header(second[:F.HEADER_SIZE + TAG])
+    moved = bytearray(first)
+    moved[0] ^= 1  # the prefix: the frame moved to another group
     with pytest.raises(F.FrameError, match="failed authentication"):
-        fresh.check_tail(second[F.HEADER_SIZE + TAG:-TAG][:-1] + b"\x01", second[-TAG:])
+        fresh.check_header(moved[:_H])
+    fresh = RailMac(session, False, False)
+    fresh.check_header(first[:_H])
+    fresh.check_header(second[:_H])
+    with pytest.raises(F.FrameError, match="failed authentication"):
+        fresh.check_tail(second[_H:-TAG][:-1] + b"\x01", second[-TAG:])
     reflected = RailMac(session, True, False)  # the sender's own frames sent back to it
     with pytest.raises(F.FrameError):
-        reflected.check_header(first[:F.HEADER_SIZE + TAG])
+        reflected.check_header(first[:_H])
     other_mode = RailMac(session, False, True)  # NEURON_DIST_NET_MAC differs
     with pytest.raises(F.FrameError):
-        other_mode.check_header(first[:F.HEADER_SIZE + TAG])
+        other_mode.check_header(first[:_H])
 
 
 def test_cost_benchmark_runs():

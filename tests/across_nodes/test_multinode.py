@@ -568,3 +568,54 @@ def test_a_pending_receive_keeps_few_objects_alive(names):
     # Measured while each receive made its own closures and cells: 16.2 (one node), 28.7
     # (between nodes); since its Work's op is one object with methods: 9.2 and 12.1.
     assert results[1] <= (12 if names[0] == names[1] else 16), results
+
+
+def _groups_share_rails(rank, world):
+    from neuron_dist.transport.rdm import progress
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    col = cols[rank % 2]
+    again = dist.new_group([0, 1, 2, 3])  # a second group of all four: same partners
+    groups = [dist.group.WORLD, col, again]
+    n = 1 << 20  # (large enough to cross in halves, segments on every rail)
+    for i, g in enumerate(groups):  # each opens (or joins) its rails to the partner
+        t = torch.full((16,), float(rank + i))
+        dist.all_reduce(t, group=g)
+    sockets = len(progress._ENGINE._handlers)
+    links = {}  # global rank of a partner -> the links the groups use to it
+    for g in groups:
+        net = g._get_backend(torch.device("cpu"))._net
+        for peer, link in net._link_of.items():
+            partner = peer if g is dist.group.WORLD else dist.get_global_rank(g, peer)
+            links.setdefault(partner, set()).add(id(link))
+    ok = []
+    for rep in range(3):  # all three at once, both ways, every byte where it belongs
+        ts = [torch.arange(n, dtype=torch.float64) * (rank + 1) + i + rep for i in range(3)]
+        works = [dist.all_reduce(t, group=g, async_op=True) for t, g in zip(ts, groups)]
+        for w in works:
+            w.wait()
+        members = [list(range(4)), [rank % 2, rank % 2 + 2], list(range(4))]
+        for i, (t, m) in enumerate(zip(ts, members)):
+            want = sum(torch.arange(n, dtype=torch.float64) * (r + 1) + i + rep for r in m)
+            ok.append(torch.equal(t, want))
+    dist.destroy_process_group(again)  # one group goes; the others keep the rails
+    t = torch.full((4,), float(rank))
+    dist.all_reduce(t, group=col)
+    dist.all_reduce(t)
+    ok.append(t.tolist() == [2.0 * (0 + 2) + 2.0 * (1 + 3)] * 4)  # (each rank: its column's sum)
+    return {"sockets": sockets, "links": {p: len(ids) for p, ids in links.items()}, "ok": ok,
+            "sockets_after": len(progress._ENGINE._handlers)}
+
+
+@pytest.mark.timeout(120)
+def test_groups_of_the_same_two_processes_share_their_rails():
+    """A DeviceMesh makes several groups with the same partners: the first to talk opens
+    the rails to the partner's process, the others join them (transport/rdm/links.py), so a
+    rank holds 4 rails to its partner, not 4 per group; every group's answers stay exact,
+    also with all of them at once, and destroying one leaves the others working."""
+    results = run_ranks(_groups_share_rails, 4, env=_env(["a", "a", "b", "b"]), timeout=100)
+    for rank, out in results.items():
+        assert all(out["ok"]), (rank, out)
+        partners = out["links"]
+        assert partners and all(n == 1 for n in partners.values()), (rank, out)
+        # NEURON_DIST_RAILS (4) to each partner process, whatever the number of groups
+        assert out["sockets"] == out["sockets_after"] == 4 * len(partners), (rank, out)

@@ -21,11 +21,12 @@ from hypothesis import given, settings, strategies as st
 
 from neuron_dist.transport.errors import PeerUnreachable
 from neuron_dist.transport.rdm import frames as F
-from neuron_dist.transport.rdm import handshake
+from neuron_dist.transport.rdm import handshake, links
 from neuron_dist.transport.rdm.driver import RdmTransport
 
 pytestmark = pytest.mark.timeout(60)
 KEY, GROUP = os.urandom(32), b"test-group"
+_PREFIX = links.prefix_of(links.context_of(handshake.group_id(GROUP)))  # GROUP's, on a rail
 
 
 def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2, group=GROUP, open_rails=True,
@@ -180,7 +181,7 @@ def test_a_receiver_that_closes_at_once_still_acks_the_last_message(monkeypatch)
     # message still to be written (its writes are slow here). The close must write it
     # before the rail's half-close: an ack written after it is lost, and the sender
     # (waiting for it) would see the peer vanish instead of its send completing.
-    from neuron_dist.transport.rdm import driver as D
+    from neuron_dist.transport.rdm import links as D
     a, b = _pair(rails=1)
     real = D._send_some
     slow = {r.sock for rails in a._rails.values() for r in rails}
@@ -340,7 +341,7 @@ def test_malformed_frame_closes_only_that_rail(caplog):
         handshake.dial(rogue, KEY, GROUP, 2, 0, 0)
         header = bytearray(F.encode(F.DATA, 2, 0, payload=b"x" * 8))
         struct.pack_into("!I", header, 56, 1 << 31)  # length far beyond any segment
-        rogue.sendall(bytes(header[:F.HEADER_SIZE]))
+        rogue.sendall(_PREFIX + bytes(header[:F.HEADER_SIZE]))
         try:
             assert rogue.recv(10) == b""  # the rail is closed
         except ConnectionResetError:
@@ -500,6 +501,7 @@ def _rogue_frame(f) -> bytes:
     else:
         frame = bytearray(F.encode(F.DATA, 2, 0, msg_id=f["msg_id"], tag=f["tag"], seq=f["seq"],
                                    total=total, offset=f["offset"], payload=f["payload"]))
+    frame = bytearray(_PREFIX) + frame  # (a flip may hit the prefix: a group not there)
     if f["flip"] is not None and f["flip"] < len(frame):
         frame[f["flip"]] ^= 0x5A
     return bytes(frame)
@@ -652,7 +654,7 @@ def test_a_receive_being_read_is_withdrawn_at_once_and_nothing_lands_later(pair,
     buffer. The receive is withdrawn: the rest of the payload, when it comes, goes to
     scratch memory, never into the buffer."""
     from neuron_dist.transport.errors import PeerTimeout
-    from neuron_dist.transport.rdm import driver as D
+    from neuron_dist.transport.rdm import links as D
     real = D._send_some
     release = threading.Event()
     sender = {r.sock for rails in pair[0]._rails.values() for r in rails}
@@ -684,7 +686,8 @@ def test_a_receive_being_read_is_withdrawn_at_once_and_nothing_lands_later(pair,
     with pair[0]._lock:
         for rails in pair[0]._rails.values():
             for r in rails:
-                pair[0]._flush(r)
+                if r.alive:
+                    r.link.flush(r)
     time.sleep(0.5)  # the rest of the payload arrives (and is discarded)
     assert np.array_equal(buf, snapshot) and not buf[200_000:].any()
 
@@ -961,7 +964,7 @@ def test_a_receive_failed_with_its_peer_gets_nothing_that_arrives_later(pair, mo
     too. A message rank 0 had already queued for one of those arrives afterwards: it is
     discarded, never written into the failed receive's tensor."""
     from neuron_dist.transport.errors import PeerTimeout
-    from neuron_dist.transport.rdm import driver as D
+    from neuron_dist.transport.rdm import links as D
     a, b = pair
     real = D._send_some
     held = {r.sock for rails in a._rails.values() for r in rails}
@@ -986,7 +989,8 @@ def test_a_receive_failed_with_its_peer_gets_nothing_that_arrives_later(pair, mo
     with a._lock:
         for rails in a._rails.values():
             for r in rails:
-                a._flush(r)
+                if r.alive:
+                    r.link.flush(r)
     end = time.monotonic() + 5  # until rank 1 has read the message
     while not (b.ep.stats["discarded"] or buf.any()) and time.monotonic() < end:
         time.sleep(0.005)
@@ -1002,7 +1006,7 @@ def test_one_rail_never_holds_the_engine_for_more_than_its_budget(monkeypatch):
     read 4.7 MB here: whatever the socket had, for as long as the sender kept it full.)"""
     import socket as sk
     per_read, counting = [0], threading.local()
-    real_recv, real_read = sk.socket.recv_into, RdmTransport._read
+    real_recv, real_read = sk.socket.recv_into, links.Link.read
 
     def recv_into(self, *args):
         n = real_recv(self, *args)
@@ -1010,16 +1014,16 @@ def test_one_rail_never_holds_the_engine_for_more_than_its_budget(monkeypatch):
             per_read[-1] += n
         return n
 
-    def read(self, rail):
+    def read(self, rail, touched):
         counting.read = True
         per_read.append(0)
         try:
-            return real_read(self, rail)
+            return real_read(self, rail, touched)
         finally:
             counting.read = False
 
     monkeypatch.setattr(sk.socket, "recv_into", recv_into)
-    monkeypatch.setattr(RdmTransport, "_read", read)
+    monkeypatch.setattr(links.Link, "read", read)
     ts = _pair(rails=1, segment_bytes=16 << 20, window_bytes=64 << 20)
     try:
         src, dst, r, s = _transfer(ts, 48 << 20, seed=9)
@@ -1029,9 +1033,9 @@ def test_one_rail_never_holds_the_engine_for_more_than_its_budget(monkeypatch):
     finally:
         for t in ts:
             t.close()
-    from neuron_dist.transport.rdm import driver as D
+    from neuron_dist.transport.rdm import links as D
     assert sum(per_read) >= 48 << 20
-    assert max(per_read) <= D._VISIT_BYTES + D._INBUF, max(per_read)
+    assert max(per_read) <= D._VISIT_BYTES + D.INBUF, max(per_read)
 
 
 def test_the_engine_visits_bulk_rails_last_and_leaves_the_rest_once_its_waiter_is_done():

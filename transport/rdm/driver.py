@@ -11,8 +11,12 @@ ways. So a rank holds connections only to the ranks it talks to: in a group that
 nodes, its counterparts on the other nodes, not every rank (4 rails to each of 63 peers
 would be 252 descriptors per group on 8 nodes of 8). When two ranks dial each other at
 once, the higher rank's rails are kept and the lower rank waits for them (the listener
-answers its dial with ``Crossed``). All protocol logic lives in the sans-I/O
-``protocol.Endpoint``; this module only moves its frames, under the transport's lock.
+answers its dial with ``Crossed``). The rails of a pair of processes are shared by all
+their groups (links.py): a group whose process already has rails to the peer's process
+joins them with an authenticated JOIN instead of dialing, and one that closes while
+others still use them sends LEAVE instead of closing the connections. All protocol logic
+lives in the sans-I/O ``protocol.Endpoint`` (one per group); this module only moves its
+frames, under the process's network lock (progress.NET_LOCK).
 
 Rails are non-blocking sockets in the process's one progress engine (progress.py), which
 every transport (every group) of the process shares. There are no reader or writer
@@ -20,8 +24,9 @@ threads: a thread that waits for a request drives the engine itself, so the byte
 complete its request are read by the thread that wants them, and the engine's background
 thread drives it only while nobody waits.
 
-* **Reading** is a small state machine per rail, fed with whatever the socket has: a
-  64-byte header (validated before anything else is read: ``frames.decode_header``), then
+* **Reading** is a small state machine per rail (links.py), fed with whatever the socket
+  has: the 8-byte prefix naming the frame's group and its 64-byte header (validated before
+  anything else is read: ``frames.decode_header``, by that group's transport), then
   the payload, read straight into the place ``Endpoint.data_target`` gives (the posted
   receive buffer or the message's reassembly buffer, claimed for this rail until it
   lands: see "Buffer ownership" in protocol.py), so large messages are copied once, by
@@ -59,19 +64,18 @@ from __future__ import annotations
 
 import logging
 import math
-import platform
-import select
 import socket
 import threading
 import time
 from collections import deque
-from itertools import islice
 
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, Claimed, MessageSizeMismatch,
                       PeerAborted, PeerTimeout, PeerUnreachable)
 from ..requests import Request as _Request
 from . import frames as F
-from . import handshake, progress
+from . import handshake, links, progress
+from .links import (_ASIDE, _HEADER, _OUT, _PAYLOAD, _TRAILER, AHEAD_AFTER_LARGE, CLEAN_EOF,
+                    DEAD, INBUF, JOIN, LEAVE, Link, Rail, stage_to)
 from .railmac import TAG as _MAC_TAG, RailMac
 from .listener import HANDSHAKE_TIMEOUT
 from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived,
@@ -79,7 +83,6 @@ from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceiv
 
 log = logging.getLogger("neuron_dist.rdm")
 
-_IOV_MAX = 512
 # Sends up to this size are copied and complete at once (isend). A message costs some
 # 100 µs of Python on each side and copying 256 KiB (warm) about 6, so up to there
 # copying is cheaper than holding the caller until the ack comes. Against 64 KiB, on
@@ -91,31 +94,18 @@ _IOV_MAX = 512
 EAGER_BYTES = DELAYED_ACK_BYTES
 _SMALL_COPY = 512  # eager copies up to this size come from Python's small-object allocator
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
-_CLEAN_EOF = "connection closed by the peer"
-_IN = select.EPOLLIN | select.EPOLLRDHUP
-_OUT = select.EPOLLOUT
-_HEADER, _PAYLOAD, _TRAILER, _ASIDE = range(4)  # what a rail is reading
-_INBUF = 64 << 10  # a rail reads small frames in bulk into this much read-ahead ...
-_DIRECT = 16 << 10  # ... and the rest of a payload from this size straight into place
-# After a frame with a payload of _INBUF or more, the next read ahead asks for this much only:
-# the next frame is likely as large, and a full read ahead would take most of its payload
-# into inbuf, to be copied again. Streams of isends between two virtual nodes (windows of
-# 4 MiB, the two switched every block in one run, 40 blocks, two runs): 77 against 105 µs
-# per 64 KiB message, 100-120 against 150-168 per 128 KiB, 336-340 against 373-378 per
-# 256 KiB; 1-8 KiB and 1 MiB messages, all_reduce of 128 and 512 KiB unchanged.
-_AHEAD_AFTER_LARGE = 8 << 10
-_LOWAT = 256 << 10  # a payload read in place wakes its reader once this much (or all) is in
-# One visit of the engine to a rail reads at most this much (the socket, still readable,
-# is reported again at the next poll; visits for bulk bytes come after the others:
-# progress.poll). Before, a visit read whatever the socket held for as long as a sender
-# kept it full (4.7 MB in one visit in a test; 10-90 ms visits on two virtual nodes while
-# 64 MiB messages streamed), and every other rail of the process, of any group or peer,
-# waited. 256 KiB made 64 MiB all_reduces between two virtual nodes 5-11% slower (more
-# visits per byte); capping writes as well cost the main job 3-7% (the tail of a message
-# waited for the engine instead of leaving with its head). See design.md, "Rails".
-_VISIT_BYTES = 1 << 20
-_DIALING, _ACCEPTING = "dialing", "accepting"  # how a peer's rails are being opened
+_DIALING, _ACCEPTING, _JOINING = "dialing", "accepting", "joining"  # how a peer's rails open
 _REFUSED_RETRY = 2.0  # seconds a dial retries a refused connection (a listener starting)
+
+
+class _Join:
+    """A group joining a link to one peer (links.py): the rails it has sent its JOIN on and
+    heard the peer's on."""
+
+    __slots__ = ("link", "sent", "heard")
+
+    def __init__(self, link):
+        self.link, self.sent, self.heard = link, set(), set()
 
 
 class _CopyPool:
@@ -153,31 +143,6 @@ class _CopyPool:
         self._bytes += size
 
 
-
-
-class _Rail:
-    """One connection to a peer, with its reading state and its queue of bytes to write."""
-
-    __slots__ = ("sock", "fd", "peer", "index", "out", "alive", "events", "stage", "got",
-                 "hbuf", "hview", "header", "view", "buf", "inbuf", "lo", "hi", "mac", "head",
-                 "lowat", "ahead")
-
-    def __init__(self, sock, peer, index, mac=None):
-        self.sock, self.fd, self.peer, self.index = sock, sock.fileno(), peer, index
-        self.out = deque()  # byte views still to write
-        self.alive = True
-        self.events = _IN
-        self.mac = mac  # railmac.RailMac when frames are authenticated: headers carry a tag
-        self.hbuf = bytearray(F.HEADER_SIZE + (_MAC_TAG if mac else 0))
-        self.hview = memoryview(self.hbuf)
-        self.head = self.hview[:F.HEADER_SIZE] if mac else self.hbuf  # the header proper
-        self.stage, self.got, self.header = _HEADER, 0, None
-        self.view = self.hview  # where the bytes of the current stage go
-        self.buf = None  # the frame read aside, or the trailer
-        self.inbuf = memoryview(bytearray(_INBUF))  # bytes read ahead: inbuf[lo:hi]
-        self.ahead = self.inbuf  # what the next read ahead asks for (_AHEAD_AFTER_LARGE)
-        self.lo = self.hi = 0
-        self.lowat = 1  # the socket's SO_RCVLOWAT
 
 
 class Request(_Request):
@@ -266,10 +231,16 @@ class RdmTransport:
                            max_reassembly_bytes=max_unexpected_bytes, crc=crc,
                            ack_delay=ack_delay, notice_tags=(ABORT_TAG,))
         self._max_payload = max(segment_bytes, F.MAX_ACKS_PER_FRAME * F.ACK_ENTRY.size)
-        self._lock = threading.RLock()  # (a callback may post from inside a completion)
+        # One lock for every transport of the process: they share rails (links.py). An
+        # RLock: a callback may post from inside a completion.
+        self._lock = progress.NET_LOCK
         self._rails: dict[int, list] = {}  # peer -> its rails by index (None: not yet)
+        self._link_of: dict = {}  # peer -> the Link its rails are (once it has rails)
+        self._joins: dict = {}  # peer -> _Join while joining a link to it
+        self._left: dict = {}  # peer -> rails it sent LEAVE on (it is leaving this group)
+        self._early_joins: list = []  # JOINs that came before connect(): handled by it
         self._up: set[int] = set()  # peers whose rails are all open
-        self._links: dict = {}  # peer -> _DIALING or _ACCEPTING while its rails open
+        self._links: dict = {}  # peer -> _DIALING, _ACCEPTING or _JOINING while rails open
         self._reserved: set = set()  # (peer, rail) accepted, not yet added
         self._notices: dict = {}  # peer -> abort notice to send once its rails are up
         self._expected: set[int] = set()
@@ -294,7 +265,9 @@ class RdmTransport:
             progress.detach(self)
             raise
         self._gid = handshake.group_id(group)
-        self._engine.join_group(self._gid, rank, self)
+        self._context = links.context_of(self._gid)
+        self._prefix = links.prefix_of(self._context)
+        self._engine.join_group(self._gid, rank, self, self._context)
         self._threads: list = []
 
     # ------------------------------------------------------------------ set-up
@@ -312,13 +285,23 @@ class RdmTransport:
             self._expected = set(peers) - {self.rank}
             self._addresses = {p: a for p, a in peers.items() if p != self.rank}
             self._connect_timeout = max(1.0, deadline - time.monotonic())
+            for peer, link in self._link_of.items():  # (rails accepted before we knew)
+                if None not in link.rails and link.key is None:
+                    link.key = self._link_key(peer)
+                    self._engine.publish(link)
+            early, self._early_joins = self._early_joins, []
+            for args in early:
+                if args[1].alive:
+                    self._on_join(*args)
 
     def _open_rails(self, peer: int, deadline: float | None = None, notice: bool = False) -> None:
         """Return once the ``rails`` connections to ``peer`` are up, opening them if nobody
-        has: this rank dials rail 0, 1, ... in turn (rail ``i`` goes from this rank's
-        address ``i % n`` to the peer's address ``i % m``). When both ranks dial each
-        other at once, the higher rank's rails are kept (its listener answers the other's
-        dial with ``Crossed``) and the lower rank waits for them.
+        has. When this process has a link to the peer's process already (another group's
+        rails: links.py), this group joins it; else this rank dials rail 0, 1, ... in turn
+        (rail ``i`` goes from this rank's address ``i % n`` to the peer's address
+        ``i % m``). When both ranks dial (or join) at once, the higher rank's rails are
+        kept (its listener answers the other's dial with ``Crossed``; a JOIN from the
+        lower rank is not answered) and the lower rank waits for them.
 
         Raises
         ------
@@ -363,16 +346,24 @@ class RdmTransport:
 
     def _wait_rails(self, peer: int, deadline: float, dial: bool, notice: bool = False) -> bool:
         """Wait until ``peer``'s rails are up (True) or, with ``dial``, until nobody is
-        opening them (False: the caller now is, and must dial)."""
-        with self._lock:
-            while True:
+        opening them (False: the caller now is, and must dial). While this group joins a
+        link, the waiting thread drives the progress engine (the answers come as frames)."""
+        def joined():
+            return peer in self._up or self._links.get(peer) is not _JOINING
+
+        while True:
+            with self._lock:
                 if peer in self._up:
                     return True
                 if not (notice and peer in self._notices and not self._closed):
                     self._check_usable(peer)
                 if dial and peer not in self._links:
-                    self._links[peer] = _DIALING
-                    return False
+                    link = self._joinable(peer)
+                    if link is None:
+                        self._links[peer] = _DIALING
+                        return False
+                    self._start_join(peer, link)  # (a link that closes meanwhile: dial)
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:  # (half-open rails are no use: the pair is failed)
                     error = PeerTimeout([peer], 0.0, f"the rails between rank {self.rank} and "
@@ -380,7 +371,10 @@ class RdmTransport:
                                         network=True)
                     self._link_failed(peer, error)
                     raise error
-                self._connected.wait(min(remaining, 0.5))
+                if self._links.get(peer) is not _JOINING:
+                    self._connected.wait(min(remaining, 0.5))
+                    continue
+            self._engine.drive(joined, time.monotonic() + min(remaining, 0.5), None, self.spin)
 
     def _link_failed(self, peer: int, error: Exception) -> None:
         """Under the lock: opening the rails to ``peer`` failed; so does everything with it."""
@@ -388,10 +382,126 @@ class RdmTransport:
         if peer not in self._failed:
             self._failed[peer] = error
             self._fail_peer_requests(peer, error)
-        for rail in self._rails.get(peer, ()):
-            if rail is not None:
-                self._drop(rail)
+        self._detach(peer)
         self._connected.notify_all()
+
+    # ------------------------------------------------------------------ shared links
+
+    def _link_key(self, peer: int):
+        """What a link to ``peer``'s process must match for this group to use it: the
+        addresses at both ends, the number of rails and the frame authentication."""
+        address = self._addresses.get(peer)
+        return None if address is None else (tuple(self._hosts), address, self.nrails,
+                                             self._mac)
+
+    def _joinable(self, peer: int):
+        """Under the lock: a link of another group to ``peer``'s process, or None."""
+        key = self._link_key(peer)
+        return None if key is None else self._engine.find_link(key, self._context)
+
+    def _start_join(self, peer: int, link: Link) -> None:
+        """Under the lock: join ``link`` for ``peer``: a JOIN on every rail (links.py)."""
+        self._links[peer] = _JOINING
+        self._joins[peer] = join = _Join(link)
+        link.add(self._context, self.rank, self, peer)
+        for rail in link.rails:
+            self._send_join(link, rail, peer, join)
+
+    def _send_join(self, link: Link, rail: Rail, peer: int, join: _Join) -> None:
+        proof = handshake.join_proof(self._key, self._group, rail.session, self.rank, peer,
+                                     rail.index)
+        link.send_block(rail, JOIN, self.rank, peer, self._context, proof)
+        join.sent.add(rail.index)
+
+    def _on_join(self, link: Link, rail: Rail, peer: int, proof: bytes) -> None:
+        """Under the lock: ``peer`` sent a JOIN for this group on ``rail`` of ``link``."""
+        expect = handshake.join_proof(self._key, self._group, rail.session, peer, self.rank,
+                                      rail.index)
+        if not 0 <= peer < self.world_size or peer == self.rank or not handshake.same(proof,
+                                                                                    expect):
+            log.error("neuron %s: ignored a JOIN on rail %d claiming rank %d (wrong proof)",
+                      self._label, rail.index, peer)
+            return
+        if not self._addresses and not self._closed:  # (connect() is a moment away)
+            self._early_joins.append((link, rail, peer, proof))
+            return
+        if self._closed or peer in self._failed:
+            link.send_block(rail, LEAVE, self.rank, peer, self._context)  # (it fails at once)
+            return
+        if peer in self._up:
+            return  # (a late JOIN after a crossing)
+        key = self._link_key(peer)
+        if key is None or not link.reaches(key):
+            log.error("neuron %s: ignored a JOIN on rail %d claiming rank %d: the link is not "
+                      "to that rank's process", self._label, rail.index, peer)
+            return
+        state, join = self._links.get(peer), self._joins.get(peer)
+        if join is not None and join.link is not link:  # both joined at once, elsewhere
+            if self.rank > peer:
+                return  # ours is kept: the peer takes it when our JOIN reaches it
+            self._abandon_join(peer)
+            state = join = None
+        if state is _ACCEPTING or (state is _DIALING and self.rank > peer):
+            return  # the peer's rails (or ours) are being opened: those are kept
+        if join is None:
+            if link.closing or link.closed or (self._context, self.rank) in link.members:
+                return
+            self._links[peer] = _JOINING
+            self._joins[peer] = join = _Join(link)
+            link.add(self._context, self.rank, self, peer)
+        join.heard.add(rail.index)
+        if rail.index not in join.sent:
+            self._send_join(link, rail, peer, join)
+        if len(join.heard) == len(join.sent) == self.nrails:
+            del self._joins[peer]
+            self._rails[peer] = link.rails
+            self._link_of[peer] = link
+            self._rail_up(peer)
+
+    def _abandon_join(self, peer: int) -> None:
+        """Under the lock: stop joining a link to ``peer`` (its rails are opened otherwise,
+        or the link is gone); what was sent on it is ignored by the peer."""
+        join = self._joins.pop(peer)
+        join.link.remove(self._context, self.rank, self)
+        if self._links.get(peer) is _JOINING:
+            del self._links[peer]
+        self._connected.notify_all()
+
+    def _on_leave(self, link: Link, rail: Rail, peer: int) -> None:
+        """Under the lock: ``peer`` left this group on ``rail`` (it closed the group, or
+        failed this rank) while its process keeps the link for other groups: for this group
+        that is the end of the rail, as a connection closing would be."""
+        if peer in self._joins and self._joins[peer].link is link:
+            self._abandon_join(peer)
+            self._link_failed(peer, PeerUnreachable(
+                peer, f"could not join the rails to rank {peer}: it has closed or aborted this "
+                      f"group, or failed rank {self.rank}"))
+            return
+        if self._link_of.get(peer) is not link:
+            return
+        left = self._left.setdefault(peer, set())
+        left.add(rail.index)
+        if len(left) == self.nrails:
+            self._detach(peer, leave=False)
+        self._lose_rail(rail, peer, CLEAN_EOF + " (the group closed there)")
+
+    def _detach(self, peer: int, leave: bool = True) -> None:
+        """Under the lock: this group stops using its rails to ``peer``. Other groups may
+        go on using them: the peer is told with a LEAVE on each (``leave``); the last group
+        closes them."""
+        join = self._joins.pop(peer, None)
+        link = self._link_of.pop(peer, None) or (join.link if join else None)
+        self._left.pop(peer, None)
+        if peer in self._rails:
+            self._rails[peer] = [DEAD] * self.nrails
+        if link is None or link.closed:
+            return
+        others = [m for m in link.members if m != (self._context, self.rank)]
+        if others and leave:
+            for rail in link.rails:
+                if rail is not None:
+                    link.send_block(rail, LEAVE, self.rank, peer, self._context)
+        link.remove(self._context, self.rank, self)
 
     def _dial(self, peer: int, host: str, port: int, rail: int, deadline: float) -> None:
         refused_until = time.monotonic() + _REFUSED_RETRY
@@ -428,8 +538,12 @@ class RdmTransport:
                     or not 0 <= rail < self.nrails):
                 return False
             state = self._links.get(rank)
-            if rail == 0 and rank < self.rank and (state is _DIALING or rank in self._up):
+            if rail == 0 and rank < self.rank and (state in (_DIALING, _JOINING)
+                                                   or rank in self._up):
                 return handshake.CROSSED  # (a dial that crossed ours may come in late)
+            if rail == 0 and state is _JOINING:  # its dial is kept, not our JOIN
+                self._abandon_join(rank)
+                state = None
             if ((rank, rail) in self._reserved
                     or self._rails.get(rank, [None] * self.nrails)[rail] is not None):
                 return False
@@ -479,23 +593,35 @@ class RdmTransport:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
         sock.setblocking(False)
         mac = RailMac(session, dialer, self._mac[1]) if self._mac[0] else None
-        rail = _Rail(sock, peer, index, mac)
         with self._lock:
             self._reserved.discard((peer, index))
             if self._closed:
                 sock.close()
                 return
-            rails = self._rails.setdefault(peer, [None] * self.nrails)
-            rails[index] = rail
-            self._engine.register(rail.fd, self, rail, rail.events)
-            if None not in rails:
-                self._up.add(peer)
-                self._links.pop(peer, None)
-                notice = self._notices.pop(peer, None)
-                if notice is not None:  # (it failed us before there were rails to tell it)
-                    self._send_notice(peer, notice)
-                    self._pump()
+            link = self._link_of.get(peer)
+            if link is None:  # this group's first rail to the peer: a new link
+                link = self._link_of[peer] = Link(self._engine, self.nrails,
+                                                  f"{self._label}, rails to rank {peer}")
+                link.add(self._context, self.rank, self, peer)
+                self._rails[peer] = link.rails
+            rail = Rail(sock, index, link, session, mac)
+            link.rails[index] = rail
+            self._engine.register(rail.fd, link, rail, rail.events)
+            if None not in link.rails:
+                link.key = self._link_key(peer)  # other groups may join it from now on
+                self._engine.publish(link)
+                self._rail_up(peer)
             self._connected.notify_all()
+
+    def _rail_up(self, peer: int) -> None:
+        """Under the lock: every rail to ``peer`` is open (or joined) for this group."""
+        self._up.add(peer)
+        self._links.pop(peer, None)
+        notice = self._notices.pop(peer, None)
+        if notice is not None:  # (it failed us before there were rails to tell it)
+            self._send_notice(peer, notice)
+            self._pump()
+        self._connected.notify_all()
 
     # ------------------------------------------------------------------ requests
 
@@ -571,16 +697,23 @@ class RdmTransport:
         rail = rails[tx.rail] if rails else None
         if rail is None or not rail.alive:
             return  # (resent on another rail: the endpoint learns of the failure)
+        self._queue(rail, tx)
+        if not rail.events & _OUT:  # (else the socket is full: epoll says when not)
+            rail.link.flush(rail)
+
+    def _queue(self, rail: Rail, tx) -> None:
+        """Under the lock: frame ``tx`` goes behind what waits on ``rail``, after this
+        group's prefix (links.py)."""
+        head = self._prefix + tx.header
         if rail.mac is not None:
-            tx = rail.mac.seal(tx)
+            tx = rail.mac.seal(tx, head)
+            head = tx.header
         out = rail.out
-        out.append(memoryview(tx.header))
+        out.append(memoryview(head))
         if len(tx.payload):
             out.append(memoryview(tx.payload).cast("B"))
         if tx.trailer:
             out.append(memoryview(tx.trailer))
-        if not rail.events & _OUT:  # (else the socket is full: epoll says when not)
-            self._flush(rail)
 
     def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
         """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size)."""
@@ -788,142 +921,61 @@ class RdmTransport:
                 if not self._closed:
                     self._pump(deadline_passed=True)
 
-    @staticmethod
-    def _in_bulk(rail: _Rail, mask: int) -> bool:
-        """Is the engine's visit to ``rail`` for bulk bytes (a payload being read in place,
-        or only writing)? Those visits come after the others (progress.poll)."""
-        return rail.stage == _PAYLOAD or not mask & ~_OUT
-
-    def _on_ready(self, rail: _Rail, mask: int) -> None:
-        """The engine saw ``rail`` readable or writable: read and write what it can."""
-        with self._lock:
-            if not rail.alive:
-                return
-            if mask & _OUT:
-                self._flush(rail)
-            if mask & ~_OUT and rail.alive:
-                try:
-                    self._read(rail)
-                except OSError as e:
-                    self._rail_down(rail, str(e) or type(e).__name__)
-                except Exception as e:  # noqa: BLE001 - never a rail that dies unnoticed
-                    log.exception("neuron %s: reading rail %d to rank %d failed", self._label,
-                                  rail.index, rail.peer)
-                    self._rail_down(rail, f"reader failed: {type(e).__name__}: {e}")
-            self._pump()
-
-    def _read(self, rail: _Rail) -> None:
-        """Under the lock: take in what ``rail``'s socket has, frame by frame.
-
-        Small frames arrive in bulk: one ``recv`` fills the read-ahead buffer with as many
-        as the socket holds, and they are cut from it. The rest of a payload of ``_DIRECT``
-        bytes or more is read straight into its place. A read that returns less than it
-        asked for emptied the socket: stop there (epoll says when more comes); so does a
-        visit that has read ``_VISIT_BYTES`` (epoll reports the socket again)."""
-        sock, ep, inbuf = rail.sock, self.ep, rail.inbuf
-        drained = False
-        budget = _VISIT_BYTES
-        while rail.alive:
-            view = rail.view
-            need = view.nbytes - rail.got
-            if need:
-                have = rail.hi - rail.lo
-                if have:
-                    k = have if have < need else need
-                    lo = rail.lo
-                    view[rail.got:rail.got + k] = inbuf[lo:lo + k]
-                    rail.lo = lo + k
-                    rail.got += k
-                    if k < need:
-                        continue
-                elif drained:
-                    return
-                elif budget <= 0:  # more to read: the engine reports the rail again
-                    if rail.lowat != 1:
-                        _wake_at(rail, 1)  # (what is left may be less than the old mark)
-                    return
-                else:
-                    direct = need >= _DIRECT
-                    if not direct and rail.lowat != 1:
-                        _wake_at(rail, 1)  # a header wakes the reader at once
-                    want = need if need < budget else budget
-                    try:
-                        n = sock.recv_into(view[rail.got:rail.got + want] if direct
-                                           else rail.ahead)
-                    except (BlockingIOError, InterruptedError):
-                        if direct and _RCVLOWAT_SIZES_BUFFER:
-                            _wake_at(rail, min(need, _LOWAT))
-                        return
-                    budget -= n
-                    if n == 0:
-                        raise ConnectionError(
-                            f"{_CLEAN_EOF} ({rail.got} of {view.nbytes} bytes of a frame read)"
-                            if rail.got or rail.stage else _CLEAN_EOF)
-                    if direct:
-                        rail.got += n
-                        drained = n < want
-                        if drained and _RCVLOWAT_SIZES_BUFFER:
-                            _wake_at(rail, min(need - n, _LOWAT))
-                    else:
-                        rail.lo, rail.hi = 0, n
-                        drained = n < rail.ahead.nbytes
-                    continue
-            self._advance(rail, ep)
-
-    def _advance(self, rail: _Rail, ep: Endpoint) -> None:
-        """Under the lock: the current stage of ``rail``'s frame is read; go to the next."""
-        stage, h = rail.stage, rail.header
-        mac = rail.mac
-        if stage == _HEADER:
-            try:
-                if mac is not None:
-                    mac.check_header(rail.hbuf)
-                h = F.decode_header(rail.head, world_size=self.world_size,
-                                    max_message_bytes=ep.max_message_bytes,
-                                    max_payload=self._max_payload, require_crc=ep.crc)
-                if h.src != rail.peer or h.dst != self.rank:
-                    raise F.FrameError(f"frame from rank {h.src} to {h.dst} on a rail "
-                                       f"between ranks {rail.peer} and {self.rank}")
-            except F.FrameError as e:
-                log.error("neuron %s: closing rail %d to rank %d after a malformed frame: %s",
-                          self._label, rail.index, rail.peer, e)
-                self._rail_down(rail, f"malformed frame: {e}")
-                return
-            lo, end = rail.lo, rail.lo + h.length + h.trailer_bytes
-            rail.ahead = rail.inbuf[:_AHEAD_AFTER_LARGE] if h.length >= _INBUF else rail.inbuf
-            if mac is None and end <= rail.hi:  # the whole frame is read ahead already
-                inbuf, mid = rail.inbuf, lo + h.length
-                if ep.land_whole(rail.index, rail.hbuf, h, inbuf[lo:mid], inbuf[mid:end],
-                                 time.monotonic()):
-                    rail.lo = end
-                    self._stage(rail, _HEADER, rail.hview)
-                    return
-            rail.header = h
-            target = ep.data_target(rail.index, h)
-            if target is not None:  # claimed for this rail: see "Buffer ownership"
-                if mac is None and end <= rail.hi:  # all read ahead already: land it now
-                    inbuf = rail.inbuf
-                    target[:] = inbuf[lo:lo + h.length]
-                    rail.lo = end
-                    rail.header = None  # (the trailer is read before inbuf is refilled)
-                    ep.data_landed(rail.index, rail.hbuf, h, time.monotonic(),
-                                   inbuf[lo + h.length:end])
-                    self._stage(rail, _HEADER, rail.hview)
-                    return
-                self._stage(rail, _PAYLOAD, target)
-                return
-            tail = _MAC_TAG if mac is not None and mac.tail(h.type, h.nacks) else 0
-            frame = bytearray(F.HEADER_SIZE + h.length + h.trailer_bytes + tail)
-            frame[:F.HEADER_SIZE] = rail.head
-            rail.buf = frame
-            self._stage(rail, _ASIDE, memoryview(frame)[F.HEADER_SIZE:])
+    def _on_header(self, rail: Rail) -> None:
+        """Under the lock: the header of a frame for this group is read on ``rail`` (its
+        prefix named this group, and the link checked its tag: links.py); place the rest."""
+        ep, mac, peer = self.ep, rail.mac, rail.rpeer
+        try:
+            h = F.decode_header(rail.head, world_size=self.world_size,
+                                max_message_bytes=ep.max_message_bytes,
+                                max_payload=self._max_payload, require_crc=ep.crc)
+            if h.src != peer or h.dst != self.rank:
+                raise F.FrameError(f"frame from rank {h.src} to {h.dst} on a rail "
+                                   f"between ranks {peer} and {self.rank}")
+        except F.FrameError as e:
+            log.error("neuron %s: closing rail %d to rank %d after a malformed frame: %s",
+                      self._label, rail.index, peer, e)
+            rail.link.rail_down(rail, f"malformed frame: {e}")
             return
+        lo, end = rail.lo, rail.lo + h.length + h.trailer_bytes
+        rail.ahead = rail.inbuf[:AHEAD_AFTER_LARGE] if h.length >= INBUF else rail.inbuf
+        if mac is None and end <= rail.hi:  # the whole frame is read ahead already
+            inbuf, mid = rail.inbuf, lo + h.length
+            if ep.land_whole(rail.index, rail.head, h, inbuf[lo:mid], inbuf[mid:end],
+                             time.monotonic()):
+                rail.lo = end
+                stage_to(rail, _HEADER, rail.hview)
+                return
+        rail.header = h
+        target = ep.data_target(rail.index, h)
+        if target is not None:  # claimed for this rail: see "Buffer ownership"
+            if mac is None and end <= rail.hi:  # all read ahead already: land it now
+                inbuf = rail.inbuf
+                target[:] = inbuf[lo:lo + h.length]
+                rail.lo = end
+                rail.header = None  # (the trailer is read before inbuf is refilled)
+                ep.data_landed(rail.index, rail.head, h, time.monotonic(),
+                               inbuf[lo + h.length:end])
+                stage_to(rail, _HEADER, rail.hview)
+                return
+            stage_to(rail, _PAYLOAD, target)
+            return
+        tail = _MAC_TAG if mac is not None and mac.tail(h.type, h.nacks) else 0
+        frame = bytearray(F.HEADER_SIZE + h.length + h.trailer_bytes + tail)
+        frame[:F.HEADER_SIZE] = rail.head
+        rail.buf = frame
+        stage_to(rail, _ASIDE, memoryview(frame)[F.HEADER_SIZE:])
+
+    def _on_stage(self, rail: Rail) -> None:
+        """Under the lock: the current stage (after the header) of ``rail``'s frame for
+        this group is read; go to the next."""
+        ep, mac, stage, h = self.ep, rail.mac, rail.stage, rail.header
         tail = mac is not None and mac.tail(h.type, h.nacks)
         if stage == _PAYLOAD and (h.nacks or tail):
             if mac is not None and mac.payload:
                 mac.absorb(rail.view)  # (what was read: scratch memory if cancelled meanwhile)
             rail.buf = bytearray(h.trailer_bytes + (_MAC_TAG if tail else 0))
-            self._stage(rail, _TRAILER, memoryview(rail.buf))
+            stage_to(rail, _TRAILER, memoryview(rail.buf))
             return
         frame = rail.buf
         if tail:  # check the acks (and payload) before they are acted on
@@ -936,27 +988,23 @@ class RdmTransport:
                     mac.check_tail(memoryview(frame)[covered:-_MAC_TAG], frame[-_MAC_TAG:])
             except F.FrameError as e:
                 log.error("neuron %s: closing rail %d to rank %d: %s", self._label, rail.index,
-                          rail.peer, e)
-                self._rail_down(rail, f"unauthenticated frame: {e}")  # (releases the claim)
+                          rail.rpeer, e)
+                rail.link.rail_down(rail, f"unauthenticated frame: {e}")  # (releases the claim)
                 return
             frame = memoryview(frame)[:-_MAC_TAG]
         if stage in (_PAYLOAD, _TRAILER):
             trailer = frame if stage == _TRAILER else b""
-            ep.data_landed(rail.index, rail.hbuf, h, time.monotonic(), trailer)
+            ep.data_landed(rail.index, rail.head, h, time.monotonic(), trailer)
         else:  # _ASIDE
             rejected = ep.stats["rejected"]
             ep.receive(rail.index, frame, time.monotonic())
             if ep.stats["rejected"] > rejected and ep.crc:
                 # a path that corrupts data (past TCP's checksum) is not used again
-                self._stage(rail, _HEADER, rail.hview)
-                self._rail_down(rail, "corrupted frame (CRC mismatch)")
+                stage_to(rail, _HEADER, rail.hview)
+                rail.link.rail_down(rail, "corrupted frame (CRC mismatch)")
                 return
         rail.buf = rail.header = None
-        self._stage(rail, _HEADER, rail.hview)
-
-    @staticmethod
-    def _stage(rail: _Rail, stage: int, view) -> None:
-        rail.stage, rail.view, rail.got = stage, view, 0
+        stage_to(rail, _HEADER, rail.hview)
 
     def _pump(self, deadline_passed: bool = False) -> None:
         """Under the lock: act on the endpoint's events (completing requests), then write
@@ -970,17 +1018,11 @@ class RdmTransport:
                 rail = rails[tx.rail] if rails else None
                 if rail is None or not rail.alive:
                     continue
-                if rail.mac is not None:
-                    tx = rail.mac.seal(tx)
-                rail.out.append(memoryview(tx.header))
-                if len(tx.payload):
-                    rail.out.append(memoryview(tx.payload).cast("B"))
-                if tx.trailer:
-                    rail.out.append(memoryview(tx.trailer))
+                self._queue(rail, tx)
                 touched.add(rail)
             for rail in touched:
                 if not rail.events & _OUT:  # (else the socket is full: epoll says when not)
-                    self._flush(rail)
+                    rail.link.flush(rail)
             self._handle_events()  # poll_transmit may have declared a peer failed
         due = ep.next_deadline()
         hint = ep.take_ack_hint()
@@ -989,34 +1031,6 @@ class RdmTransport:
         if due is not None and (self._due is None or due < self._due):
             self._engine.due_changed(due)
         self._due = due
-
-    def _flush(self, rail: _Rail) -> None:
-        """Under the lock: write what ``rail``'s socket takes now; wait for it to be
-        writable for the rest."""
-        out = rail.out
-        while out and rail.alive:
-            chunk = list(islice(out, _IOV_MAX)) if len(out) > 1 else [out[0]]
-            try:
-                sent = _send_some(rail.sock, chunk)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as e:
-                self._rail_down(rail, f"send failed: {e}")
-                return
-            while sent:
-                v = out[0]
-                if sent >= v.nbytes:
-                    sent -= v.nbytes
-                    out.popleft()
-                else:
-                    out[0] = v[sent:]
-                    sent = 0
-        want = _IN | _OUT if out else _IN
-        if want != rail.events and rail.alive:
-            rail.events = want
-            self._engine.modify(rail.fd, want)
-            if out:
-                self._engine.kick()  # bytes wait behind a full socket: see _bulk_pending
 
     def _handle_events(self) -> None:
         for ev in self.ep.events():
@@ -1134,25 +1148,23 @@ class RdmTransport:
         (log.error if busy and not self._closed else log.info)("neuron %s: %s", self._label,
                                                                  error)
         self._fail_peer_requests(ev.peer, error)
-        for rail in self._rails.get(ev.peer, ()):
-            if rail is not None:
-                self._drop(rail)
+        self._detach(ev.peer)  # (its rails close, or the peer is told with a LEAVE)
 
-    def _drop(self, rail: _Rail) -> None:
-        """Under the lock: close ``rail`` for good."""
-        if rail.fd < 0:
+    def _rail_lost(self, rail: Rail, peer: int, reason: str, claimed: bool) -> None:
+        """Under the lock: ``rail`` of a link this group uses to ``peer`` broke (links.py);
+        ``claimed``: a payload for this group was being read on it."""
+        if claimed:  # (a trailer follows a payload read in place)
+            self.ep.release_claims(peer, rail.index)
+        join = self._joins.get(peer)
+        if join is not None and join.link is rail.link:
+            self._abandon_join(peer)  # (whoever waits for the rails dials instead)
             return
-        rail.alive = False
-        rail.out.clear()
-        self._engine.unregister(rail.fd)
-        try:
-            rail.sock.close()
-        except OSError:
-            pass
-        rail.fd = -1
+        if self._link_of.get(peer) is rail.link:
+            self._lose_rail(rail, peer, reason)
 
-    def _rail_down(self, rail: _Rail, reason: str) -> None:
-        """Under the lock: ``rail`` broke; its traffic moves to the peer's other rails.
+    def _lose_rail(self, rail: Rail, peer: int, reason: str) -> None:
+        """Under the lock: this group has lost ``rail`` to ``peer``; its traffic moves to the
+        peer's other rails.
 
         While the rails are being opened, a broken one fails the pair at the acceptor,
         unless the peer has dialed every rail and been answered: it holds them up and sends
@@ -1162,23 +1174,18 @@ class RdmTransport:
         the last dial is on its way here) and send on them; the dials left decide. When the
         acceptor failed the pair, it refuses them, and the dialer fails it too.
         """
-        if not rail.alive:
-            return
         if not self._closed:
-            log.log(logging.INFO if reason.startswith(_CLEAN_EOF) else logging.WARNING,
+            log.log(logging.INFO if reason.startswith(CLEAN_EOF) else logging.WARNING,
                     "neuron %s: rail %d to rank %d failed: %s", self._label, rail.index,
-                    rail.peer, reason)
-        if rail.stage in (_PAYLOAD, _TRAILER):  # (a trailer follows a payload read in place)
-            self.ep.release_claims(rail.peer, rail.index)
-        self._drop(rail)
-        if rail.peer not in self._failed and not self._closed:
-            if (rail.peer not in self._up and not self._answered_all(rail.peer)
-                    and self._links.get(rail.peer) is not _DIALING):
-                self._link_failed(rail.peer, PeerUnreachable(
-                    rail.peer, f"rail {rail.index} to rank {rail.peer} broke while the rails "
-                               f"were being opened: {reason}"))
+                    peer, reason)
+        if peer not in self._failed and not self._closed:
+            if (peer not in self._up and not self._answered_all(peer)
+                    and self._links.get(peer) is not _DIALING):
+                self._link_failed(peer, PeerUnreachable(
+                    peer, f"rail {rail.index} to rank {peer} broke while the rails "
+                          f"were being opened: {reason}"))
                 return
-            self.ep.rail_failed(rail.index, rail.peer)
+            self.ep.rail_failed(rail.index, peer)
             self._pump()
 
     def _answered_all(self, peer: int) -> bool:
@@ -1211,6 +1218,7 @@ class RdmTransport:
             self._closed = True
             error = error or ChannelClosed(f"rdm transport of {self._label} was closed")
             for req in self._sends.values():
+                self._unhook(req.buf.obj, req.peer)  # (rails other groups keep write on)
                 req._finish(error)
             for q in self._recvs.values():
                 for req in q:
@@ -1222,10 +1230,8 @@ class RdmTransport:
             self._copies.clear()
             self._recvs.clear()
             self._any.clear()
-            for rails in self._rails.values():
-                for rail in rails:
-                    if rail is not None:
-                        self._drop(rail)
+            for peer in list(self._link_of) + list(self._joins):
+                self._detach(peer)
             self._due = None
             self._connected.notify_all()
         self._engine.leave_group(self._gid, self.rank, self)
@@ -1238,11 +1244,18 @@ class RdmTransport:
 
     def _drain(self, deadline: float) -> None:
         """Before a normal close: every message sent (eager ones completed long ago) must be
-        acknowledged, so a peer still reading gets it all; then half-close the rails and
-        read until the peers' ends close too (no socket closes with unread bytes, which
-        would send a reset that can destroy data the peer has not read yet)."""
+        acknowledged, so a peer still reading gets it all; then half-close the rails no
+        other group uses and read until the peers' ends close too (no socket closes with
+        unread bytes, which would send a reset that can destroy data the peer has not read
+        yet). Rails other groups use stay: ``close`` sends a LEAVE on them (links.py),
+        behind whatever this group still has queued there."""
         with self._lock:
-            rails = [r for rs in self._rails.values() for r in rs if r is not None]
+            rails = []  # of the links no other group uses: this close closes them
+            for link in set(self._link_of.values()):
+                if set(link.members) == {(self._context, self.rank)}:
+                    link.closing = True  # (no group joins it any more)
+                    self._engine.unpublish(link)
+                    rails += [r for r in link.rails if r is not None]
             self.ep.release_acks()  # the peers' drains wait for them
             self._pump()
 
@@ -1262,31 +1275,6 @@ class RdmTransport:
                         pass
         self._engine.drive(lambda: not any(r.alive for r in rails),
                            min(deadline, time.monotonic() + 0.2))
-
-
-def _kernel_at_least(major: int, minor: int) -> bool:
-    try:
-        found = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return found >= (major, minor)
-
-
-# From Linux 4.18 on, raising SO_RCVLOWAT also grows the socket's receive buffer to hold
-# that much (tcp_set_rcvlowat), so a reader that waits for it cannot stall the sender.
-_RCVLOWAT_SIZES_BUFFER = _kernel_at_least(4, 18)
-
-
-def _wake_at(rail: _Rail, nbytes: int) -> None:
-    """Make epoll call ``rail`` readable only once ``nbytes`` are in (or the peer closes)."""
-    if nbytes != rail.lowat:
-        rail.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-        rail.lowat = nbytes
-
-
-def _send_some(sock: socket.socket, views: list) -> int:
-    """One non-blocking scatter-gather write; the bytes the socket took."""
-    return sock.sendmsg(views)
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -54,6 +54,9 @@ KNOWN_FLAGS = FLAG_CRC
 
 HEADER = struct.Struct("!2sBBBBHIIQqQQQII")
 HEADER_SIZE = HEADER.size  # 64
+# On a rail every frame follows an 8-byte prefix naming its group (links.py): one rail
+# carries the frames of every group its two processes share.
+LINK_PREFIX = 8
 _CRC_OFFSET = HEADER_SIZE - 4
 
 ACK_ENTRY = struct.Struct("!QQ")

@@ -25,6 +25,11 @@ answer, so neither end talks to an impostor. Fresh challenges on both sides defe
 (the whole handshake has one deadline, however slowly its bytes come) or sends garbage
 gets its connection closed and nothing else: the caller logs it and goes on accepting.
 
+A connection, once open, is shared by every group of the two processes (links.py): a
+later group proves its membership in band, with a JOIN whose proof (``join_proof``) is an
+HMAC with that group's key over the connection's session key, so it cannot be replayed on
+another connection.
+
 Both ends then know a fresh *session key* for the connection (``session_key``): an HMAC
 with the job key over both challenges, the group, both ranks and the rail. With frame
 authentication on (a job key set by the user, or ``NEURON_DIST_NET_MAC=1``), every frame
@@ -79,6 +84,20 @@ def session_key(key: bytes, group: bytes, challenge_a: bytes, challenge_d: bytes
     """The key of one rail connection, from the job key and the handshake's fresh values."""
     return _mac(key, b"session", group, challenge_a, challenge_d,
                 struct.pack("!IHI", dialer, rail, acceptor))
+
+
+def join_proof(key: bytes, group: bytes, session: bytes, src: int, dst: int,
+               rail: int) -> bytes:
+    """What a JOIN on a shared rail carries (links.py): proof that rank ``src`` of
+    ``group`` (holding its key) joins it on this connection (``session``, the rail's own
+    session key, so the proof is worth nothing on another one) toward rank ``dst``."""
+    return _mac(key, b"join", struct.pack("!I", len(group)), group, session,
+                struct.pack("!IIH", src, dst, rail))
+
+
+def same(a: bytes, b: bytes) -> bool:
+    """Constant-time comparison of two proofs."""
+    return hmac.compare_digest(a, b)
 
 
 def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:

@@ -2,10 +2,13 @@
 
 How it works
 ------------
-Rails are non-blocking sockets registered here (``register``), each with the transport
-that owns it. ``poll(timeout)`` waits in ``epoll`` until a rail is readable or writable,
-or a transport's timer (a retransmission, held acks) is due, and lets the owning
-transport handle it under its own lock (``_on_ready``, ``_on_tick``).
+Rails are non-blocking sockets registered here (``register``), each with the link (the
+rails to one peer process, shared by the groups that have both processes: links.py) it
+belongs to. ``poll(timeout)`` waits in ``epoll`` until a rail is readable or writable, or a
+transport's timer (a retransmission, held acks) is due, and lets the link or transport
+handle it (``_on_ready``, ``_on_tick``) under the process's one network lock
+(``NET_LOCK``: a rail carries several groups' frames, so their transports share it). The
+engine also keeps the links other groups may join (``publish``, ``find_link``).
 
 Whoever needs progress drives it. A thread waiting for a request polls for itself
 (``drive``), so the bytes that complete its request are read by the thread that wants
@@ -80,7 +83,7 @@ class Progress:
 
     def __init__(self):
         self._epoll = select.epoll()
-        self._handlers: dict = {}  # fd -> (transport, rail)
+        self._handlers: dict = {}  # fd -> (link, rail)
         self._transports: list = []
         self._lock = threading.Lock()  # registry and waiter count
         self._idle = threading.Condition(self._lock)  # the background thread parks here
@@ -95,6 +98,9 @@ class Progress:
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._listeners: dict = {}  # host -> Listener, shared by every group
         self._groups: dict = {}  # (group id, rank) -> the transport of that group's rank
+        self._contexts: dict = {}  # (group context, rank) -> the same (links.py)
+        self._links: dict = {}  # link key -> links other groups may join (links.py)
+        self.lock = NET_LOCK
         self.callbacks = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._background, daemon=True,
                                           name="neuron-rdm-progress"),
@@ -113,23 +119,54 @@ class Progress:
                 listener = self._listeners[host] = Listener(host, self._resolve)
             return listener.address
 
-    def join_group(self, gid: bytes, rank: int, transport) -> None:
-        """Connections that name group ``gid`` and ``rank`` go to ``transport``."""
+    def join_group(self, gid: bytes, rank: int, transport, context: int) -> None:
+        """Connections that name group ``gid`` and ``rank``, and JOINs on a link that name
+        its ``context`` and ``rank`` (links.py), go to ``transport``."""
         with self._lock:
             self._groups[(gid, rank)] = transport
+            self._contexts[(context, rank)] = transport
 
     def leave_group(self, gid: bytes, rank: int, transport) -> None:
         with self._lock:
             if self._groups.get((gid, rank)) is transport:
                 del self._groups[(gid, rank)]
+            for k in [k for k, t in self._contexts.items() if t is transport]:
+                del self._contexts[k]
+
+    def resolve_context(self, context: int, rank: int):
+        """The transport of rank ``rank`` of the group whose context is ``context``."""
+        with self._lock:
+            return self._contexts.get((context, rank))
+
+    # Links (links.py): under NET_LOCK, like everything that touches rails.
+
+    def publish(self, link) -> None:
+        """Other groups may join ``link`` (its ``key`` says to which process it goes)."""
+        if link.key is not None and link not in self._links.get(link.key, ()):
+            self._links.setdefault(link.key, []).append(link)
+
+    def unpublish(self, link) -> None:
+        found = self._links.get(link.key)
+        if found and link in found:
+            found.remove(link)
+            if not found:
+                del self._links[link.key]
+
+    def find_link(self, key, context: int):
+        """A published link with ``key`` that group ``context`` may join now, or None."""
+        for link in self._links.get(key, ()):
+            if link.joinable(context):
+                return link
+        return None
 
     def _resolve(self, gid: bytes, rank: int):
         with self._lock:
             t = self._groups.get((gid, rank))
         return None if t is None else (t, t._key, t._group, t._may_dial, t._release)
 
-    def register(self, fd: int, transport, rail, events: int) -> None:
-        self._handlers[fd] = (transport, rail)
+    def register(self, fd: int, handler, rail, events: int) -> None:
+        """Tell ``handler`` (a link) when ``rail`` is ready (``_in_bulk``, ``_on_ready``)."""
+        self._handlers[fd] = (handler, rail)
         self._epoll.register(fd, events)
 
     def modify(self, fd: int, events: int) -> None:
@@ -313,6 +350,9 @@ class Progress:
         os.close(self._wake_w)
 
 
+# Every rdm transport of the process, and the links they share, work under this one lock
+# (links.py: a rail carries the frames of several groups).
+NET_LOCK = threading.RLock()
 _ENGINE: Progress | None = None
 _ENGINE_LOCK = threading.Lock()
 

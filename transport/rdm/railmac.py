@@ -8,17 +8,21 @@ without the job key cannot read or write tags. From it each direction gets its o
 
 Every frame then carries, on the rail's byte stream::
 
-    header (64) | htag (16) | payload | trailer (acks) | ttag (16, see below)
+    prefix (8) | header (64) | htag (16) | payload | trailer (acks) | ttag (16, see below)
 
-* ``htag = HMAC-SHA256(k_dir, n | header)[:16]``, where ``n`` counts the frames sent in
+(``prefix``: the context naming the frame's group, links.py; ``head`` below is prefix and
+header, so a frame cannot be moved to another group either.)
+
+* ``htag = HMAC-SHA256(k_dir, n | head)[:16]``, where ``n`` counts the frames sent in
   that direction on that rail (0, 1, 2, ...; TCP keeps them in order), so a frame cannot
   be altered, replayed, dropped or reordered without the next header check failing. The
   receiver checks it before the header is used (before a payload is placed anywhere).
-* ``ttag = HMAC-SHA256(k_dir, n | "tail" | header | covered)[:16]``, present when the frame
+* ``ttag = HMAC-SHA256(k_dir, n | "tail" | head | covered)[:16]``, present when the frame
   carries acks (an ACK frame, whose acks are its payload, or a DATA frame with acks riding
   behind it) or in payload mode (``NEURON_DIST_NET_MAC=1``): ``covered`` is the payload
   (ACK frames always, DATA frames in payload mode) then the trailer. It is checked before
   the acks or the payload are acted on.
+* A link's control block (context 0, links.py) carries an htag only.
 
 Any failure is a ``FrameError``: the driver closes the rail as for a malformed frame.
 """
@@ -29,10 +33,13 @@ import hashlib
 import hmac
 import struct
 
-from .frames import ACK, FrameError, HEADER_SIZE
+from .frames import ACK, FrameError, HEADER_SIZE, LINK_PREFIX
 
 TAG = 16
 _N = struct.Struct("!Q")
+_HEAD = LINK_PREFIX + HEADER_SIZE  # what the htag covers: prefix and header
+_TYPE, _NACKS = LINK_PREFIX + 3, LINK_PREFIX + 6  # where the header has them
+_CONTROL = bytes(LINK_PREFIX)  # the prefix of a link's control block
 
 
 def _key(session: bytes, label: bytes) -> bytes:
@@ -57,16 +64,16 @@ class RailMac:
         """Does a frame of this type with ``nacks`` piggybacked acks carry a tail tag?"""
         return self.payload or ftype == ACK or nacks > 0
 
-    def seal(self, tx):
-        """``tx`` (a ``protocol.Transmit``) with its tags: the htag right after the 64-byte
-        header, the ttag (if any) after the trailer. (An ACK's ``tx.header`` holds the
-        whole frame: its entries follow the header.)"""
+    def seal(self, tx, head: bytes):
+        """``tx`` (a ``protocol.Transmit``) as it goes on the rail, with its tags: ``head``
+        (the prefix, then ``tx.header``) with the htag right after the 64-byte header, the
+        ttag (if any) after the trailer. (An ACK's ``tx.header`` holds the whole frame: its
+        entries follow the header.)"""
         n = _N.pack(self._sent)
         self._sent += 1
-        frame = bytes(tx.header)
-        header, extra = frame[:HEADER_SIZE], frame[HEADER_SIZE:]
+        header, extra = head[:_HEAD], head[_HEAD:]
         sealed = header + hmac.digest(self._send, n + header, "sha256")[:TAG] + extra
-        ftype, nacks = header[3], (header[6] << 8) | header[7]
+        ftype, nacks = header[_TYPE], (header[_NACKS] << 8) | header[_NACKS + 1]
         if not self.tail(ftype, nacks):
             return type(tx)(tx.peer, tx.rail, sealed, tx.payload, tx.trailer)
         prefix = n + b"tail" + header
@@ -81,17 +88,24 @@ class RailMac:
         h.update(tx.trailer)
         return type(tx)(tx.peer, tx.rail, sealed, tx.payload, tx.trailer + h.digest()[:TAG])
 
+    def seal_block(self, block: bytes) -> bytes:
+        """A link's control block (prefix included) with its htag."""
+        n = _N.pack(self._sent)
+        self._sent += 1
+        return block + hmac.digest(self._send, n + block, "sha256")[:TAG]
+
     def check_header(self, buf) -> None:
-        """Check the htag of the header in ``buf`` (``HEADER_SIZE + TAG`` bytes)."""
+        """Check the htag of the prefix and header in ``buf`` (``_HEAD + TAG`` bytes)."""
         n = _N.pack(self._read)
-        header = bytes(buf[:HEADER_SIZE])
+        header = bytes(buf[:_HEAD])
         expect = hmac.digest(self._recv, n + header, "sha256")[:TAG]
-        if not hmac.compare_digest(expect, bytes(buf[HEADER_SIZE:HEADER_SIZE + TAG])):
+        if not hmac.compare_digest(expect, bytes(buf[_HEAD:_HEAD + TAG])):
             raise FrameError(f"frame {self._read} on this rail failed authentication (header "
                              f"tag): altered, forged, replayed or out of order, or the two "
                              f"ends differ in NEURON_DIST_AUTH_KEY / NEURON_DIST_NET_MAC")
         self._read += 1
-        if self.tail(header[3], (header[6] << 8) | header[7]):
+        if header[:LINK_PREFIX] != _CONTROL and self.tail(
+                header[_TYPE], (header[_NACKS] << 8) | header[_NACKS + 1]):
             prefix = n + b"tail" + header  # (payload mode: hashed as the payload lands)
             self._tail = hmac.new(self._recv, prefix, hashlib.sha256) if self.payload else prefix
 

@@ -2,7 +2,8 @@
 
 ``frames`` is the wire format, ``protocol`` the sans-I/O protocol core (segmentation,
 per-segment acks, retransmission, reassembly, per-(src, tag) ordering). ``driver`` moves
-frames over TCP rails and keeps no protocol logic of its own; ``progress`` is the process's
+frames over TCP rails and keeps no protocol logic of its own; ``links`` shares the rails of
+two processes among all their groups (reading, routing, JOIN and LEAVE); ``progress`` is the process's
 one progress engine, ``listener`` and ``handshake`` accept and authenticate rails,
 ``railmac`` authenticates frames, ``fd_budget`` makes room for a group's rails within the
 file-descriptor limit.

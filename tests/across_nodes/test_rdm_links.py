@@ -281,3 +281,46 @@ def test_a_join_that_comes_before_the_peer_knows_its_group_waits_for_it():
         assert (got == 3).all() and _sockets() == 2 * 3
     finally:
         _close(g1, ts)
+
+
+def test_a_join_and_a_dial_that_cross_keep_the_higher_ranks_choice(monkeypatch):
+    """As for two dials (handshake.py, CROSSED): the higher rank's way of opening is kept.
+    A joining rank answers a lower rank's dial with CROSSED and gives up its join for a
+    higher rank's dial; a dialing rank ignores a lower rank's JOIN and takes a higher
+    rank's (its own dial will be answered CROSSED)."""
+    g1, g2 = _group(b"linked"), _group(b"crossing")
+    real = links.Link.send_block
+    monkeypatch.setattr(links.Link, "send_block",  # (JOINs stay here: decided by hand below)
+                        lambda self, rail, kind, *a: None if kind == links.JOIN else
+                        real(self, rail, kind, *a))
+    try:
+        _exchange(g1, 1000)
+        lo, hi = g2
+        link_lo, link_hi = lo._joinable(1), hi._joinable(0)
+        with hi._lock:
+            hi._start_join(0, link_hi)
+            assert hi._may_dial(0, 0) is handshake.CROSSED  # the lower rank's dial yields
+            lo._start_join(1, link_lo)
+            assert lo._may_dial(1, 0) is True  # the higher rank's dial wins over our join
+            assert 1 not in lo._joins and (lo._context, 0) not in link_lo.members
+            lo._release(1, 0)
+            hi._abandon_join(0)
+            # a dialing rank and a JOIN: the lower one takes the higher one's JOIN ...
+            lo._links[1] = "dialing"
+            rail = link_lo.rails[0]
+            lo._on_join(link_lo, rail, 1, handshake.join_proof(KEY, b"crossing", rail.session,
+                                                              1, 0, 0))
+            assert lo._links[1] == "joining" and lo._joins[1].heard == {0}
+            lo._abandon_join(1)
+            # ... the higher one ignores the lower one's
+            hi._links[0] = "dialing"
+            rail = link_hi.rails[0]
+            hi._on_join(link_hi, rail, 0, handshake.join_proof(KEY, b"crossing", rail.session,
+                                                              0, 1, 0))
+            assert hi._links[0] == "dialing" and 0 not in hi._joins
+            del hi._links[0]
+        monkeypatch.undo()
+        _exchange(g2, 1000)  # and the pair still opens its rails and talks
+        _exchange(g1, 1000)
+    finally:
+        _close(g1, g2)

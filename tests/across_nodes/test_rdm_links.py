@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from neuron_dist.transport.errors import PeerAborted, PeerUnreachable
+from neuron_dist.transport.errors import PeerAborted, PeerTimeout, PeerUnreachable
 from neuron_dist.transport.rdm import frames as F
 from neuron_dist.transport.rdm import handshake, links, progress
 from neuron_dist.transport.rdm.driver import RdmTransport
@@ -205,7 +205,8 @@ def test_a_join_whose_link_breaks_opens_rails_of_its_own(monkeypatch):
         sender.join(10)
         r.wait(time.monotonic() + 10)
         assert (got == 7).all()
-        assert g2[0]._link_of[1] is not link and _sockets() == 2 * 3 + 2 * 3 - 2
+        assert g2[0]._link_of[1] is not link
+        _until(lambda: _sockets() == 2 * 3 + 2 * 3 - 2)  # (the far end of the cut sees it)
     finally:
         _close(g1, g2)
 
@@ -322,5 +323,25 @@ def test_a_join_and_a_dial_that_cross_keep_the_higher_ranks_choice(monkeypatch):
         monkeypatch.undo()
         _exchange(g2, 1000)  # and the pair still opens its rails and talks
         _exchange(g1, 1000)
+    finally:
+        _close(g1, g2)
+
+
+def test_a_join_nobody_answers_fails_like_a_stalled_handshake(monkeypatch):
+    from neuron_dist.transport.rdm import driver
+    monkeypatch.setattr(driver, "HANDSHAKE_TIMEOUT", 0.5)
+    real = links.Link.send_block
+    monkeypatch.setattr(links.Link, "send_block",  # (the peer never hears it: stalled)
+                        lambda self, rail, kind, *a: None if kind == links.JOIN else
+                        real(self, rail, kind, *a))
+    g1, g2 = _group(b"alive"), _group(b"stalled")
+    try:
+        _exchange(g1, 1000)
+        start = time.monotonic()
+        with pytest.raises(PeerTimeout, match="did not answer rank 0's JOIN"):
+            g2[0].isend(1, 1, np.zeros(10, np.uint8))
+        assert time.monotonic() - start < 5
+        monkeypatch.undo()
+        _exchange(g1, 1000)  # the link and its first group are untouched
     finally:
         _close(g1, g2)

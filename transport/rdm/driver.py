@@ -102,10 +102,13 @@ class _Join:
     """A group joining a link to one peer (links.py): the rails it has sent its JOIN on and
     heard the peer's on."""
 
-    __slots__ = ("link", "sent", "heard")
+    __slots__ = ("link", "sent", "heard", "deadline")
 
     def __init__(self, link):
         self.link, self.sent, self.heard = link, set(), set()
+        # A live process answers at once (its engine reads rails at least every 20 ms
+        # while nobody waits): like a dial's handshake, a join has HANDSHAKE_TIMEOUT.
+        self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
 
 
 class _CopyPool:
@@ -364,17 +367,26 @@ class RdmTransport:
                         return False
                     self._start_join(peer, link)  # (a link that closes meanwhile: dial)
                     continue
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
+                join = self._joins.get(peer)
+                if join is not None and join.deadline <= now < deadline:
+                    error = PeerTimeout([peer], 0.0, f"rank {peer} did not answer rank "
+                                                     f"{self.rank}'s JOIN in time (stalled?)",
+                                        network=True)
+                    self._link_failed(peer, error)
+                    raise error
                 if remaining <= 0:  # (half-open rails are no use: the pair is failed)
                     error = PeerTimeout([peer], 0.0, f"the rails between rank {self.rank} and "
                                                      f"rank {peer} did not come up in time",
                                         network=True)
                     self._link_failed(peer, error)
                     raise error
-                if self._links.get(peer) is not _JOINING:
+                if join is None:
                     self._connected.wait(min(remaining, 0.5))
                     continue
-            self._engine.drive(joined, time.monotonic() + min(remaining, 0.5), None, self.spin)
+                until = min(deadline, join.deadline, now + 0.5)
+            self._engine.drive(joined, until, None, self.spin)
 
     def _link_failed(self, peer: int, error: Exception) -> None:
         """Under the lock: opening the rails to ``peer`` failed; so does everything with it."""

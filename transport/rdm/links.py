@@ -37,8 +37,10 @@ Context 0 carries the link's own 64-byte control blocks::
   own group's key that it is rank ``src`` of that group (the proof names the rail's session
   key, so it is worth nothing on another connection). The peer checks the proof with its
   group's key, that the link's other end is the process its group lists for ``src``, and
-  answers with its own JOIN on each rail it has not sent one on. A rank uses the link for a
-  group once it has sent and heard a JOIN on every rail: the peer's frames on a rail follow
+  answers with its own JOIN on each rail it has not sent one on (or with LEAVE, when that
+  group is closed there: the joiner fails at once, as a refused dial would; a JOIN not
+  answered within the handshake's 10 s fails like a stalled handshake). A rank uses the
+  link for a group once it has sent and heard a JOIN on every rail: the peer's frames on a rail follow
   its JOIN on that rail, so nothing arrives for a member before it exists. When both ranks
   join at once on different links, or one joins while the other dials, the higher rank's
   choice wins (as when two ranks dial each other: handshake.py, ``CROSSED``).

@@ -40,8 +40,9 @@ Context 0 carries the link's own 64-byte control blocks::
   answers with its own JOIN on each rail it has not sent one on (or with LEAVE, when that
   group is closed there: the joiner fails at once, as a refused dial would; a JOIN not
   answered within the handshake's 10 s fails like a stalled handshake). A rank uses the
-  link for a group once it has sent and heard a JOIN on every rail: the peer's frames on a rail follow
-  its JOIN on that rail, so nothing arrives for a member before it exists. When both ranks
+  link for a group once it has sent and heard a JOIN on every rail: the peer's frames on a
+  rail follow its JOIN on that rail, so nothing arrives for a member before it exists.
+  When both ranks
   join at once on different links, or one joins while the other dials, the higher rank's
   choice wins (as when two ranks dial each other: handshake.py, ``CROSSED``).
 * **LEAVE**: a group that closes, or fails its peer, while other groups still use the link
@@ -51,7 +52,9 @@ Context 0 carries the link's own 64-byte control blocks::
 
 A rail that breaks is lost to every group on the link: each one's endpoint resends on its
 remaining rails. All of this runs under the process's one network lock (progress.py), so
-frames of different groups never interleave on a rail and no lock order is needed.
+frames of different groups never interleave on a rail and no lock order is needed. The
+price: while one group streams bulk bytes to a peer, another group's small frames to the
+same peer wait behind them in the sockets' buffers (measured in design.md, "Rails").
 """
 
 from __future__ import annotations

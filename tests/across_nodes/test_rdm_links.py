@@ -345,3 +345,35 @@ def test_a_join_nobody_answers_fails_like_a_stalled_handshake(monkeypatch):
         _exchange(g1, 1000)  # the link and its first group are untouched
     finally:
         _close(g1, g2)
+
+
+def test_a_send_that_fails_with_its_peer_leaves_nothing_queued_that_reads_its_buffer(
+        monkeypatch):
+    """Fault: the frames of a large send still queued on a rail kept views of the user's
+    buffer after the send failed with its peer. Before the rails were shared, failing the
+    peer closed them and dropped the queue; a shared link stays open for the other groups,
+    and would have written those bytes from the user's tensor afterwards."""
+    g1, g2 = _group(b"keeps"), _group(b"fails")
+    real = links._send_some
+    try:
+        _exchange(g1, 1000)
+        _exchange(g2, 1000)
+        rails = g2[0]._link_of[1].rails  # (rank 0's end of the link g2 uses)
+        held = {r.sock for r in rails}
+        monkeypatch.setattr(links, "_send_some", lambda sock, views: (
+            (_ for _ in ()).throw(BlockingIOError()) if sock in held else real(sock, views)))
+        buf = np.full(4 << 20, 5, np.uint8)
+        send = g2[0].isend(1, 7, buf)  # (too large to be copied: its frames are views)
+        with g2[0]._lock:
+            assert any(v.obj is buf for r in rails for v in r.out)
+        g2[1].abort("rank 1 gave up")  # (rank 1's own sockets still write: rank 0 hears it)
+        with pytest.raises(PeerAborted, match="rank 1 gave up"):
+            send.wait(time.monotonic() + 10)
+        with g2[0]._lock:
+            assert all(r.alive for r in rails)  # (g1 still uses them)
+            assert not any(v.obj is buf for r in rails for v in r.out)
+        monkeypatch.setattr(links, "_send_some", real)
+        _exchange(g1, 3 << 20)  # the link, and what it still had queued, go on
+    finally:
+        monkeypatch.setattr(links, "_send_some", real)
+        _close(g1, g2)

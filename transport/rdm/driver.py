@@ -1102,7 +1102,10 @@ class RdmTransport:
                     req._finish(error)
             self._any.clear()
         for key in [k for k in self._sends if k[0] == peer]:
-            self._sends.pop(key)._finish(error)
+            req = self._sends.pop(key)
+            self.ep.cancel_send(*key)  # no segment of it goes out again, and none that is
+            self._unhook(req.buf.obj, peer)  # queued on a rail (another group's, too) reads
+            req._finish(error)  # its buffer after it failed
         for key in [k for k in self._copies if k[0] == peer]:
             del self._copies[key]
         for key in [k for k in self._recvs if k[0] == peer]:

@@ -377,3 +377,33 @@ def test_a_send_that_fails_with_its_peer_leaves_nothing_queued_that_reads_its_bu
     finally:
         monkeypatch.setattr(links, "_send_some", real)
         _close(g1, g2)
+
+
+def test_sends_failed_by_a_withdrawal_leave_nothing_queued_that_reads_their_buffers(
+        monkeypatch):
+    """Withdrawing a receive fails the peer, and with it every other pending request with
+    that peer, while the rails stay open: a large send's frames queued on them must not
+    read its buffer afterwards (nor may the protocol send more of it)."""
+    g = _group(b"withdraws")
+    real = links._send_some
+    try:
+        _exchange(g, 1000)
+        rails = g[0]._link_of[1].rails
+        held = {r.sock for r in rails}
+        monkeypatch.setattr(links, "_send_some", lambda sock, views: (
+            (_ for _ in ()).throw(BlockingIOError()) if sock in held else real(sock, views)))
+        buf = np.full(4 << 20, 5, np.uint8)
+        send = g[0].isend(1, 7, buf)
+        pending = g[0].irecv(1, 8, np.zeros(10, np.uint8))
+        with g[0]._lock:
+            assert any(v.obj is buf for r in rails for v in r.out)
+        assert g[0].cancel(pending, PeerTimeout([1], 0, "gave up"))
+        with pytest.raises(PeerTimeout, match="gave up"):
+            send.wait(time.monotonic() + 10)
+        with g[0]._lock:
+            assert all(r.alive for r in rails)
+            assert not any(v.obj is buf for r in rails for v in r.out)
+            assert not g[0].ep.mid_transfer()  # (nothing more of it to send)
+    finally:
+        monkeypatch.setattr(links, "_send_some", real)
+        _close(g)

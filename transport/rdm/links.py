@@ -64,7 +64,6 @@ import platform
 import select
 import socket
 import struct
-import time
 from collections import deque
 from itertools import islice
 

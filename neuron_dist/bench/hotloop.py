@@ -97,9 +97,10 @@ def _say(line: str) -> None:
 def _rank(rank: int, world: int, port: int, args) -> None:
     os.environ["NEURON_DIST_NODE_NAME"] = f"hotloop-node{rank * args.nodes // world}"
     import neuron_dist  # noqa: F401 - registers the backend in spawned processes
-    from neuron_dist.bench import null_pg, shm_floor_pg
+    from neuron_dist.bench import job_floor_pg, null_pg, shm_floor_pg
     null_pg.register()  # --backend null: the dispatch floor (its ranks never synchronise)
     shm_floor_pg.register()  # --backend neuron_shm_floor: shared memory and nothing else
+    job_floor_pg.register()  # --backend floor: that inside a node, plain TCP between nodes
     if args.threads:
         torch.set_num_threads(args.threads)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)

@@ -1,6 +1,6 @@
 """Main job per backend, in one run: tokens/s, and CPU per training step against its floor.
 
-``python -m neuron_dist.bench.mainjob [--backends neuron,gloo,null] [--steps 6,30] [--json FILE]``
+``python -m neuron_dist.bench.mainjob [--backends neuron,gloo,floor,null] [--steps 6,30] [--json FILE]``
 
 How it works
 ------------
@@ -26,7 +26,11 @@ is the model's compute alone, so its CPU per step is the floor, and a backend's 
 step above it is what its communication costs. On a machine with fewer cores than ranks
 the cores are saturated, a step cannot take less than (CPU per step / cores), and
 ``null``'s tokens/s bounds what any backend can reach (its losses are meaningless: nothing
-is reduced). Needs root (network namespaces), like ``bench.internode``.
+is reduced). ``floor`` (``bench/job_floor_pg.py``) moves every collective's bytes the
+plainest way a Python process group can (shared memory inside a node, one non-blocking TCP
+connection per pair between nodes, no protocol, no overlap): between null and it is what
+moving the bytes costs any Python backend here, between it and neuron is neuron's own.
+Needs root (network namespaces), like ``bench.internode``.
 """
 
 from __future__ import annotations
@@ -139,7 +143,8 @@ def report(res: dict, args) -> str:
              f"launch/train.py --steps {args.steps[0]} and {args.steps[1]} "
              f"{args.train_args}; {args.reps} round(s), medians; load {os.getloadavg()[0]:.2f}",
              "# CPU/step: user+sys of every process, (long run - short run) / steps between;"
-             " comm = CPU/step above null's (null: collectives do nothing = compute alone);"
+             " comm = CPU/step above null's (null: collectives do nothing = compute alone;"
+             " floor: the bytes moved and nothing else);"
              " threads, sockets: what rank 0's process held after the last step (every group open;"
              " the most over rounds)",
              f"{'backend':>10} {'tokens/s':>9} {'vs gloo':>8} {'CPU s/step':>11} {'comm s/step':>12}"
@@ -159,12 +164,17 @@ def report(res: dict, args) -> str:
                      f"{'saturated' if ranks > cores else 'not saturated'}; null (no "
                      f"communication at all) reaches {res['null']['tokens_s'] / gloo:.2f}x gloo's "
                      f"tokens/s: no backend can do better here")
+    if "floor" in res and gloo:
+        lines.append(f"# floor (every collective's bytes moved, nothing else) reaches "
+                     f"{res['floor']['tokens_s'] / gloo:.2f}x gloo's tokens/s"
+                     + (f"; neuron {res['neuron']['tokens_s'] / res['floor']['tokens_s']:.2f}x "
+                        f"the floor's" if "neuron" in res else ""))
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backends", default="neuron,gloo,null",
+    p.add_argument("--backends", default="neuron,gloo,floor,null",
                    type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--steps", default="6,30",
                    type=lambda s: tuple(int(x) for x in s.split(",")),

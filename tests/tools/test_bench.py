@@ -404,3 +404,95 @@ def test_mainjob_names_why_a_run_failed():
               "[vnodes] vnode0 failed first"]
     assert failure_reason(raised) == "neuron_dist.errors.PeerTimeoutError: all_reduce #3 timed out"
     assert failure_reason(["[vnode0] step 1 | loss 4.8"]) == ""
+
+
+def _job_floor_checks(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from neuron_dist.bench import job_floor_pg
+    job_floor_pg.register()
+    # ranks 0, 1 on node "a", rank 2 on "b": [0, 1] is a shared-memory group, the others TCP
+    whole = dist.new_group(backend=job_floor_pg.BACKEND_NAME)
+    pair = dist.new_group([0, 1], backend=job_floor_pg.BACKEND_NAME)
+    cross = dist.new_group([1, 2], backend=job_floor_pg.BACKEND_NAME)
+    kinds = {name: type(g).__name__  # (a Python process group is the group itself)
+             for name, g in (("whole", whole), ("pair", pair), ("cross", cross))
+             if rank in dist.get_process_group_ranks(g)}
+    got = {"kinds": kinds}
+    for name, g in (("whole", whole), ("pair", pair), ("cross", cross)):
+        members = dist.get_process_group_ranks(g)
+        if rank not in members:
+            continue
+        n_g, me = len(members), members.index(rank)
+        res = got[name] = {}
+        x = torch.full((5,), float(rank + 1))
+        dist.all_reduce(x, group=g)
+        res["sum"] = x.tolist()
+        n = 1 << 16  # 256 KiB per rank: more than the sockets take without a reader
+        for i in range(2):
+            out = torch.empty(n_g * n)
+            dist.all_gather_into_tensor(out, torch.full((n,), float(rank + i)), group=g)
+            res.setdefault("gather", []).append(
+                [out[k * n:(k + 1) * n].unique().tolist() for k in range(n_g)])
+            inp = torch.arange(n_g * n, dtype=torch.float32) + rank
+            rs = torch.empty(n)
+            dist.reduce_scatter_tensor(rs, inp, group=g)
+            res.setdefault("rs", []).append(bool(torch.equal(
+                rs, n_g * torch.arange(me * n, (me + 1) * n, dtype=torch.float32)
+                + sum(members))))
+        outs = [torch.empty(3) for _ in range(n_g)]
+        dist.all_gather(outs, torch.full((3,), float(rank)), group=g)
+        res["list"] = [o.tolist() for o in outs]
+        outs2 = [torch.empty(2 * n_g), torch.empty(n_g)]
+        dist.all_gather_into_tensor(outs2[0], torch.full((2,), float(rank)), group=g)
+        with dist._coalescing_manager(group=g):
+            a, b = torch.full((4,), 1.0 + rank), torch.full((2,), 2.0 * rank)
+            dist.all_reduce(a, group=g)
+            dist.all_reduce(b, group=g)
+        res["coalesced"] = [a.tolist(), b.tolist()]
+        b = torch.full((4,), float(rank * 10))
+        dist.broadcast(b, members[-1], group=g)
+        res["bcast"] = b.tolist()
+        sc = torch.empty(2)
+        dist.scatter(sc, [torch.full((2,), float(k)) for k in range(n_g)]
+                     if rank == members[0] else None, src=members[0], group=g)
+        res["scatter"] = sc.tolist()
+        dist.barrier(group=g)
+        try:
+            dist.all_reduce(torch.ones(2), op=dist.ReduceOp.MAX, group=g)
+        except ValueError as exc:
+            res["max"] = str(exc)
+    for name in ("pair", "cross"):
+        g = {"pair": pair, "cross": cross}[name]
+        if rank in dist.get_process_group_ranks(g):
+            dist.destroy_process_group(g)
+    dist.destroy_process_group(whole)
+    return got
+
+
+@pytest.mark.timeout(90)
+def test_the_main_jobs_floor_moves_the_right_bytes():
+    """bench/job_floor_pg.py (bench.mainjob's ``floor``): shared memory for a group inside a
+    node, TCP for one across nodes, the collectives the main job calls on both."""
+    from helpers.harness import run_ranks
+    nodes = ["a", "a", "b"]
+    results = run_ranks(_job_floor_checks, 3, timeout=80,
+                        env=lambda r: {"NEURON_DIST_NODE_NAME": nodes[r]})
+    groups = {"whole": [0, 1, 2], "pair": [0, 1], "cross": [1, 2]}
+    for rank, got in results.items():
+        want_kind = {"whole": "TcpJobFloor", "pair": "ShmJobFloor", "cross": "TcpJobFloor"}
+        assert got["kinds"] == {k: v for k, v in want_kind.items() if rank in groups[k]}, got
+        for name, members in groups.items():
+            if rank not in members:
+                continue
+            res, n_g = got[name], len(members)
+            assert res["sum"] == [float(sum(m + 1 for m in members))] * 5, (rank, name, res)
+            assert res["gather"] == [[[float(m + i)] for m in members] for i in range(2)], res
+            assert res["rs"] == [True, True], (rank, name)
+            assert res["list"] == [[float(m)] * 3 for m in members], (rank, name, res)
+            assert res["coalesced"] == [[float(sum(1 + m for m in members))] * 4,
+                                        [float(sum(2 * m for m in members))] * 2], res
+            assert res["bcast"] == [members[-1] * 10.0] * 4, (rank, name, res)
+            assert res["scatter"] == [float(members.index(rank))] * 2, (rank, name, res)
+            assert "sums only" in res["max"], (rank, name, res)

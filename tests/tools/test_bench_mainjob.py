@@ -35,6 +35,10 @@ def test_report_compares_with_gloo_and_counts_communication_above_the_floor():
     assert rows["neuron"][5:7] == ["5", "6"] and rows["gloo"][5:7] == ["11", "9"]
     assert rows["null"][5:7] == ["-", "-"]  # (not reported by that run)
     assert "null (no communication at all) reaches 2.00x gloo's tokens/s" in text
+    res["floor"] = {"tokens_s": 2000, "cpu_per_step_s": 1.2}
+    text = mainjob.report(res, args)
+    assert "floor (every collective's bytes moved, nothing else) reaches 1.33x gloo's " \
+           "tokens/s; neuron 0.90x the floor's" in text
 
 
 @needs_netns

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..config import Settings
 from ..topology import node_identity
-from . import floor_pg
+from . import floor_pg, shm_floor_pg
 from .null_pg import Named
 from .shm_floor_pg import ShmFloorProcessGroup
 
@@ -50,9 +50,7 @@ WAIT_SECONDS = 120.0  # a peer that moves nothing for this long fails the call
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError(f"{BACKEND_NAME}: contiguous tensors only")
-    return t.view(-1)
+    return shm_floor_pg._flat(t, BACKEND_NAME)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -60,8 +58,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 def _sum_only(opts, what: str) -> None:
-    if opts is not None and opts.reduceOp != dist.ReduceOp.SUM:
-        raise ValueError(f"{BACKEND_NAME}: {what} sums only")
+    shm_floor_pg.sum_only(opts, what, BACKEND_NAME)
 
 
 class _Coalesced:

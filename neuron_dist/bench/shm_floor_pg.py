@@ -64,10 +64,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def _flat(t: torch.Tensor, who: str = BACKEND_NAME) -> torch.Tensor:
     if not t.is_contiguous():
-        raise ValueError(f"{BACKEND_NAME}: contiguous tensors only")
+        raise ValueError(f"{who}: contiguous tensors only")
     return t.view(-1)
+
+
+def sum_only(opts, what: str, who: str = BACKEND_NAME) -> None:
+    """Refuse any reduce op but SUM (the floors add, nothing else)."""
+    if opts is not None and opts.reduceOp != dist.ReduceOp.SUM:
+        raise ValueError(f"{who}: {what} sums only")
 
 
 class ShmFloorProcessGroup(Named, ProcessGroup):
@@ -188,10 +194,8 @@ class ShmFloorProcessGroup(Named, ProcessGroup):
         self._set(word, seq)
         self._wait(self._peers, seq, word)
 
-    @staticmethod
-    def _sum_only(opts, what: str) -> None:
-        if opts is not None and opts.reduceOp != dist.ReduceOp.SUM:
-            raise ValueError(f"{BACKEND_NAME}: {what} sums only")
+    def _sum_only(self, opts, what: str) -> None:
+        sum_only(opts, what, self.BACKEND)
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         key = ("scratch", like.dtype, like.numel())

@@ -73,7 +73,6 @@ class ExpressLane:
         self._scratch = scratch
         self._plans = plans
         self._selection = selection
-        self._small = selection.small_bytes
         self._reduce_spec = reduce_spec
         self._entries: dict = {}
         # One Context for every call of the lane: the engine runs one call at a time
@@ -117,7 +116,7 @@ class ExpressLane:
     def _broadcast_entry(self, t, root):
         channel = self._channel
         if not (type(root) is int and 0 <= root < channel.size
-                and self._fits(t, min(self._small, channel.slot_bytes))):
+                and self._fits(t, channel.slot_bytes)):
             return None
         return _Entry("broadcast", Call("broadcast", t.dtype, t.numel(), root=root),
                       t.numel() * t.element_size(),
@@ -127,7 +126,7 @@ class ExpressLane:
         channel = self._channel
         nbytes = inp.numel() * inp.element_size()
         if not (out.dtype == inp.dtype and out.numel() == inp.numel() * channel.size
-                and self._fits(inp, min(self._small, channel.slot_bytes))
+                and self._fits(inp, channel.slot_bytes)
                 and allgather.choose(self._selection, channel, nbytes) == "slots"):
             return None
         return _Entry("all_gather_into_tensor", Call("all_gather", inp.dtype, out.numel()),

@@ -125,10 +125,11 @@ def test_express_mismatch_names_both_calls_and_is_recorded():
 
 
 def broadcast_mixed_paths(rank, world):
-    """Small broadcasts from every root, dtype and shape (0-d too), ranks alternating between
-    the express lane (sync) and the general path (async): the root's values everywhere."""
+    """Broadcasts from every root, dtype and shape (0-d too, and one above the 64 KiB of
+    NEURON_DIST_SMALL_BYTES: the lane serves up to a slot), ranks alternating between the
+    express lane (sync) and the general path (async): the root's values everywhere."""
     fails = []
-    shapes = [(), (3,), (2, 5)]
+    shapes = [(), (3,), (2, 5), (256, 257), (7,)]
     for i in range(36):
         root = i % world
         shape = shapes[i % len(shapes)]
@@ -151,7 +152,7 @@ def test_express_broadcast_interoperates_with_the_general_path():
     results = run_ranks(broadcast_mixed_paths, 3, timeout=120)
     for rank, (fails, plans, records, states) in results.items():
         assert fails == [], (rank, fails)
-        assert plans == 3 * 4, plans  # the lane served every (root and shape, dtype) it saw
+        assert plans == 15 * 4, plans  # the lane served every (root and shape, dtype) it saw
         # (both paths name the one algorithm)
         assert records == 36 * 4 and states == {("completed", "slots")}, (records, states)
 
@@ -185,11 +186,12 @@ def test_express_broadcast_mismatch_names_both_calls():
 
 
 def all_gather_mixed_paths(rank, world):
-    """Small all_gather_into_tensor calls, ranks alternating between the express lane and the
-    general path, over dtypes and shapes (0-d too), plus the in-place form FSDP uses (the
-    input is this rank's block of the output)."""
+    """all_gather_into_tensor calls, ranks alternating between the express lane and the
+    general path, over dtypes and shapes (0-d too, and one above the 64 KiB of
+    NEURON_DIST_SMALL_BYTES: the lane serves up to a slot), plus the in-place form FSDP uses
+    (the input is this rank's block of the output)."""
     fails = []
-    shapes = [(), (3,), (2, 5)]
+    shapes = [(), (3,), (2, 5), (128, 257), (7,)]
     for i in range(24):
         shape = shapes[i % len(shapes)]
         for dtype in (torch.float32, torch.int64, torch.bfloat16):
@@ -218,7 +220,7 @@ def test_express_all_gather_interoperates_with_the_general_path():
     results = run_ranks(all_gather_mixed_paths, 3, timeout=120)
     for rank, (fails, plans) in results.items():
         assert fails == [], (rank, fails)
-        assert plans == 3 * 3 + 1, plans  # every (shape, dtype) seen, and the in-place call
+        assert plans == 5 * 3 + 1, plans  # every (shape, dtype) seen, and the in-place call
 
 
 def all_gather_mismatch(rank, world):

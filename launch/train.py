@@ -1042,7 +1042,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if cfg.backend == "null":  # collectives that do nothing: compute alone (bench.mainjob)
         from neuron_dist.bench import null_pg
         null_pg.register()
-    elif cfg.backend == "floor":  # the bytes moved and nothing else (bench.mainjob)
+    elif cfg.backend in ("floor", "floor_inside", "floor_between"):  # bench.mainjob's floors
         from neuron_dist.bench import job_floor_pg
         job_floor_pg.register()
     dist.init_process_group(cfg.backend)

@@ -24,6 +24,11 @@ itself tells nodes apart) into the group's store, and
   to a buffer kept across calls) once each. Sums are made in rank order, so every rank
   gets the same bits.
 
+Two halves say where neuron's own cost lies: ``floor_inside`` is the floor for the groups
+inside a node and neuron for the others, ``floor_between`` neuron inside a node and the floor
+between nodes (rows of ``bench.mainjob`` too). Each one's distance to neuron is what
+neuron's groups of that kind cost the job, measured in the same run.
+
 Collectives: all_reduce (SUM), all_gather_into_tensor, reduce_scatter_tensor (SUM), their
 coalesced forms, all_gather of tensor lists, broadcast, scatter, barrier, send/recv. Every
 call completes before it returns (a completed Work: no overlap of communication and
@@ -39,6 +44,7 @@ import select
 import torch
 import torch.distributed as dist
 
+from .. import backend as neuron_backend
 from ..config import Settings
 from ..topology import node_identity
 from . import floor_pg, shm_floor_pg
@@ -46,6 +52,8 @@ from .null_pg import Named
 from .shm_floor_pg import ShmFloorProcessGroup
 
 BACKEND_NAME = "floor"
+INSIDE = "floor_inside"  # the floor inside a node, neuron between nodes
+BETWEEN = "floor_between"  # neuron inside a node, the floor between nodes
 WAIT_SECONDS = 120.0  # a peer that moves nothing for this long fails the call
 
 
@@ -231,17 +239,30 @@ def _node_name() -> str:
     return node_identity(Settings.from_env())
 
 
-def _create(dist_opts, pg_options=None):
-    store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
-    store.set(f"job_floor/node/{rank}", _node_name())
-    nodes = {store.get(f"job_floor/node/{k}").decode() for k in range(size)}
-    if len(nodes) == 1 and size > 1:
-        return ShmJobFloor(store, rank, size)
-    return TcpJobFloor(store, rank, size)
+def _creator(floor_inside: bool, floor_between: bool):
+    """The creator of a backend that makes the floor's group, or else neuron's, for groups
+    inside one node (``floor_inside``) and for the others (``floor_between``)."""
+
+    def create(dist_opts, pg_options=None):
+        store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
+        store.set(f"job_floor/node/{rank}", _node_name())
+        nodes = {store.get(f"job_floor/node/{k}").decode() for k in range(size)}
+        if len(nodes) == 1 and size > 1:
+            return ShmJobFloor(store, rank, size) if floor_inside else neuron_backend._create(
+                dist_opts, pg_options)
+        return TcpJobFloor(store, rank, size) if floor_between else neuron_backend._create(
+            dist_opts, pg_options)
+
+    return create
+
+
+_BACKENDS = {BACKEND_NAME: (True, True), INSIDE: (True, False), BETWEEN: (False, True)}
 
 
 def register() -> None:
-    """Register the ``floor`` backend with torch.distributed (idempotent)."""
-    if BACKEND_NAME in dist.Backend.backend_list:
-        return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    """Register ``floor``, ``floor_inside`` and ``floor_between`` with torch.distributed
+    (idempotent)."""
+    for name, (inside, between) in _BACKENDS.items():
+        if name not in dist.Backend.backend_list:
+            dist.Backend.register_backend(name, _creator(inside, between), extended_api=True,
+                                          devices=["cpu"])

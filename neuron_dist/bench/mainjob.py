@@ -30,6 +30,9 @@ is reduced). ``floor`` (``bench/job_floor_pg.py``) moves every collective's byte
 plainest way a Python process group can (shared memory inside a node, one non-blocking TCP
 connection per pair between nodes, no protocol, no overlap): between null and it is what
 moving the bytes costs any Python backend here, between it and neuron is neuron's own.
+``floor_inside`` and ``floor_between`` (same module) are the floor for one kind of group and
+neuron for the other: ``--backends neuron,floor_inside,floor_between,floor`` says which of
+neuron's groups its own cost sits in.
 Needs root (network namespaces), like ``bench.internode``.
 """
 
@@ -147,14 +150,14 @@ def report(res: dict, args) -> str:
              " floor: the bytes moved and nothing else);"
              " threads, sockets: what rank 0's process held after the last step (every group open;"
              " the most over rounds)",
-             f"{'backend':>10} {'tokens/s':>9} {'vs gloo':>8} {'CPU s/step':>11} {'comm s/step':>12}"
+             f"{'backend':>13} {'tokens/s':>9} {'vs gloo':>8} {'CPU s/step':>11} {'comm s/step':>12}"
              f" {'threads':>8} {'sockets':>8}"]
     gloo = res.get("gloo", {}).get("tokens_s")
     floor = res.get("null", {}).get("cpu_per_step_s")
     for b, v in res.items():
         vs = f"{v['tokens_s'] / gloo:.2f}x" if gloo else "-"
         comm = f"{v['cpu_per_step_s'] - floor:.3f}" if floor is not None and b != "null" else "-"
-        lines.append(f"{b:>10} {v['tokens_s']:>9.0f} {vs:>8} {v['cpu_per_step_s']:>11.3f} "
+        lines.append(f"{b:>13} {v['tokens_s']:>9.0f} {vs:>8} {v['cpu_per_step_s']:>11.3f} "
                      f"{comm:>12} {v.get('threads', '-'):>8} {v.get('sockets', '-'):>8}")
     for b, v in res.items():
         for text in v.get("failures", []):
@@ -169,6 +172,11 @@ def report(res: dict, args) -> str:
                      f"{res['floor']['tokens_s'] / gloo:.2f}x gloo's tokens/s"
                      + (f"; neuron {res['neuron']['tokens_s'] / res['floor']['tokens_s']:.2f}x "
                         f"the floor's" if "neuron" in res else ""))
+    for half, where in (("floor_inside", "inside a node"), ("floor_between", "between nodes")):
+        if half in res and "neuron" in res:
+            lines.append(f"# {half} (the floor for the groups {where}, neuron for the others): "
+                         f"neuron reaches {res['neuron']['tokens_s'] / res[half]['tokens_s']:.2f}x "
+                         f"its tokens/s (what neuron's groups {where} cost beyond the floor's)")
     return "\n".join(lines)
 
 

@@ -471,6 +471,57 @@ def _job_floor_checks(rank, world):
     return got
 
 
+def _job_floor_halves(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from neuron_dist.bench import job_floor_pg
+    job_floor_pg.register()
+    got = {}
+    for backend in (job_floor_pg.INSIDE, job_floor_pg.BETWEEN):
+        # ranks 0, 1 on node "a", rank 2 on "b": [0, 1] is inside a node, the others between
+        groups = {"whole": dist.new_group(backend=backend),
+                  "pair": dist.new_group([0, 1], backend=backend),
+                  "cross": dist.new_group([1, 2], backend=backend)}
+        for name, g in groups.items():
+            members = dist.get_process_group_ranks(g)
+            if rank not in members:
+                continue
+            x = torch.full((3,), float(rank + 1))
+            dist.all_reduce(x, group=g)
+            out = torch.empty(len(members) * 2)
+            dist.all_gather_into_tensor(out, torch.full((2,), float(rank)), group=g)
+            got[(backend, name)] = (type(g).__name__, x.tolist(), out.tolist())
+        for name in ("pair", "cross", "whole"):
+            if rank in dist.get_process_group_ranks(groups[name]):
+                dist.destroy_process_group(groups[name])
+    return got
+
+
+@pytest.mark.timeout(90)
+def test_the_main_jobs_floor_halves_pick_the_floor_for_one_kind_of_group_only():
+    """``floor_inside`` (the floor for groups inside a node, neuron for the others) and
+    ``floor_between`` (the other way round): each group gets the right kind, and works."""
+    from helpers.harness import run_ranks
+    nodes = ["a", "a", "b"]
+    results = run_ranks(_job_floor_halves, 3, timeout=80,
+                        env=lambda r: {"NEURON_DIST_NODE_NAME": nodes[r]})
+    groups = {"whole": [0, 1, 2], "pair": [0, 1], "cross": [1, 2]}
+    kinds = {("floor_inside", "pair"): "ShmJobFloor",
+             ("floor_inside", "whole"): "ProcessGroupNeuron",
+             ("floor_inside", "cross"): "ProcessGroupNeuron",
+             ("floor_between", "pair"): "ProcessGroupNeuron",
+             ("floor_between", "whole"): "TcpJobFloor",
+             ("floor_between", "cross"): "TcpJobFloor"}
+    for rank, got in results.items():
+        want = {key: kind for key, kind in kinds.items() if rank in groups[key[1]]}
+        assert {key: v[0] for key, v in got.items()} == want, (rank, got)
+        for (backend, name), (_, total, gathered) in got.items():
+            members = groups[name]
+            assert total == [float(sum(m + 1 for m in members))] * 3, (rank, backend, name)
+            assert gathered == [float(m) for m in members for _ in range(2)], (rank, name)
+
+
 @pytest.mark.timeout(90)
 def test_the_main_jobs_floor_moves_the_right_bytes():
     """bench/job_floor_pg.py (bench.mainjob's ``floor``): shared memory for a group inside a

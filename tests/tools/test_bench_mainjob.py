@@ -39,6 +39,16 @@ def test_report_compares_with_gloo_and_counts_communication_above_the_floor():
     text = mainjob.report(res, args)
     assert "floor (every collective's bytes moved, nothing else) reaches 1.33x gloo's " \
            "tokens/s; neuron 0.90x the floor's" in text
+    res["floor_inside"] = {"tokens_s": 1875, "cpu_per_step_s": 1.22}
+    res["floor_between"] = {"tokens_s": 1920, "cpu_per_step_s": 1.21}
+    text = mainjob.report(res, args)
+    assert "# floor_inside (the floor for the groups inside a node, neuron for the others): " \
+           "neuron reaches 0.96x its tokens/s" in text
+    assert "# floor_between (the floor for the groups between nodes, neuron for the " \
+           "others): neuron reaches 0.94x its tokens/s" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.split() and line.split()[0] in res}
+    assert rows["floor_between"][1:3] == ["1920", "1.28x"], rows
 
 
 @needs_netns

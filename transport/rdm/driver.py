@@ -106,7 +106,7 @@ class _Join:
 
     def __init__(self, link):
         self.link, self.sent, self.heard = link, set(), set()
-        # A live process answers at once (its engine reads rails at least every 20 ms
+        # A live process answers at once (its engine reads rails at least every 100 ms
         # while nobody waits): like a dial's handshake, a join has HANDSHAKE_TIMEOUT.
         self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
 

@@ -352,13 +352,17 @@ def held_then_other_group(rank, world, hold):
     the time limit can start it (held for ever, both would wait until the timeout)."""
     b = dist.new_group([0, 1])
     dist.barrier(group=b)
+    store = dist.distributed_c10d._get_default_store()
     x = torch.full((BIG,), float(rank + 1))
     t0 = time.monotonic()
-    w = dist.all_reduce(x, async_op=True)
     if rank == 0:
-        dist.barrier(group=b)
+        w = dist.all_reduce(x, async_op=True)
+        store.set("held_issued", "1")  # (rank 1 enters only now: had it entered first, the
+        dist.barrier(group=b)          # call would not be held, its peer waiting for it)
         w.wait()
     else:
+        store.wait(["held_issued"])
+        w = dist.all_reduce(x, async_op=True)
         w.wait()
         dist.barrier(group=b)
     return time.monotonic() - t0, x[-1].item()

@@ -357,8 +357,10 @@ def held_then_other_group(rank, world, hold):
     t0 = time.monotonic()
     if rank == 0:
         w = dist.all_reduce(x, async_op=True)
-        store.set("held_issued", "1")  # (rank 1 enters only now: had it entered first, the
-        dist.barrier(group=b)          # call would not be held, its peer waiting for it)
+        # rank 1 enters only now: had it entered first, this call would not be held (a
+        # peer would be waiting for it)
+        store.set("held_issued", "1")
+        dist.barrier(group=b)
         w.wait()
     else:
         store.wait(["held_issued"])

@@ -274,6 +274,35 @@ def test_eager_copies_go_back_to_the_pool_once_acked(pair):
     assert a._pool._bytes > 0
 
 
+def test_a_stream_of_eager_sends_keeps_every_copy_it_had_in_flight():
+    # The copy pool holds as much as the send window lets be unacknowledged, so a stream
+    # of eager sends with more than 8 MiB in flight gets all its copies back (with 8 MiB
+    # it dropped half of them and allocated them anew: fresh pages for every other send).
+    from neuron_dist.transport.rdm.driver import EAGER_BYTES
+    a, b = _pair(rails=1, window_bytes=32 << 20)
+    try:
+        n, count = EAGER_BYTES, 48  # 12 MiB of copies at once
+        bufs = [np.full(n, k % 251, np.uint8) for k in range(count)]
+        got = [np.zeros(n, np.uint8) for _ in bufs]
+        rs = [b.irecv(0, 5, g) for g in got]
+        for x in bufs:
+            assert a.isend(1, 5, x).test()  # eager: complete at once
+        for r in rs:
+            r.wait(time.monotonic() + 20)
+        assert all(np.array_equal(g, x) for g, x in zip(got, bufs))
+        b.ep.release_acks()
+        with b._lock:
+            b._pump()
+        deadline = time.monotonic() + 10
+        while a._copies and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not a._copies, "acked eager copies are still held"
+        assert a._pool._bytes == count * n, (a._pool._bytes, count * n)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_crc_frames_roundtrip():
     ts = _pair(rails=2, crc=True)
     try:

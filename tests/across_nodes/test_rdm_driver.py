@@ -253,24 +253,30 @@ def test_a_sender_that_runs_ahead_stops_copying_and_its_close_delivers_everythin
         b.close()
 
 
+def _eager_stream_acked(a, b, bufs, tag):
+    """Send ``bufs`` from ``a`` to ``b`` (every send eager), check they arrived, and wait
+    until ``a`` has had every copy acknowledged."""
+    got = [np.zeros_like(x) for x in bufs]
+    rs = [b.irecv(0, tag, g) for g in got]
+    for x in bufs:
+        assert a.isend(1, tag, x).test()  # eager: complete at once
+    for r in rs:
+        r.wait(time.monotonic() + 20)
+    assert all(np.array_equal(g, x) for g, x in zip(got, bufs))
+    b.ep.release_acks()  # (acks of small messages may wait up to ack_delay)
+    with b._lock:
+        b._pump()
+    deadline = time.monotonic() + 10
+    while a._copies and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not a._copies, "acked eager copies are still held"
+
+
 def test_eager_copies_go_back_to_the_pool_once_acked(pair):
     a, b = pair
     bufs = [np.full(40_000, k, np.uint8) for k in range(20)]
     for _ in range(2):
-        got = [np.zeros(40_000, np.uint8) for _ in bufs]
-        rs = [b.irecv(0, 4, g) for g in got]
-        for x in bufs:
-            assert a.isend(1, 4, x).test()  # eager: complete at once
-        for r in rs:
-            r.wait(time.monotonic() + 10)
-        assert all(np.array_equal(g, x) for g, x in zip(got, bufs))
-        b.ep.release_acks()  # (acks of small messages may wait up to ack_delay)
-        with b._lock:
-            b._pump()
-        deadline = time.monotonic() + 5
-        while a._copies and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert not a._copies, "acked eager copies are still held"
+        _eager_stream_acked(a, b, bufs, 4)
     assert a._pool._bytes > 0
 
 
@@ -282,21 +288,7 @@ def test_a_stream_of_eager_sends_keeps_every_copy_it_had_in_flight():
     a, b = _pair(rails=1, window_bytes=32 << 20)
     try:
         n, count = EAGER_BYTES, 48  # 12 MiB of copies at once
-        bufs = [np.full(n, k % 251, np.uint8) for k in range(count)]
-        got = [np.zeros(n, np.uint8) for _ in bufs]
-        rs = [b.irecv(0, 5, g) for g in got]
-        for x in bufs:
-            assert a.isend(1, 5, x).test()  # eager: complete at once
-        for r in rs:
-            r.wait(time.monotonic() + 20)
-        assert all(np.array_equal(g, x) for g, x in zip(got, bufs))
-        b.ep.release_acks()
-        with b._lock:
-            b._pump()
-        deadline = time.monotonic() + 10
-        while a._copies and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert not a._copies, "acked eager copies are still held"
+        _eager_stream_acked(a, b, [np.full(n, k % 251, np.uint8) for k in range(count)], 5)
         assert a._pool._bytes == count * n, (a._pool._bytes, count * n)
     finally:
         a.close()

@@ -124,10 +124,12 @@ class _CopyPool:
     them when acknowledgements come back in a batch and allocating them again: with
     8 MiB, a stream of 256 KiB isends between two virtual nodes (``bench.internode
     --p2p-min 256K --p2p-max 256K --rails 1``) missed on 1941 of 3968 takes and dropped
-    1909 of 3968 copies given back, and took 103-197 µs per message (CPU 112-196) in six
-    runs against 105-108 µs (CPU 112-118) with the window (32 MiB) as the limit, the two
-    in turns; with 4 rails 112-205 µs against 108-175. It keeps only copies that were in
-    flight together: at most what the busiest moment of the stream held.
+    1909 of 3968 copies given back; with the window (32 MiB) as the limit, 64 misses
+    (the first window) and none dropped. Such a stream's time per message is bimodal
+    here (about 105 or 160-230 µs, run to run, with either limit), so the time saved is
+    within the spread (eight pairs in turns: 105-201 µs against 165-227); the
+    allocations are not. It keeps only copies that were in flight together: at most what
+    the busiest moment of the stream held.
     """
 
     def __init__(self, limit: int):

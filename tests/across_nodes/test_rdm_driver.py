@@ -30,11 +30,11 @@ _PREFIX = links.prefix_of(links.context_of(handshake.group_id(GROUP)))  # GROUP'
 
 
 def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2, group=GROUP, open_rails=True,
-          **kw):
+          rto=0.5, **kw):
     """``world`` transports of one group, in this process, with the rails between every two
     of them open (``open_rails``; else they open on first use); ``kw`` go to each."""
     ts = [RdmTransport(r, world, host="127.0.0.1", rails=rails, key=KEY, group=group,
-                       segment_bytes=segment_bytes, crc=crc, rto=0.5, **kw)
+                       segment_bytes=segment_bytes, crc=crc, rto=rto, **kw)
           for r in range(world)]
     addrs = {r: t.address for r, t in enumerate(ts)}
     for t in ts:
@@ -284,11 +284,16 @@ def test_a_stream_of_eager_sends_keeps_every_copy_it_had_in_flight():
     # The copy pool holds as much as the send window lets be unacknowledged, so a stream
     # of eager sends with more than 8 MiB in flight gets all its copies back (with 8 MiB
     # it dropped half of them and allocated them anew: fresh pages for every other send).
+    # The receiver holds its acks until the helper releases them, so all the copies are
+    # in flight at once (else early acks let later sends reuse copies, and the pool ends
+    # up with fewer); a resend queued when its ack comes keeps its copy out of the pool
+    # (by design), so the timeout is long enough that a loaded machine resends nothing.
     from neuron_dist.transport.rdm.driver import EAGER_BYTES
-    a, b = _pair(rails=1, window_bytes=32 << 20)
+    a, b = _pair(rails=1, window_bytes=32 << 20, rto=60.0, ack_delay=60.0)
     try:
         n, count = EAGER_BYTES, 48  # 12 MiB of copies at once
         _eager_stream_acked(a, b, [np.full(n, k % 251, np.uint8) for k in range(count)], 5)
+        assert a.ep.stats["retransmits"] == 0
         assert a._pool._bytes == count * n, (a._pool._bytes, count * n)
     finally:
         a.close()

@@ -30,6 +30,7 @@ torch's default (a thread per core in every rank), as a script that sets nothing
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -118,6 +119,10 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     count = torch.tensor([max(1, int(args.seconds / max(probe, 1e-6)))])
     dist.broadcast(count, 0)
     n = int(count.item())
+    # What set-up made is never collected again: a full collection of it (tens of ms with
+    # torch loaded) would land in some loops and not others (bench.instructions does this too)
+    gc.collect()
+    gc.freeze()
     dist.barrier()
     before = thread_cpu() if args.thread_cpu else None
     started = time.perf_counter()

@@ -281,7 +281,7 @@ def test_eager_copies_go_back_to_the_pool_once_acked(pair):
 
 
 def test_a_stream_of_eager_sends_keeps_every_copy_it_had_in_flight():
-    # The copy pool holds as much as the send window lets be unacknowledged, so a stream
+    # The copy pool holds as much as the eager window lets be unacknowledged, so a stream
     # of eager sends with more than 8 MiB in flight gets all its copies back (with 8 MiB
     # it dropped half of them and allocated them anew: fresh pages for every other send).
     # The receiver holds its acks until the helper releases them, so all the copies are

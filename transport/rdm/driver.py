@@ -130,12 +130,12 @@ class _CopyPool:
     resend still queued on a rail holds a view of it: a bytearray with live views cannot
     change size, which is how that is checked). Holds at most ``limit`` bytes: the
     transport makes it its eager window (``EAGER_WINDOW_BYTES``), as many bytes of copies
-    as can be unacknowledged at once, so a stream of eager sends finds its copies here instead of dropping half of
-    them when acknowledgements come back in a batch and allocating them again: with
-    8 MiB, a stream of 256 KiB isends between two virtual nodes (``bench.internode
-    --p2p-min 256K --p2p-max 256K --rails 1``) missed on 1941 of 3968 takes and dropped
-    1909 of 3968 copies given back; with the window (32 MiB) as the limit, 64 misses
-    (the first window) and none dropped. Such a stream's time per message is bimodal
+    as can be unacknowledged at once, so a stream of eager sends finds its copies here
+    instead of dropping half of them when acknowledgements come back in a batch and
+    allocating them again: with 8 MiB, a stream of 256 KiB isends between two virtual
+    nodes (``bench.internode --p2p-min 256K --p2p-max 256K --rails 1``) missed on 1941 of
+    3968 takes and dropped 1909 of 3968 copies given back; with 32 MiB as the limit, 64
+    misses (the first window) and none dropped. Such a stream's time per message is bimodal
     here (about 105 or 160-230 µs, run to run, with either limit), so the time saved is
     within the spread (eight pairs in turns: 105-201 µs against 165-227); the
     allocations are not. It keeps only copies that were in flight together: at most what

@@ -43,16 +43,23 @@ from ..transport.errors import MessageSizeMismatch, StepDeferred
 from .descriptor import NWORDS, Call, CollectiveMismatch
 
 COLLECTIVE_TAG = 1
+_DESC = struct.Struct(f"!{NWORDS + 1}q")
 # Data up to this size travels in one message with the descriptor: one message less per
-# peer and call, for one more copy at the receiver (out of a box reused across calls).
-# Two virtual nodes over veth, the threshold switched in turns within one run (medians of 13
-# blocks each), 128 KiB against 64 KiB: all_gather_into_tensor of 2 x 128 KiB 256 us
-# against 292, reduce_scatter_tensor of 256 KiB 299 against 468, all_reduce of 128 KiB 211
-# against 255. 256 KiB does not pay (docs/design.md, "Call descriptors").
-PIGGYBACK_BYTES = 128 << 10
+# peer and call, for one copy more at each end (copies of 256 KiB take about 6 µs here,
+# a message some 30 µs of Python at each end). The limit keeps descriptor and data within
+# the rdm transport's eager size (transport/rdm/driver.py ``EAGER_BYTES``, 256 KiB), so the
+# send still completes at once; with 256 KiB of data the one message waited for its ack
+# and lost (all_gather of 2 x 256 KiB 564 µs against 384 with the descriptor apart).
+# 128 KiB before: two virtual nodes over veth (``bench.internode``, 4 rails), the two
+# limits in turns, 3 pairs: all_reduce of 192 KiB 172-177 µs against 338-446,
+# all_gather_into_tensor of 2 x 192 KiB 196-204 against 370-382; 4 virtual nodes on
+# loopback, a synchronous all_gather_into_tensor of 4 x 196.5 KiB back to back, rank 0's
+# user CPU 417-486 µs a call against 510-539 (2 pairs). And 64 KiB before that, against
+# 128 (medians of 13 blocks): all_gather_into_tensor of 2 x 128 KiB 256 µs against 292,
+# reduce_scatter_tensor of 256 KiB 299 against 468, all_reduce of 128 KiB 211 against 255.
+PIGGYBACK_BYTES = (256 << 10) - _DESC.size
 _BOX_REUSE_BYTES = 4 << 10  # receive boxes from this size are reused across calls ...
 _BOXES_KEPT = 4  # ... this many per size (a fresh one is zero-filled memory, maybe new pages)
-_DESC = struct.Struct(f"!{NWORDS + 1}q")
 _NEW = object()  # (NetCall._posted_before: nothing posted for this yet)
 
 

@@ -221,6 +221,33 @@ def test_copy_pool_reuses_only_buffers_nothing_points_into():
     assert pool._bytes == 3 << 16  # never more than the limit is kept
 
 
+def test_the_largest_data_that_rides_with_its_descriptor_is_still_sent_eagerly(pair):
+    # A collective's data up to PIGGYBACK_BYTES travels in one message with its call
+    # descriptor. That message must be one the transport sends eagerly (complete at once,
+    # no receive posted yet): beyond that the one message waits for its ack and loses to
+    # two (docs/design.md, "Call descriptors riding in the data's message").
+    from types import SimpleNamespace
+
+    import torch
+
+    from neuron_dist.collectives.descriptor import Call
+    from neuron_dist.collectives.net import PIGGYBACK_BYTES, NetCall
+
+    a, b = pair
+    n = PIGGYBACK_BYTES
+    call = Call("all_gather", torch.uint8, 2 * n)
+    deadline = time.monotonic() + 20
+    mine = NetCall(a, SimpleNamespace(rank=0), call, 1, deadline)
+    theirs = NetCall(b, SimpleNamespace(rank=1), call, 1, deadline)
+    data = torch.from_numpy(np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8))
+    assert mine.send(1, data).test(), "a descriptor and its data were not sent eagerly"
+    assert len(mine._pending) == 1  # one message: the descriptor rode with the data
+    got = torch.zeros(n, dtype=torch.uint8)
+    assert theirs.recv(0, got) is None  # (it comes with the descriptor)
+    theirs.wait()
+    assert torch.equal(got, data)
+
+
 def test_a_sender_that_runs_ahead_stops_copying_and_its_close_delivers_everything():
     # Eager sends complete at once, so a sender in a loop can run far ahead of a peer that
     # has not posted its receives. Once a window's worth waits to go, sends wait for their

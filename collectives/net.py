@@ -50,13 +50,9 @@ _DESC = struct.Struct(f"!{NWORDS + 1}q")
 # the rdm transport's eager size (transport/rdm/driver.py ``EAGER_BYTES``, 256 KiB), so the
 # send still completes at once; with 256 KiB of data the one message waited for its ack
 # and lost (all_gather of 2 x 256 KiB 564 µs against 384 with the descriptor apart).
-# 128 KiB before: two virtual nodes over veth (``bench.internode``, 4 rails), the two
-# limits in turns, 3 pairs: all_reduce of 192 KiB 172-177 µs against 338-446,
-# all_gather_into_tensor of 2 x 192 KiB 196-204 against 370-382; 4 virtual nodes on
-# loopback, a synchronous all_gather_into_tensor of 4 x 196.5 KiB back to back, rank 0's
-# user CPU 417-486 µs a call against 510-539 (2 pairs). And 64 KiB before that, against
-# 128 (medians of 13 blocks): all_gather_into_tensor of 2 x 128 KiB 256 µs against 292,
-# reduce_scatter_tensor of 256 KiB 299 against 468, all_reduce of 128 KiB 211 against 255.
+# Against the 128 KiB of before, over veth, 3 pairs in turns: all_reduce of 192 KiB
+# 172-177 µs against 338-446, all_gather of 2 x 192 KiB 196-204 against 370-382 (more,
+# and the steps before: docs/design.md, "Call descriptors riding in the data's message").
 PIGGYBACK_BYTES = (256 << 10) - _DESC.size
 _BOX_REUSE_BYTES = 4 << 10  # receive boxes from this size are reused across calls ...
 _BOXES_KEPT = 4  # ... this many per size (a fresh one is zero-filled memory, maybe new pages)

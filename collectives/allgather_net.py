@@ -64,7 +64,7 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     if not alone:
         allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
     else:
-        net_call.replayable()  # up to the wait: a copy of inp, sends, receives into outs
+        net_call.deferrable()  # every message posted before the one wait
         if outs[me].data_ptr() != inp.data_ptr():
             outs[me].copy_(inp)
     column = [node[j] for node in topo.nodes]
@@ -74,10 +74,10 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     for b, g in enumerate(column):
         if b != mine:
             net_call.send(g, outs[me])
-    net_call.wait(alone)
     if alone:
-        ctx.finish()
+        net_call.wait_then(ctx.finish)
         return
+    net_call.wait()
     for b, node in enumerate(topo.nodes):
         if b != mine:
             allgather.all_gather(ctx, [outs[g] for g in node], outs[node[j]])

@@ -48,13 +48,20 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     if len(topo.local) == 1:  # alone on this node: straight to the network
         if first.kind == PREMUL_SUM:
             if out.data_ptr() == inp.data_ptr():
-                ctx.net_call.not_replayable()  # (scaling in place cannot be done twice)
+                # (scaling in place must not be done twice: a call that may be run again
+                # from the start must not begin with it)
+                ctx.net_call.not_deferrable()
             torch.mul(inp, first.factor, out=out)
         elif out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
-        _exchange_reduce(ctx, out, [node[0] for node in topo.nodes], later)
-        ctx.finish()
-    elif layout == "hierarchical":
+
+        def rest() -> None:
+            ctx.finish()
+            finish_phases(out, spec, topo.size)
+
+        _exchange_reduce(ctx, out, [node[0] for node in topo.nodes], later, rest)
+        return
+    if layout == "hierarchical":
         _hierarchical(ctx, out, inp, first, later)
     else:
         allreduce.all_reduce(ctx, out, inp, first)
@@ -83,38 +90,49 @@ def _hierarchical(ctx, out, inp, first, later) -> None:
     allgather.all_gather(ctx, [b[s * es:(s + m) * es] for s, m in slices], mine)
 
 
-def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
-    """All-reduce typed ``buf`` among ``peers`` (group ranks, node order) over the network."""
+def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None) -> None:
+    """All-reduce typed ``buf`` among ``peers`` (group ranks, node order) over the network;
+    then ``rest()``, if given: the rest of a call alone on its node (local work only), which
+    the direct exchange may defer with its wait (net.py, ``wait_then``)."""
     net_call = ctx.net_call
     me = net_call.topo.rank
     others = [p for p in peers if p != me]
-    if not others:
-        return
     algo = ctx.selection.select("all_reduce/network", buf.numel() * buf.element_size(),
-                                len(peers), numel=buf.numel())
-    ctx.chose(algo)
-    if algo == "ring":
-        _ring_all_reduce(ctx, buf, peers, spec)
+                                len(peers), numel=buf.numel()) if others else None
+    if algo is not None:
+        ctx.chose(algo)
+    if algo in ("ring", "halves") or algo is None:
+        if algo == "ring":
+            _ring_all_reduce(ctx, buf, peers, spec)
+        elif algo == "halves":
+            _halves(ctx, buf, peers, spec)
+        if rest is not None:
+            rest()
         return
-    if algo == "halves":
-        _halves(ctx, buf, peers, spec)
-        return
-    last = len(net_call.topo.local) == 1  # (else a local phase follows)
-    if last:
-        net_call.replayable()  # up to the wait: sends of buf, receives into scratch
+    if rest is not None:
+        net_call.deferrable()  # every message posted before the one wait
     got = {p: net_call.buffer(f"got{i}", buf.numel(), buf.dtype) for i, p in enumerate(others)}
     for p in others:
         net_call.recv(p, got[p])
     for p in others:
         net_call.send(p, buf)
-    net_call.wait(last)
-    views = [buf if p == me else got[p] for p in peers]
-    if len(views) == 2:  # elementwise, so buf may be the output while being an input
-        reduce_into(buf, views, spec, 2, ctx.scratch)
-        return
-    acc = net_call.buffer("acc", buf.numel(), buf.dtype)
-    reduce_into(acc, views, spec, len(peers), ctx.scratch)
-    buf.copy_(acc)
+
+    def reduce() -> None:
+        views = [buf if p == me else got[p] for p in peers]
+        if len(views) == 2:  # elementwise, so buf may be the output while being an input
+            reduce_into(buf, views, spec, 2, ctx.scratch)
+        else:
+            acc = net_call.buffer("acc", buf.numel(), buf.dtype)
+            reduce_into(acc, views, spec, len(peers), ctx.scratch)
+            buf.copy_(acc)
+        if rest is not None:
+            rest()
+
+    if rest is not None:
+        net_call.wait_then(reduce)
+    else:
+        net_call.wait()
+        reduce()
 
 
 def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:

@@ -17,17 +17,18 @@ by group rank, on the stream ``COLLECTIVE_TAG``. It adds what the contract lacks
 * **One wait for a phase.** ``wait`` checks the descriptors heard so far, then waits for
   every request posted in the call.
 * **Scratch kept across calls** (``buffer``): fresh pages cost more than the network.
-* **Running a call again** (``defer_once``, ``replayable``, ``again``). An async
-  collective is first run by the caller's thread with ``defer_once`` set (engine.py,
-  ``try_now``). An algorithm whose work up to its last wait may be done twice says so
-  (``replayable``) and marks that wait (``wait(last=True)``): if a peer's data is not in
-  yet, the wait raises ``StepDeferred`` instead of blocking, with this rank's sends
-  posted, so the peers complete without it. Whoever runs the call again (the thread
-  that waits for its Work, or the engine thread) runs the algorithm from the start
-  after ``again``: each send and receive returns the request the first run posted, in
-  the same order, and the wait completes it. Any other algorithm raises
-  ``StepDeferred`` at its first send, receive, buffer or wait, before anything is
-  posted, and the engine thread runs it, as it ran every async collective before.
+* **Deferring the wait of an async call** (``defer_once``, ``deferrable``, ``wait_then``,
+  ``resume``). An async collective is first run by the caller's thread with ``defer_once``
+  set (engine.py, ``try_now``). An algorithm that posts all its messages before its one
+  network wait says so (``deferrable``) and hands that wait the rest of the call, local
+  work only (``wait_then(rest)``): if a peer's data is not in yet, the wait keeps ``rest``
+  and raises ``StepDeferred`` instead of blocking, with this rank's sends posted, so the
+  peers complete without it. Whoever finishes the call (the thread that waits for its
+  Work, or the engine thread) calls ``resume``: it waits for what the first run posted and
+  runs ``rest``. Nothing of the call runs twice, so no work needs to be repeatable. Any
+  other algorithm raises ``StepDeferred`` at its first send, receive, buffer or wait,
+  before anything is posted, and the engine thread runs it from the start, as it ran
+  every async collective before.
 
 ``as_bytes`` is how a tensor's memory is handed to a transport (send/recv use it too).
 """
@@ -56,7 +57,6 @@ _DESC = struct.Struct(f"!{NWORDS + 1}q")
 PIGGYBACK_BYTES = (256 << 10) - _DESC.size
 _BOX_REUSE_BYTES = 4 << 10  # receive boxes from this size are reused across calls ...
 _BOXES_KEPT = 4  # ... this many per size (a fresh one is zero-filled memory, maybe new pages)
-_NEW = object()  # (NetCall._posted_before: nothing posted for this yet)
 
 
 class NetCall:
@@ -85,9 +85,8 @@ class NetCall:
         self._heard: dict = {}  # peer -> (descriptor box, request, data dest or None)
         self._pending: list = []
         self.defer_once = False  # set for the first run of an async call (engine.try_now)
-        self._replayable = False  # the algorithm said it may run again (``replayable``)
-        self._log = None  # [(peer, buffer address, nbytes, request)] while it may
-        self._cursor = 0  # how many of the log the current run has gone through
+        self._deferrable = False  # the algorithm said it may be deferred (``deferrable``)
+        self._rest = None  # what a deferred first run left to ``resume``
 
     def begin(self, call: Call, seq: int, deadline: float) -> None:
         """Make this NetCall describe a new call (one call at a time may reuse one)."""
@@ -95,19 +94,28 @@ class NetCall:
         self._told.clear()
         self._heard.clear()
         self._pending.clear()
-        self._replayable, self._log, self._cursor = False, None, 0
+        self._deferrable, self._rest = False, None
 
-    def replayable(self) -> None:
-        """Said by an algorithm whose work up to its ``wait(last=True)`` can be done again
-        with the same result (copies, not in-place arithmetic on its inputs): the call may
-        then be deferred there (see the module docstring)."""
-        self._replayable = True
-        if self._log is None and self.defer_once:  # (a first run that may defer: log it)
-            self._log = []
+    def deferrable(self) -> None:
+        """Said by an algorithm that posts every message of the call before one
+        ``wait_then``, after which only local work follows: a first run may be deferred
+        there (see the module docstring)."""
+        self._deferrable = True
 
     def again(self, seq: int, deadline: float) -> None:
-        """Before the call runs (again): its sends and receives so far are reused."""
-        self.seq, self.deadline, self._cursor = seq, deadline, 0
+        """Before the call runs (or ``resume`` finishes it): its number and deadline."""
+        self.seq, self.deadline = seq, deadline
+
+    def deferred(self) -> bool:
+        """Did the call's first run defer its wait (``resume`` finishes it)?"""
+        return self._rest is not None
+
+    def resume(self) -> None:
+        """Finish a call whose first run deferred its wait: wait for everything it posted,
+        then run the rest it handed to ``wait_then``."""
+        rest, self._rest = self._rest, None
+        self.wait()
+        rest()
 
     def peers_published(self) -> bool:
         """Has everything the call posted so far completed (so ``wait`` would not block)?"""
@@ -119,6 +127,7 @@ class NetCall:
         posted that has not completed, so on return no message of it lands in its
         buffers (the peers are told: ``NetTransport.cancel``)."""
         reqs = [r for _, r, _ in self._heard.values()] + self._pending
+        self._rest = None
         for req in reqs:
             if not req.done():
                 try:
@@ -126,47 +135,21 @@ class NetCall:
                 except Exception:  # noqa: BLE001 - a transport closed meanwhile touches nothing
                     pass
 
-    def not_replayable(self) -> None:
-        """In a first run (``defer_once``) of an algorithm that has not said ``replayable``:
+    def not_deferrable(self) -> None:
+        """In a first run (``defer_once``) of an algorithm that has not said ``deferrable``:
         raise ``StepDeferred``, so the engine thread runs the call from the start. Every
         send, receive, buffer and wait says this first; an algorithm says it itself before
         work that cannot be done twice."""
-        if self.defer_once and not self._replayable:
+        if self.defer_once and not self._deferrable:
             raise StepDeferred(self.seq)
-
-    def _posted_before(self, peer: int, buf):
-        """The request a first run posted for this send or receive, when the call runs
-        again; ``_NEW`` if it is to be posted now (a first run that may not post raises
-        ``StepDeferred``)."""
-        log = self._log
-        if log is None:
-            self.not_replayable()
-            return _NEW
-        i = self._cursor
-        if i == len(log):
-            return _NEW
-        self._cursor = i + 1
-        logged_peer, address, nbytes, req = log[i]
-        data = as_bytes(buf)
-        if (logged_peer, _address(data), _nbytes(data)) != (peer, address, nbytes):
-            raise RuntimeError(
-                f"collective #{self.seq} ran again with other buffers than the first time "
-                f"(message {i}: peer {peer}, not {logged_peer}): a bug in its algorithm")
-        return req
-
-    def _logged(self, peer: int, data, req) -> None:
-        self._log.append((peer, _address(data), _nbytes(data), req))
-        self._cursor += 1
 
     def _words(self) -> bytes:
         return _DESC.pack(*self.call.words(self.seq), 0)
 
     def send(self, peer: int, buf):
         """Post a send of ``buf`` to ``peer``; returns its request (done: ``buf`` is free)."""
-        if self._log is not None or self.defer_once:
-            req = self._posted_before(peer, buf)
-            if req is not _NEW:
-                return req
+        if self.defer_once and not self._deferrable:
+            raise StepDeferred(self.seq)
         data = as_bytes(buf)
         if peer not in self._told:
             self._told.add(peer)
@@ -174,46 +157,36 @@ class NetCall:
                 # one copy, into an immutable bytes object the transport keeps as it is
                 req = self.net.isend(peer, COLLECTIVE_TAG, b"".join((self._words(), data)))
                 self._pending.append(req)
-                if self._log is not None:
-                    self._logged(peer, data, req)
                 return req
             self._pending.append(self.net.isend(peer, COLLECTIVE_TAG, self._words()))
         req = self.net.isend(peer, COLLECTIVE_TAG, data)
         self._pending.append(req)
-        if self._log is not None:
-            self._logged(peer, data, req)
         return req
 
     def recv(self, peer: int, buf):
         """Post a receive from ``peer`` into ``buf``. Returns its request, or None for the
         call's first message from ``peer`` when it is small (it travels with the
         descriptor and is copied into ``buf`` by ``check``)."""
-        if self._log is not None or self.defer_once:
-            req = self._posted_before(peer, buf)
-            if req is not _NEW:
-                return req
+        if self.defer_once and not self._deferrable:
+            raise StepDeferred(self.seq)
         data = as_bytes(buf)
         if peer not in self._heard:
             n = _nbytes(data)
             if n <= PIGGYBACK_BYTES:
                 box = self._take_box(_DESC.size + n)
                 self._heard[peer] = (box, self.net.irecv(peer, COLLECTIVE_TAG, box), data)
-                if self._log is not None:
-                    self._logged(peer, data, None)
                 return None
             box = bytearray(_DESC.size)
             self._heard[peer] = (box, self.net.irecv(peer, COLLECTIVE_TAG, box), None)
         req = self.net.irecv(peer, COLLECTIVE_TAG, data)
         self._pending.append(req)
-        if self._log is not None:
-            self._logged(peer, data, req)
         return req
 
     def buffer(self, key: str, numel: int, dtype) -> torch.Tensor:
         """A scratch tensor kept across calls (allocating fresh pages every call costs more
         than the network: the kernel zero-fills each one)."""
         if self.defer_once:
-            self.not_replayable()
+            self.not_deferrable()
         pool = self._scratch
         nbytes = numel * dtype.itemsize
         entry = pool.get(key)
@@ -227,26 +200,33 @@ class NetCall:
             view = views[(numel, dtype)] = base[:nbytes].view(dtype)
         return view
 
-    def wait(self, last: bool = False) -> None:
-        """Wait for everything posted; check the peers' descriptors first.
-
-        ``last``: nothing but local work follows in the call. In a first run with
-        ``defer_once`` set (a ``replayable`` algorithm), raises ``StepDeferred`` instead of
-        waiting if something posted has not completed (see the module docstring)."""
+    def wait(self) -> None:
+        """Wait for everything posted; check the peers' descriptors first."""
         if self.defer_once:
-            self.not_replayable()
-            if last and not self.peers_published():
-                raise _deferred_last(self.seq)
+            self.not_deferrable()
         self.check()
         pending, self._pending = self._pending, []
         for req in pending:
             req.wait(self.deadline)
 
+    def wait_then(self, rest) -> None:
+        """``wait``, then ``rest()``: the rest of the call, local work only. In a first run
+        with ``defer_once`` set (an algorithm that said ``deferrable``), if something
+        posted has not completed, keeps ``rest`` and raises ``StepDeferred`` instead of
+        waiting: ``resume`` finishes the call (see the module docstring)."""
+        if self.defer_once:
+            self.not_deferrable()
+            if not self.peers_published():
+                self._rest = rest
+                raise _deferred_resumes(self.seq)
+        self.wait()
+        rest()
+
     def check(self) -> None:
         """Wait for the descriptors of the peers heard from so far and check them: a peer
         that made another call raises ``CollectiveMismatch`` here, naming both calls."""
         if self.defer_once:
-            self.not_replayable()
+            self.not_deferrable()
         for peer, (box, req, dest) in sorted(self._heard.items()):
             if box is None:
                 continue
@@ -299,25 +279,16 @@ class NetCall:
                 f"{their_call.describe()}", self.call, {peer: their_call})
 
 
-def _deferred_last(seq: int) -> StepDeferred:
+def _deferred_resumes(seq: int) -> StepDeferred:
     # (made here, not in the raising frame: a local naming the exception in the frame its
     # traceback holds would be a reference cycle)
     deferred = StepDeferred(seq)
-    deferred.last = True
+    deferred.last = deferred.resumes = True
     return deferred
 
 
 def _nbytes(data) -> int:
     return data.nbytes if hasattr(data, "nbytes") else len(data)
-
-
-def _address(data) -> int:
-    """Where a buffer's bytes are: a tensor's memory (``as_bytes``' ctypes arrays), else the
-    identity of the object that holds them."""
-    if not _nbytes(data):
-        return 0
-    obj = data.obj if isinstance(data, memoryview) else data
-    return ctypes.addressof(obj) if isinstance(obj, ctypes.Array) else id(obj)
 
 
 _BYTE_ARRAYS: dict = {}

@@ -80,8 +80,8 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     first, later = phase_specs(spec)
     j, mine = ctx.rank, topo.my_node
     alone = len(topo.local) == 1
-    if alone:  # up to the wait: inputs read (scaled into scratch), sends, receives
-        net_call.replayable()
+    if alone:  # every message posted before the one wait
+        net_call.deferrable()
     # ``out`` is written only once every input has been read and sent: it may alias one of
     # the inputs (an in-place reduce_scatter).
     partial = {}
@@ -107,12 +107,19 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     for b in range(len(topo.nodes)):
         if b != mine:
             net_call.send(column[b], partial[b])
-    net_call.wait(alone)
-    views = [partial[mine] if b == mine else got[b] for b in range(len(topo.nodes))]
-    if len(views) == 2:  # elementwise, so out may alias views[0] (an in-place call)
-        reduce_into(out, views, later, 2, ctx.scratch)
+
+    def rest() -> None:
+        views = [partial[mine] if b == mine else got[b] for b in range(len(topo.nodes))]
+        if len(views) == 2:  # elementwise, so out may alias views[0] (an in-place call)
+            reduce_into(out, views, later, 2, ctx.scratch)
+        else:
+            acc = net_call.buffer("rsacc", out.numel(), out.dtype)
+            reduce_into(acc, views, later, len(views), ctx.scratch)
+            out.copy_(acc)
+        finish_phases(out, spec, topo.size)
+
+    if alone:
+        net_call.wait_then(rest)
     else:
-        acc = net_call.buffer("rsacc", out.numel(), out.dtype)
-        reduce_into(acc, views, later, len(views), ctx.scratch)
-        out.copy_(acc)
-    finish_phases(out, spec, topo.size)
+        net_call.wait()
+        rest()

@@ -13,8 +13,10 @@ a group's collectives in the same order, as with every c10d backend). Execution:
 * async_op=True, small, in a one-node group, with the engine idle (``try_now``): the
   caller runs it at once with its channel's ``defer_once`` set. (Between nodes, where each
   rank is alone on its node, the "channel" is the call's ``NetCall``: its first run posts
-  its messages, and ``wait(last=True)`` defers; see net.py, "Running a call again"; a
-  call that will not run again withdraws them before its Work fails.) If every peer is
+  its messages, and ``wait_then`` defers, keeping the rest of the call, which
+  ``NetCall.resume`` runs later instead of the call running again; see net.py,
+  "Deferring the wait of an async call"; a call that will not be finished withdraws its
+  messages before its Work fails.) If every peer is
   there already, it completes then and there. If not, its first step is published (this rank's
   data is in shared memory, so the peers can complete their part without us) and raises
   StepDeferred. If the call is a one-step plan (``Context.one_step``: the peers need
@@ -188,7 +190,7 @@ class CollectiveEngine:
             if self._busy or self._queue or self._stopped or self.broken is not None:
                 return False
             self._busy = True
-        deferred = alone = False
+        deferred = alone = resumes = False
         threads = one_thread.enter() if nbytes * self.size >= one_thread.GRAIN_BYTES else 0
         try:
             self.seq = seq = self.seq + 1
@@ -203,7 +205,7 @@ class CollectiveEngine:
                 # ``last``: a one-step plan, whose rest nobody else needs. If more steps
                 # follow, the peers need ours: the engine thread runs the rest now, as it
                 # would have run the whole call.
-                alone = exc.last
+                alone, resumes = exc.last, exc.resumes
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work
                 self.fail(exc, work, rec)
             else:
@@ -213,7 +215,7 @@ class CollectiveEngine:
             finally:
                 channel.defer_once = False
             if deferred:
-                if rec is not None:
+                if rec is not None and not resumes:
                     rec.algo = None  # named again when the call runs again
                 work.engine = self
                 work.op = _Deferred(self, work, channel)

@@ -67,11 +67,9 @@ _SPECS: dict = {}
 
 
 # Async collectives of a group that spans nodes tried in the caller's thread first: the
-# ones whose algorithms say where they may be deferred (``NetCall.replayable``) and whose
-# buffers are made once per call, outside the algorithm (a call run again must hand the
-# same memory to the same messages: allreduce_coalesced, for one, concatenates anew each
-# time), up to a size where running their local reduction at wait time, instead of
-# overlapped in the engine thread, costs little.
+# ones whose algorithms say where they may be deferred (``NetCall.deferrable``), up to a
+# size where running their local reduction at wait time, instead of overlapped in the
+# engine thread, costs little.
 _NET_DEFERRABLE = frozenset(("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"))
 NET_DEFER_BYTES = 1 << 20
 
@@ -271,7 +269,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # A small async collective runs now, its wait deferred if a peer is behind
         # (engine.py): no thread hand-off when the caller waits soon after. In a one-node
         # group its first step is published in shared memory; across nodes (every rank
-        # alone on its node) its messages are posted (net.py, "Running a call again").
+        # alone on its node) its messages are posted (net.py, "Deferring the wait of an async
+        # call").
         deferrable = None
         if async_op:
             if net is None:
@@ -283,10 +282,16 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         def run(seq: int, rec) -> None:
             deadline = time.monotonic() + seconds
+            if deferrable is not None and net is not None:
+                deferrable.again(seq, deadline)
+                if deferrable.deferred():  # its first run posted everything: finish it
+                    deferrable.resume()
+                    for f in flats:
+                        f.finish()
+                    return
             ctx = Context(channel, call, seq, deadline, scratch, selection, plans, rec)
             if net is not None:
                 if deferrable is not None:  # the same NetCall each time the call runs
-                    deferrable.again(seq, deadline)
                     ctx.net_call = deferrable
                 else:
                     ctx.net_call = NetCall(net, topo, call, seq, deadline,

@@ -103,4 +103,6 @@ class StepDeferred(TransportError):
     def __init__(self, epoch):
         self.epoch = epoch
         self.last = False  # set by the call (Context): no step of the call follows this one
+        # set by a NetCall: the call is finished by ``NetCall.resume``, not run again
+        self.resumes = False
         super().__init__(f"step {epoch} deferred: a peer has not published it yet")

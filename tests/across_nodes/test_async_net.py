@@ -1,11 +1,13 @@
-"""Deferred async collectives between nodes (net.py, "Running a call again"; engine.try_now).
+"""Deferred async collectives between nodes (net.py, "Deferring the wait of an async call";
+engine.try_now).
 
 Every rank is alone on its virtual node, so each collective goes over the rdm transport. An
 async all_reduce, all_gather or reduce_scatter posts its messages in the caller's thread and
 returns; if a peer is late, the rest runs when someone looks at its Work. The cases of the
 one-node tests (one_node/test_async.py) run here too, plus what only the network has: a
-call that ran once must run again with the requests it posted, and one whose algorithm
-cannot run twice must go to the engine thread before it posts anything.
+deferred call is finished from what its first run posted, and one whose algorithm may
+have to run again from the start, and cannot run twice, must go to the engine thread
+before it posts anything.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def test_a_deferred_collective_between_nodes_never_holds_back_a_peer():
     assert res[0][0] == res[1][0] == [3.0] * 4, res
     state, algo = res[0][1]
     assert state == "completed", res[0][1]
-    # named once although the call ran twice
+    # named once although the call was deferred
     parts = algo.split("+")
     assert len(parts) == len(set(parts)), algo
 

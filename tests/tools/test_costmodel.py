@@ -259,7 +259,7 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch, selection=DEFAULT) -
     monkeypatch.setattr(allreduce_net, "_ring_all_reduce", network("ring"))
     monkeypatch.setattr(allreduce_net, "_halves", network("halves"))
     topo = Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
-    net_call = SimpleNamespace(topo=topo, buffer=network("direct"), replayable=lambda: None)
+    net_call = SimpleNamespace(topo=topo, buffer=network("direct"), deferrable=lambda: None)
     ctx = SimpleNamespace(net_call=net_call, rank=0, size=L, finish=lambda: None,
                           selection=selection, chose=lambda name: None)
     buf = torch.empty(n_bytes // 4, dtype=torch.float32, device="meta")

@@ -677,15 +677,18 @@ class _FakeNet:
         return End()
 
 
-def _exchange(nc, peer, buf, got):
-    nc.replayable()
+def _exchange(nc, peer, buf, got, done=None):
+    nc.deferrable()
     nc.recv(peer, got)
     nc.send(peer, buf)
-    nc.wait(last=True)
+    nc.wait_then(lambda: done.append(got.clone()) if done is not None else None)
 
 
 @pytest.mark.parametrize("nbytes", [16, 256 << 10], ids=["with-descriptor", "own-message"])
-def test_a_net_call_run_again_reuses_what_its_first_run_posted(nbytes):
+def test_a_deferred_net_call_is_finished_from_what_its_first_run_posted(nbytes):
+    """An async call whose peer is late posts everything and defers its wait with the rest
+    of the call; ``resume`` waits for what was posted and runs that rest, once: nothing
+    is posted twice and nothing of the call runs again."""
     from neuron_dist.collectives.net import NetCall
     from neuron_dist.transport.errors import StepDeferred
 
@@ -694,26 +697,38 @@ def test_a_net_call_run_again_reuses_what_its_first_run_posted(nbytes):
     ncs = [NetCall(net.end(r), SimpleNamespace(rank=r), call, 7, math.inf) for r in (0, 1)]
     bufs = [torch.full((nbytes // 4,), float(r + 1)) for r in (0, 1)]
     gots = [torch.zeros(nbytes // 4) for _ in (0, 1)]
-    # rank 0 runs first, with defer_once: its peer has sent nothing, so the last wait defers
+    done = [[], []]
+    # rank 0 runs first, with defer_once: its peer has sent nothing, so the wait defers
     ncs[0].defer_once = True
     with pytest.raises(StepDeferred) as deferred:
-        _exchange(ncs[0], 1, bufs[0], gots[0])
-    assert deferred.value.last
+        _exchange(ncs[0], 1, bufs[0], gots[0], done[0])
+    assert deferred.value.last and deferred.value.resumes
     ncs[0].defer_once = False
+    assert ncs[0].deferred() and done[0] == []  # the rest is kept, not run
     posted = net.posts[0]
     assert not ncs[0].peers_published()
-    _exchange(ncs[1], 0, bufs[1], gots[1])  # rank 1 completes from what rank 0 posted
-    assert gots[1].eq(1.0).all()
+    _exchange(ncs[1], 0, bufs[1], gots[1], done[1])  # rank 1 completes from what rank 0 posted
+    assert gots[1].eq(1.0).all() and len(done[1]) == 1
     assert ncs[0].peers_published()
-    # run again: the same sends and receives, nothing posted twice, and the wait completes
     ncs[0].again(7, math.inf)
-    _exchange(ncs[0], 1, bufs[0], gots[0])
-    assert net.posts[0] == posted
-    assert gots[0].eq(2.0).all()
-    # run again with another buffer than the first time: a bug, said loudly
-    ncs[0].again(7, math.inf)
-    with pytest.raises(RuntimeError, match="other buffers"):
-        _exchange(ncs[0], 1, bufs[0], torch.zeros(nbytes // 4))
+    ncs[0].resume()
+    assert net.posts[0] == posted  # nothing posted twice
+    assert len(done[0]) == 1 and done[0][0].eq(2.0).all()  # the rest ran once, after the data
+    assert not ncs[0].deferred()
+
+
+def test_a_net_call_whose_peers_are_in_finishes_in_its_first_run():
+    from neuron_dist.collectives.net import NetCall
+
+    net = _FakeNet()
+    call = Call("all_reduce", torch.float32, 4)
+    ncs = [NetCall(net.end(r), SimpleNamespace(rank=r), call, 3, math.inf) for r in (0, 1)]
+    done = [[], []]
+    ncs[1].recv(0, torch.zeros(4))  # rank 1 is there before rank 0 runs
+    ncs[1].send(0, torch.full((4,), 2.0))
+    ncs[0].defer_once = True
+    _exchange(ncs[0], 1, torch.ones(4), torch.zeros(4), done[0])
+    assert len(done[0]) == 1 and done[0][0].eq(2.0).all() and not ncs[0].deferred()
 
 
 def test_a_descriptor_box_is_reused_only_once_its_receive_is_done_with_it():
@@ -747,7 +762,7 @@ def test_a_descriptor_box_is_reused_only_once_its_receive_is_done_with_it():
     assert net.cancelled and scratch["boxes"][len(boxes[0])] == []
 
 
-def test_a_net_call_not_said_replayable_defers_before_posting_anything():
+def test_a_net_call_not_said_deferrable_defers_before_posting_anything():
     from neuron_dist.collectives.net import NetCall
     from neuron_dist.transport.errors import StepDeferred
 
@@ -756,15 +771,16 @@ def test_a_net_call_not_said_replayable_defers_before_posting_anything():
                  math.inf)
     nc.defer_once = True
     for attempt in (lambda: nc.send(1, torch.ones(4)), lambda: nc.recv(1, torch.ones(4)),
-                    lambda: nc.buffer("x", 4, torch.float32), nc.wait, nc.check):
+                    lambda: nc.buffer("x", 4, torch.float32), nc.wait, nc.check,
+                    lambda: nc.wait_then(lambda: None)):
         with pytest.raises(StepDeferred) as deferred:
             attempt()
         assert not deferred.value.last
     assert net.posts[0] == 0
 
 
-def test_a_deferred_call_that_will_not_run_again_withdraws_its_messages_first():
-    """A group going away fails a deferred call without running it again: its receives,
+def test_a_deferred_call_that_will_not_be_finished_withdraws_its_messages_first():
+    """A group going away fails a deferred call without finishing it: its receives,
     posted into the caller's buffers, are withdrawn before its Work fails, so no late
     message lands in a tensor whose Work has already ended."""
     from neuron_dist.collectives.net import NetCall

@@ -69,7 +69,10 @@ _SPECS: dict = {}
 # Async collectives of a group that spans nodes tried in the caller's thread first: the
 # ones whose algorithms say where they may be deferred (``NetCall.deferrable``), up to a
 # size where running their local reduction at wait time, instead of overlapped in the
-# engine thread, costs little.
+# engine thread, costs little. A deferred call is finished by ``NetCall.resume``, which
+# runs only the rest its algorithm handed to ``wait_then`` (and ``run`` the flats' copies
+# back): a collective whose ``algo`` does more after the algorithm returns must not be
+# named here.
 _NET_DEFERRABLE = frozenset(("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"))
 NET_DEFER_BYTES = 1 << 20
 

@@ -176,3 +176,30 @@ def test_allreduce_coalesced_with_a_late_peer():
     res = run_ranks(coalesced_late_peer, 2, timeout=80, env=_nodes(2))
     for rank, (a, b) in res.items():
         assert a == [3.0] * 3 and b == [30.0] * 5, (rank, a, b)
+
+
+def non_contiguous_late_peer(rank, world):
+    """Deferred async collectives on non-contiguous tensors: each runs on a contiguous copy,
+    and the copy back into the caller's tensor must happen when the deferred call is
+    finished (NetCall.resume), not only when it runs through."""
+    dist.barrier()
+    t = (torch.arange(12.0).reshape(3, 4) + 10 * rank).t()  # 4 x 3, not contiguous
+    ag = torch.zeros(3, 2 * world).t()  # (2 * world) x 3, not contiguous
+    if rank == 1:
+        time.sleep(LATE)
+    works = [dist.all_reduce(t, async_op=True),
+             dist.all_gather_into_tensor(ag, torch.full((2, 3), float(rank + 1)),
+                                         async_op=True)]
+    for w in works:
+        w.wait()
+    return t.tolist(), ag.tolist()
+
+
+@pytest.mark.timeout(90)
+def test_deferred_collectives_on_non_contiguous_tensors():
+    res = run_ranks(non_contiguous_late_peer, 2, timeout=80, env=_nodes(2))
+    want_t = (2 * torch.arange(12.0).reshape(3, 4) + 10).t().tolist()
+    want_ag = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)]).tolist()
+    for rank, (t, ag) in res.items():
+        assert t == want_t, (rank, t)
+        assert ag == want_ag, (rank, ag)

@@ -97,15 +97,15 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None
     net_call = ctx.net_call
     me = net_call.topo.rank
     others = [p for p in peers if p != me]
+    if not others:
+        if rest is not None:
+            rest()
+        return
     algo = ctx.selection.select("all_reduce/network", buf.numel() * buf.element_size(),
-                                len(peers), numel=buf.numel()) if others else None
-    if algo is not None:
-        ctx.chose(algo)
-    if algo in ("ring", "halves") or algo is None:
-        if algo == "ring":
-            _ring_all_reduce(ctx, buf, peers, spec)
-        elif algo == "halves":
-            _halves(ctx, buf, peers, spec)
+                                len(peers), numel=buf.numel())
+    ctx.chose(algo)
+    if algo in ("ring", "halves"):
+        (_ring_all_reduce if algo == "ring" else _halves)(ctx, buf, peers, spec)
         if rest is not None:
             rest()
         return
@@ -128,11 +128,7 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None
         if rest is not None:
             rest()
 
-    if rest is not None:
-        net_call.wait_then(reduce)
-    else:
-        net_call.wait()
-        reduce()
+    net_call.wait_then(reduce)
 
 
 def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:

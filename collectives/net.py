@@ -210,9 +210,9 @@ class NetCall:
             req.wait(self.deadline)
 
     def wait_then(self, rest) -> None:
-        """``wait``, then ``rest()``: the rest of the call, local work only. In a first run
-        with ``defer_once`` set (an algorithm that said ``deferrable``), if something
-        posted has not completed, keeps ``rest`` and raises ``StepDeferred`` instead of
+        """``wait``, then ``rest()``: the rest of the call, local work only. Only in a first
+        run with ``defer_once`` set (an algorithm that said ``deferrable``), if something
+        posted has not completed, it keeps ``rest`` and raises ``StepDeferred`` instead of
         waiting: ``resume`` finishes the call (see the module docstring)."""
         if self.defer_once:
             self.not_deferrable()

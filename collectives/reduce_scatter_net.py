@@ -118,8 +118,4 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
             out.copy_(acc)
         finish_phases(out, spec, topo.size)
 
-    if alone:
-        net_call.wait_then(rest)
-    else:
-        net_call.wait()
-        rest()
+    net_call.wait_then(rest)

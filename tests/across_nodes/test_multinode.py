@@ -441,8 +441,13 @@ def _rails_after_collectives(rank, world):
         dist.recv(got, other)
         assert torch.equal(got, torch.full((10,), float(other)))
     dist.barrier()
-    return {"before": before, "after": sorted(pg._net._rails),
-            "up": sorted(pg._net._up)}
+    after = sorted(pg._net._rails)
+    # The acceptor adds each rail as its listener thread finishes that rail's handshake, so
+    # a message can arrive on the first rail before the last is added: wait, bounded.
+    deadline = time.monotonic() + 30
+    while sorted(pg._net._up) != after and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"before": before, "after": after, "up": sorted(pg._net._up)}
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from ..transport.errors import StepDeferred
-from .descriptor import NWORDS, Call, check_all_match
+from .descriptor import HEAD, Call, check_all_match
 from .reduce_ops import Scratch
 
 
@@ -72,20 +72,22 @@ class Context:
         if self._checked:
             self.channel.step(self.deadline)
             return
-        # The call's words (with the step it starts at) are compared with every peer's;
-        # only a difference takes the slow path, which names the calls.
+        # The call's head (with the step it starts at; descriptor.py) is compared with every
+        # peer's; only a difference takes the slow path, which names the calls.
         self._checked = True
-        channel, seq = self.channel, self.seq
+        channel, seq, call = self.channel, self.seq, self.call
         epoch = channel.epoch + 1
-        mine = (seq,) + self.call.tail + (epoch,)
+        head, rest = (seq, call.code, epoch), call.rest
+        mine = head + rest if rest else head
         try:
             channel.step(self.deadline, mine + extra if extra else mine)
         except StepDeferred as deferred:
             deferred.last = self.one_step
             raise
-        for k in range(self.size):
-            if k != self.rank and channel.peer_descriptor(k, seq, NWORDS + 1) != mine:
-                check_all_match(channel, self.call, seq, epoch)  # raises
+        if not channel.all_posted(seq, head) or rest and any(
+                channel.peer_descriptor(k, seq, len(mine)) != mine
+                for k in range(self.size) if k != self.rank):
+            check_all_match(channel, call, seq, epoch)  # raises
 
     def chose(self, algorithm: str) -> None:
         """Name the algorithm chosen in the call's record (flight recorder, TRACE log); the
@@ -110,7 +112,8 @@ class Context:
 
     def peer_extra(self, rank: int, count: int) -> tuple:
         """The ``count`` extra words ``rank`` posted with this call's first step."""
-        return self.channel.peer_descriptor(rank, self.seq, NWORDS + 1 + count)[NWORDS + 1:]
+        start = HEAD + len(self.call.rest)  # (a peer's call matched ours: so did its length)
+        return self.channel.peer_descriptor(rank, self.seq, start + count)[start:]
 
     def finish(self) -> None:
         """Guarantee the call made at least one (checked) step (a rank alone on its node

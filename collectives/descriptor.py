@@ -1,10 +1,16 @@
 """Call descriptors: what each rank thinks the collective is, checked on its first step.
 
-Every collective posts a few int64 words with its first step — sequence number, op, dtype,
-element count, root, reduce op and a digest of any per-rank sizes. After that step every
-rank compares all peers' words with its own. All ranks read the same words at the same
-step, so they all reach the same verdict and raise together; because each rank has done
-exactly one step of the failed call, the group stays aligned and usable afterwards.
+A call is its op, dtype, element count, root, reduce op and a digest of any per-rank
+sizes (``Call.words``). Every collective posts a few int64 words with its first step: the
+*head*, ``(seq, code, step)``, where ``code`` packs the call's fields into one word
+(``Call.code``) and ``step`` is the channel step the call starts at; a call whose fields do
+not fit one word (a per-rank size digest, more than 2**33 elements, a root of 65535 or
+more) has code ``LONG`` and its words follow the head. A channel keeps the head where
+peers read it cheapest (shared memory: in the step counter's cache line). After that step
+every rank compares all peers' heads (and following words) with its own. All ranks read
+the same words at the same step, so they all reach the same verdict and raise together;
+because each rank has done exactly one step of the failed call, the group stays aligned
+and usable afterwards.
 """
 
 from __future__ import annotations
@@ -24,7 +30,16 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
 _OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
 DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(DTYPES)}
 _REDUCE_NAME = {code: name for name, code in REDUCE_CODES.items()}
-NWORDS = 7
+NWORDS = 7  # Call.words: the sequence number and the call's six fields
+HEAD = 3  # words a first step posts in front: seq, Call.code, the step it starts at
+LONG = -1  # the code of a call whose fields do not fit one word (they follow the head)
+# Call.code, from the lowest bit: op, dtype, reduce op, root + 1, element count
+_OP_BITS, _DTYPE_BITS, _REDUCE_BITS, _ROOT_BITS, _COUNT_BITS = 4, 6, 4, 16, 33
+_DTYPE_AT = _OP_BITS
+_REDUCE_AT = _DTYPE_AT + _DTYPE_BITS
+_ROOT_AT = _REDUCE_AT + _REDUCE_BITS
+_COUNT_AT = _ROOT_AT + _ROOT_BITS
+assert _COUNT_AT + _COUNT_BITS == 63  # (a code is never negative, so never LONG)
 
 
 class CollectiveMismatch(RuntimeError):
@@ -61,11 +76,17 @@ class Call:
     reduce: str | None = None
     extra: int = 0
     tail: tuple = field(init=False, repr=False, compare=False)  # words(seq)[1:], computed once
+    code: int = field(init=False, repr=False, compare=False)  # the fields in one word, or LONG
+    rest: tuple = field(init=False, repr=False, compare=False)  # words posted after the head
 
     def __post_init__(self):
-        object.__setattr__(self, "tail", (  # (op 0: an unknown op read from a peer's words)
+        tail = (  # (op 0: an unknown op read from a peer's words)
             _OP_CODE.get(self.op, 0), dtype_code(self.dtype), self.count, self.root,
-            REDUCE_CODES[self.reduce] if self.reduce else 0, self.extra))
+            REDUCE_CODES[self.reduce] if self.reduce else 0, self.extra)
+        code = encode(tail)
+        object.__setattr__(self, "tail", tail)
+        object.__setattr__(self, "code", code)
+        object.__setattr__(self, "rest", tail if code == LONG else ())
 
     def words(self, seq: int) -> tuple[int, ...]:
         return (seq,) + self.tail
@@ -92,6 +113,37 @@ class Call:
         return f"{self.op}({', '.join(parts)})"
 
 
+def encode(tail: tuple) -> int:
+    """``Call.tail``'s six fields in one non-negative word, or ``LONG`` if they do not fit."""
+    op, dt, count, root, red, extra = tail
+    if (extra or not (0 <= op < 1 << _OP_BITS and 0 <= dt < 1 << _DTYPE_BITS
+                      and 0 <= red < 1 << _REDUCE_BITS and -1 <= root < (1 << _ROOT_BITS) - 1
+                      and 0 <= count < 1 << _COUNT_BITS)):
+        return LONG
+    return op | dt << _DTYPE_AT | red << _REDUCE_AT | (root + 1) << _ROOT_AT | count << _COUNT_AT
+
+
+def decode(code: int) -> tuple:
+    """The six fields ``encode`` packed into ``code`` (not ``LONG``)."""
+    return (code & (1 << _OP_BITS) - 1, code >> _DTYPE_AT & (1 << _DTYPE_BITS) - 1,
+            code >> _COUNT_AT, (code >> _ROOT_AT & (1 << _ROOT_BITS) - 1) - 1,
+            code >> _REDUCE_AT & (1 << _REDUCE_BITS) - 1, 0)
+
+
+def posted(channel, rank: int, seq: int) -> tuple[tuple, int]:
+    """``(words, step)``: ``Call.words`` of what ``rank`` posted with the first step of
+    collective ``seq`` (or, for a rank that has not posted it, of the last call of that
+    parity; all zeros if none), and the channel step that call started at."""
+    their_seq, code, step = channel.peer_descriptor(rank, seq, HEAD)
+    if code == LONG:
+        tail = channel.peer_descriptor(rank, seq, HEAD + NWORDS - 1)[HEAD:]
+    elif code > 0:
+        tail = decode(code)
+    else:  # (0: a rank that never posted; other negative codes are no call of ours)
+        tail = (0, 0, 0, 0, 0, 0)
+    return (their_seq,) + tuple(tail), step
+
+
 def check_all_match(channel, call: Call, seq: int, epoch: int) -> None:
     """Compare every peer's descriptor of this step with ours; raise CollectiveMismatch.
 
@@ -104,11 +156,11 @@ def check_all_match(channel, call: Call, seq: int, epoch: int) -> None:
     for k in range(channel.size):
         if k == channel.rank:
             continue
-        theirs = channel.peer_descriptor(k, seq, NWORDS + 1)
-        if theirs[:NWORDS] != mine:
+        theirs, their_epoch = posted(channel, k, seq)
+        if theirs != mine:
             bad[k] = Call.from_words(theirs)
-        elif theirs[NWORDS] != epoch:
-            epochs[k] = theirs[NWORDS]
+        elif their_epoch != epoch:
+            epochs[k] = their_epoch
     if not bad and epochs:
         detail = "; ".join(f"rank {k} at step {s}" for k, s in sorted(epochs.items()))
         raise CollectiveMismatch(

@@ -26,7 +26,7 @@ from .collectives import (allgather, allgather_net, allreduce, allreduce_net, al
 from .collectives.context import Context, Plans
 from .collectives.net import NetCall
 from .collectives.selection import Selection
-from .collectives.descriptor import Call, CollectiveMismatch, digest
+from .collectives.descriptor import Call, CollectiveMismatch, digest, posted
 from .collectives.p2p import P2PError
 from .collectives.reduce_ops import ReduceSpec, Scratch, check_supported
 from .transport.shm.futex import available as futex_available
@@ -383,7 +383,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                              for k in ranks) or "peers did not arrive"
         parts = []
         for k in ranks:
-            seq, call = Call.from_words(self._channel.peer_descriptor(k, self._engine.seq - 1, 7))
+            seq, call = Call.from_words(posted(self._channel, k, self._engine.seq - 1)[0])
             last = (f"its last collective was #{seq} {call.describe()}" if seq > 0
                     else "it has not entered any collective of this group")
             parts.append(f"rank {k} never arrived ({last})")

@@ -38,8 +38,11 @@ class StepChannel(Protocol):
     def step(self, deadline: float, descriptor: Sequence[int] | None = None) -> None:
         """Publish my slot and wait for every rank to publish the same step.
 
-        With ``descriptor``, it is posted with the step and every peer's descriptor of the
-        same step is available from ``peer_descriptor`` afterwards.
+        With ``descriptor`` (at most ``layout.HEAD_WORDS + layout.DESC_WORDS`` int64 words,
+        the first the call's sequence number), it is posted with the step and every peer's
+        descriptor of the same step is available from ``peer_descriptor`` afterwards. Its
+        first ``layout.HEAD_WORDS`` words are the cheapest to read: keep what every call
+        compares there.
         """
 
     def peer_slot(self, rank: int, dtype=None):
@@ -59,6 +62,10 @@ class StepChannel(Protocol):
 
     def staged(self) -> bool:
         """Is the next step published already (deferred): this rank's slot holds it."""
+
+    def all_posted(self, seq: int, head) -> bool:
+        """Did every peer post ``head`` (the first ``layout.HEAD_WORDS`` words) as the head
+        of its descriptor of collective ``seq``? (A call's one check when all is well.)"""
 
     def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
         """Descriptor ``rank`` posted with collective ``seq``'s first step."""

@@ -19,8 +19,8 @@ where a real channel would let a bug pass unseen:
 * A rank that returns or raises leaves the group: a peer waiting for a step it will never
   publish fails at once, naming it, instead of hanging; ranks that return after different
   numbers of steps fail the run.
-* A descriptor longer than the segment's (``layout.DESC_WORDS``), or a read of more words
-  than were posted, fails.
+* A descriptor longer than the segment's (``layout.HEAD_WORDS + layout.DESC_WORDS``), or
+  a read of more words than were posted, fails.
 * A deferred step (``defer_once``) must be taken again with the slot exactly as it was
   published: the call, run again, stages the same bytes.
 
@@ -42,7 +42,7 @@ from neuron_dist.collectives.selection import Selection
 from neuron_dist.collectives.context import Context, Plans
 from neuron_dist.collectives.reduce_ops import Scratch
 from neuron_dist.transport.errors import ChannelClosed, PeerAborted, PeerTimeout, StepDeferred
-from neuron_dist.transport.shm.layout import DESC_WORDS
+from neuron_dist.transport.shm.layout import DESC_WORDS, HEAD_WORDS
 
 POISON = 0xFF
 
@@ -175,9 +175,9 @@ class FakeChannel:
             self.check_published(e)
         else:
             if descriptor is not None:
-                if len(descriptor) > DESC_WORDS:
+                if len(descriptor) > HEAD_WORDS + DESC_WORDS:
                     raise FakeChannelError(f"rank {r} posted {len(descriptor)} descriptor "
-                                           f"words; a segment holds {DESC_WORDS}")
+                                           f"words; a segment holds {HEAD_WORDS + DESC_WORDS}")
                 g.descriptors[r][descriptor[0] & 1] = tuple(int(w) for w in descriptor)
         with g.cond:
             if self._published != e:
@@ -227,6 +227,10 @@ class FakeChannel:
         if step == e and _crc(self.group.slots[self.rank][e & 1]) != crc:
             raise FakeChannelError(f"rank {self.rank}'s slot of step {e} was written while "
                                    "peers could read it")
+
+    def all_posted(self, seq: int, head) -> bool:
+        return all(self.peer_descriptor(k, seq, len(head)) == tuple(head)
+                   for k in range(self.size) if k != self.rank)
 
     def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
         words = self.group.descriptors[rank][seq & 1]

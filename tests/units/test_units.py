@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neuron_dist.collectives.context import partition, steps_for
-from neuron_dist.collectives.descriptor import Call, digest
+import threading
+import time
+
+from neuron_dist.collectives.context import Context, partition, steps_for
+from neuron_dist.collectives.descriptor import LONG, Call, CollectiveMismatch, decode, digest
 from neuron_dist.collectives.p2p import P2P, P2PError, Request
 from neuron_dist.collectives.reduce_ops import ReduceSpec, Scratch, check_supported, reduce_into, stage
 from neuron_dist.config import Settings, parse_bytes
@@ -81,6 +84,74 @@ def test_descriptor_round_trip_and_text():
     # timeout error names what that rank last did from them).
     seq, nothing = Call.from_words((0,) * 7)
     assert seq == 0 and nothing.describe().startswith("<unknown op 0>(")
+
+
+def test_a_call_fits_one_code_word_or_is_long():
+    """Every field round-trips through ``Call.code``, up to each field's limit; past one (or
+    with a size digest) the call is LONG and posts its words after the head."""
+    calls = [Call("all_reduce", torch.float32, 1, reduce="SUM"),
+             Call("broadcast", torch.uint64, (1 << 33) - 1, root=65534),
+             Call("barrier"), Call("reduce", torch.float8_e5m2, 0, root=0, reduce="BXOR"),
+             Call("all_to_all", torch.int8, 7)]
+    for call in calls:
+        assert call.code > 0 and call.rest == () and decode(call.code) == call.tail, call
+    for call in (Call("broadcast", torch.float32, 1 << 33, root=0),
+                 Call("broadcast", torch.float32, 4, root=65535),
+                 Call("all_to_all", torch.float32, 0, extra=digest([1, 2]))):
+        assert call.code == LONG and call.rest == call.tail, call
+    assert len({c.code for c in calls}) == len(calls)
+
+
+def _first_steps(calls, world=2):
+    """Each rank's first step of ``calls[rank]`` over one real shared-memory segment (a
+    thread per rank): what each raised, or None."""
+    layout = Layout(world, 4096, 4096)
+    seg = Segment.create(new_segment_name(), layout.total_bytes, directory="/dev/shm")
+    segs = [seg] + [Segment.attach(seg.name, layout.total_bytes, directory="/dev/shm")
+                    for _ in range(world - 1)]
+    seg.unlink()
+    chans = [ShmChannel(segs[r], layout, r, spin=0) for r in range(world)]
+    errors = [None] * world
+
+    def rank(r):
+        for seq, call in enumerate(calls[r], 1):
+            ctx = Context(chans[r], call, seq, time.monotonic() + 20, None, None, None)
+            try:
+                ctx.step()
+            except CollectiveMismatch as exc:
+                errors[r] = str(exc)
+                return
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        for c in chans:
+            c.close()
+    return errors
+
+
+def test_first_steps_over_shared_memory_compare_short_and_long_calls():
+    """Equal calls pass, short or long, two in a row (both parities); any difference, the
+    size digest of a long call included, fails on every rank, naming both calls."""
+    same = [Call("all_reduce", torch.float32, 5, reduce="SUM"),
+            Call("all_to_all", torch.float32, 0, extra=digest([1, 2]))] * 2
+    assert _first_steps([same, same]) == [None, None]
+    for mine, theirs, named in [
+            (Call("all_reduce", torch.float32, 5, reduce="SUM"),
+             Call("all_reduce", torch.float32, 6, reduce="SUM"), "6 elements"),
+            (Call("broadcast", torch.float32, 4, root=1),
+             Call("broadcast", torch.float32, 1 << 33, root=1), f"{1 << 33} elements"),
+            (Call("all_to_all", torch.float32, 0, extra=digest([1, 2])),
+             Call("all_to_all", torch.float32, 0, extra=digest([2, 1])), "sizes#")]:
+        errors = _first_steps([[same[0], mine], [same[0], theirs]])
+        for error in errors:
+            assert error and "collective mismatch" in error and named in error, errors
+            assert mine.describe() in error and theirs.describe() in error, errors
 
 
 def test_settings_parse_and_reject(monkeypatch):

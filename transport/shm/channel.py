@@ -3,9 +3,11 @@
 Protocol (see transport/base.py for the interface):
 
 * Each rank has a monotonically increasing ``step`` counter. Step ``e`` is: write my slot
-  ``e % 2`` (and, on a collective's first step, my descriptor ``seq % 2``), store
-  ``step = e``, then poll until every peer's counter is >= e. Afterwards peers' slots
-  ``e % 2`` are read directly, with no further copy.
+  ``e % 2`` (and, on a collective's first step, my descriptor ``seq % 2``: its first
+  ``HEAD_WORDS`` words into the step counter's cache line, which peers poll anyway, the
+  rest, if any, into the descriptor buffer), store ``step = e``, then poll until every
+  peer's counter is >= e. Afterwards peers' slots ``e % 2`` are read directly, with no
+  further copy.
 * Reuse is safe without extra flags: I write slot parity ``p`` again only at step e + 2,
   and I only get there after waiting for every peer to publish e + 1, which each peer does
   only after it has finished reading everybody's step-e slots. The same argument covers
@@ -43,6 +45,7 @@ class _Words(dict):
 
 
 _WORDS = _Words()
+assert L.HEAD_WORDS == 3  # (step and peer_descriptor move a head as three words)
 
 
 LIVENESS_PERIOD = 0.2  # seconds between checks that waited-for peers still run
@@ -87,7 +90,10 @@ class ShmChannel:
         self._step_word = [layout.region(k) // 8 for k in range(n)]
         self._abort_word = [(layout.region(k) + L.ABORT_OFF) // 8 for k in range(n)]
         self._pid_word = [(layout.region(k) + L.PID_OFF) // 8 for k in range(n)]
-        # byte offsets of every rank's two descriptor buffers (parity = seq & 1)
+        # word index of every rank's two descriptor heads, byte offsets of the rest of its
+        # two descriptors (parity = seq & 1)
+        self._head_word = [[(layout.region(k) + L.HEAD_OFF) // 8 + p * L.HEAD_WORDS
+                            for p in (0, 1)] for k in range(n)]
         self._desc_off = [[layout.region(k) + L.DESC_OFF + p * L.DESC_WORDS * 8 for p in (0, 1)]
                           for k in range(n)]
         self._sleep_word = [(layout.region(k) + L.SLEEP_OFF) // 8 for k in range(n)]
@@ -139,9 +145,13 @@ class ShmChannel:
         e = self.epoch + 1
         w, others = self._w, self._others
         if self._published != e:  # (a deferred step is published already: see defer_once)
-            if descriptor is not None:
-                _WORDS[len(descriptor)].pack_into(
-                    self.segment.map, self._desc_off[self.rank][descriptor[0] & 1], *descriptor)
+            if descriptor is not None:  # (its head: three stores beat a struct call)
+                p = descriptor[0] & 1
+                i = self._head_word[self.rank][p]
+                w[i], w[i + 1], w[i + 2] = descriptor[:3]
+                if len(descriptor) > 3:
+                    _WORDS[len(descriptor) - 3].pack_into(
+                        self.segment.map, self._desc_off[self.rank][p], *descriptor[3:])
             w[self._step_word[self.rank]] = e
             for k in others:
                 if w[self._sleep_word[k]]:
@@ -179,8 +189,22 @@ class ShmChannel:
                 return False
         return True
 
+    def all_posted(self, seq: int, head) -> bool:
+        """Did every peer post ``head`` as the head of its descriptor of collective ``seq``?"""
+        w, p = self._w, seq & 1
+        a, b, c = head
+        for k in self._others:
+            j = self._head_word[k][p]
+            if w[j] != a or w[j + 1] != b or w[j + 2] != c:
+                return False
+        return True
+
     def peer_descriptor(self, rank: int, seq: int, nwords: int) -> tuple[int, ...]:
-        return _WORDS[nwords].unpack_from(self.segment.map, self._desc_off[rank][seq & 1])
+        w, j = self._w, self._head_word[rank][seq & 1]
+        if nwords <= 3:
+            return (w[j], w[j + 1], w[j + 2])[:nwords]  # (the slow paths: all_posted is quick)
+        return (w[j], w[j + 1], w[j + 2]) + _WORDS[nwords - 3].unpack_from(
+            self.segment.map, self._desc_off[rank][seq & 1])
 
     def _poll(self, pending, e: int, deadline: float) -> None:
         w = self._w

@@ -228,6 +228,26 @@ def test_summary_against_mpi_from_64k():
 
 
 @pytest.mark.timeout(120)
+def test_layers_times_every_layer_of_the_express_lane(tmp_path):
+    """``bench.layers`` times each layer of the small-collective path, and ``null`` beside
+    them, for both ops; the layers nest (each loop calls the one below), so the whole
+    call takes longer than its step alone, and the report lists every layer."""
+    from neuron_dist.bench.layers import LAYERS, report
+    for world in (1, 2):
+        path = tmp_path / f"layers{world}.json"
+        out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.layers", "-n",
+                              str(world), "--calls", "300", "--rounds", "2", "--json",
+                              str(path)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(path.read_text())
+        assert doc["world"] == world and sorted(doc["us_per_call"]) == ["all_reduce", "broadcast"]
+        for op, times in doc["us_per_call"].items():
+            assert set(times) == set(LAYERS) | {"null"}, times
+            assert all(v > 0 for v in times.values()), times
+            assert times["whole"] > times["channel"] and times["whole"] > times["null"], times
+        assert report(doc["us_per_call"], world) in out.stdout
+
+
 def test_hotloop_runs_and_summarises(tmp_path):
     for nodes in (1, 2):  # 2: virtual nodes, so the inter-node transport on loopback
         out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",

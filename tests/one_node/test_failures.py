@@ -78,9 +78,30 @@ def test_missing_peer_times_out_naming_rank_and_sequence():
         err, took = res[rank]
         assert err and "PeerTimeoutError" in err, err
         assert "rank 2 never arrived" in err and "all_reduce #1" in err, err
+        assert "it has not entered any collective of this group" in err, err
         assert 1.4 < took < 3.5, took
     late = res[2]
     assert late and ("GroupAbortedError" in late or "PeerTimeoutError" in late), late
+
+
+def peer_late_after_one_call(rank, world):
+    t = torch.ones(2)
+    dist.broadcast(t, 0)  # #1, on every rank
+    if rank == world - 1:
+        time.sleep(4)  # never joins #2 in time
+        return error_of(lambda: dist.all_reduce(t))
+    return error_of(lambda: dist.all_reduce(t))
+
+
+def test_a_timeout_names_what_the_late_rank_last_called():
+    """The late rank's last call is read back from the descriptor it posted (its head, in
+    the step counter's line, decoded): the error names it."""
+    res = run_ranks(peer_late_after_one_call, 3, timeout=60, pg_timeout=1.5)
+    for rank in (0, 1):
+        err = res[rank]
+        assert err and "PeerTimeoutError" in err, err
+        assert ("rank 2 never arrived (its last collective was #1 "
+                "broadcast(float32, 2 elements, root=0))") in err, err
 
 
 # The README promises a dead peer is reported "within ~0.2 s" (waits look at peers' pids

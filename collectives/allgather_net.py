@@ -8,10 +8,13 @@ addressed by group rank). Which algorithm runs: the ``all_gather/nodes`` table o
 selection.py.
 
 Nodes of equal size (``columns``)
-    each node all-gathers its own ranks' blocks -> each rank swaps its block with the ranks
-    of its column (the same local index) on the other nodes -> per other node, a local
-    all-gather of the blocks that node's ranks sent to this node's ranks. Every block
-    crosses the network once per other node, each local rank driving its own share.
+    each node all-gathers its own ranks' blocks -> each rank all-gathers its block with the
+    ranks of its column (the same local index) on the other nodes -> per other node, a
+    local all-gather of the blocks that node's ranks sent to this node's ranks. Every block
+    crosses the network once per other node, each local rank driving its own share. The
+    column's all-gather is the ``all_gather/network`` table's choice: ``direct`` (each
+    rank sends its block to every other, in one round) or ``bruck`` (net_bruck.py: log2 P
+    rounds, for many nodes).
 Uneven nodes, or ``NEURON_DIST_ALGO=all_gather=leader`` (``leader``)
     local all-gather -> node leaders exchange whole node blocks -> local broadcast of
     what came in, packed into one buffer.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import allgather, broadcast as bcast
+from . import allgather, broadcast as bcast, net_bruck
 from .context import Context
 
 
@@ -61,13 +64,26 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     j, mine = ctx.rank, topo.my_node
     me = topo.rank
     alone = len(topo.local) == 1
+    column = [node[j] for node in topo.nodes]
+    sizes = {outs[g].numel() for g in column}  # (every rank knows every block's size)
+    algo = ctx.selection.select("all_gather/network", max(sizes), len(column),
+                                uniform=len(sizes) == 1)
+    ctx.chose(algo)
     if not alone:
         allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
     else:
-        net_call.deferrable()  # every message posted before the one wait
+        if algo == "direct":
+            net_call.deferrable()  # every message posted before the one wait
         if outs[me].data_ptr() != inp.data_ptr():
             outs[me].copy_(inp)
-    column = [node[j] for node in topo.nodes]
+    if algo == "bruck":
+        net_call.run(net_bruck.all_gather(net_call, [outs[g] for g in column], outs[me],
+                                          column, mine))
+        if alone:
+            ctx.finish()
+        else:
+            _gather_columns(ctx, outs)
+        return
     for b, g in enumerate(column):
         if b != mine:
             net_call.recv(g, outs[g])
@@ -78,9 +94,15 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
         net_call.wait_then(ctx.finish)
         return
     net_call.wait()
+    _gather_columns(ctx, outs)
+
+
+def _gather_columns(ctx: Context, outs: list) -> None:
+    """Per other node, a local all-gather of the blocks its ranks sent this node's ranks."""
+    topo = ctx.net_call.topo
     for b, node in enumerate(topo.nodes):
-        if b != mine:
-            allgather.all_gather(ctx, [outs[g] for g in node], outs[node[j]])
+        if b != topo.my_node:
+            allgather.all_gather(ctx, [outs[g] for g in node], outs[node[ctx.rank]])
 
 
 def _pack(blocks) -> torch.Tensor:

@@ -16,14 +16,19 @@ Uneven nodes, small buffers, or ``NEURON_DIST_ALGO=all_reduce=leader`` (leader)
 A rank alone on its node
     straight to the network exchange (both algorithms come to that).
 
-The network exchange among P ranks (``_exchange_reduce``) is ``direct`` (every rank sends its
-buffer to every other and reduces what came in) unless the buffer is large: by default among
-3+ ranks, buffers of RING_BYTES and more go around a ``ring`` (see bench/costmodel.py);
-between two, buffers of HALVES_BYTES and more are exchanged in ``halves`` (each rank reduces
-one half and sends it back: half the additions of the direct exchange, the same bytes on
-the link).
-Every receiver reduces in node order, so all ranks compute bit-identical results. AVG and
-PREMUL_SUM follow reduce_ops.phase_specs.
+The network exchange among P ranks (``_exchange_reduce``) is chosen by the
+``all_reduce/network`` table: between two nodes ``direct`` (each sends its buffer to the
+other; every message posted before one wait, so a first run may be deferred) or, from
+HALVES_BYTES, ``halves`` (each reduces one half and sends it back); among more, the
+algorithm the cost model (net_cost.py) predicts fastest for P and the bytes:
+``recursive_doubling`` (net_recursive_doubling.py: log2 P rounds of whole buffers),
+``rabenseifner`` (net_rabenseifner.py: reduce-scatter by halving, all-gather by doubling),
+``ring`` (net_ring.py: 2 (P-1) steps of 1/P of the buffer), or ``direct`` (P - 1 messages in one
+round: few nodes).
+Every algorithm gives every rank bit-identical results: the direct exchange reduces in
+node order on every rank; the others compute each value once, or on both sides of a pair
+from the same operands in the same order (their additions follow a tree, and float16 /
+bfloat16 round once per level). AVG and PREMUL_SUM follow reduce_ops.phase_specs.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from __future__ import annotations
 import torch
 
 from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs
+from . import net_rabenseifner, net_recursive_doubling, net_ring
 from .context import ALIGN_BYTES, Context, flat, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, finish_phases, phase_specs, reduce_into
-
 
 
 def all_reduce(ctx: Context, out, inp, spec) -> None:
@@ -104,8 +109,8 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None
     algo = ctx.selection.select("all_reduce/network", buf.numel() * buf.element_size(),
                                 len(peers), numel=buf.numel())
     ctx.chose(algo)
-    if algo in ("ring", "halves"):
-        (_ring_all_reduce if algo == "ring" else _halves)(ctx, buf, peers, spec)
+    if algo != "direct":
+        _NETWORK[algo](ctx, buf, peers, spec)
         if rest is not None:
             rest()
         return
@@ -158,25 +163,17 @@ def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     net_call.wait()
 
 
-def _ring_all_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
-    """Ring reduce-scatter then ring all-gather among ``peers``: each rank's link carries
-    2 (P-1)/P of the buffer whatever P is, where the direct exchange carries (P-1) times
-    it (the cost model, bench/costmodel.py, puts the crossover near 4-8 MiB at 4+ nodes).
-    Each chunk is reduced along the ring and then copied everywhere, so every rank gets
-    the same bits."""
-    net_call = ctx.net_call
-    n, i = len(peers), peers.index(net_call.topo.rank)
-    nxt, prv = peers[(i + 1) % n], peers[(i - 1) % n]
-    chunks = partition(buf.numel(), n, max(1, ALIGN_BYTES // buf.element_size()))
-    tmp = net_call.buffer("ring", max(m for _, m in chunks), buf.dtype)
-    for k in range(n - 1):  # after step k, chunk (i-k-1) holds k+2 ranks' contributions
-        (so, sm), (ro, rm) = chunks[(i - k) % n], chunks[(i - k - 1) % n]
-        net_call.recv(prv, tmp[:rm])
-        net_call.send(nxt, buf[so:so + sm])
-        net_call.wait()
-        reduce_into(buf[ro:ro + rm], [tmp[:rm], buf[ro:ro + rm]], spec, 2, ctx.scratch)
-    for k in range(n - 1):  # chunk (i+1) is complete here: pass the results around
-        (so, sm), (ro, rm) = chunks[(i + 1 - k) % n], chunks[(i - k) % n]
-        net_call.recv(prv, buf[ro:ro + rm])
-        net_call.send(nxt, buf[so:so + sm])
-        net_call.wait()
+def _generator(algorithm):
+    def run(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+        net_call = ctx.net_call
+        net_call.run(algorithm(net_call, buf, peers, peers.index(net_call.topo.rank), spec))
+    return run
+
+
+# the ``all_reduce/network`` algorithms other than the direct exchange
+_NETWORK = {
+    "halves": _halves,
+    "ring": _generator(net_ring.all_reduce),
+    "recursive_doubling": _generator(net_recursive_doubling.all_reduce),
+    "rabenseifner": _generator(net_rabenseifner.all_reduce),
+}

@@ -3,13 +3,14 @@
 How it works
 ------------
 A local step (every rank of the node has arrived; it is also the call's descriptor check)
--> the node leaders (local index 0) exchange empty messages with every other leader over
-the network (``ctx.net_call``, net.py): every node has arrived -> a second local step
-releases the node's ranks.
+-> the node leaders (local index 0) run a dissemination barrier over the network
+(net_dissemination.py, the ``barrier/network`` table: ceil(log2 N) rounds of one message):
+every node has arrived -> a second local step releases the node's ranks.
 """
 
 from __future__ import annotations
 
+from . import net_dissemination
 from .context import Context
 
 
@@ -19,10 +20,7 @@ def barrier(ctx: Context) -> None:
     topo = net_call.topo
     ctx.finish()
     if ctx.rank == 0:
-        empty = bytearray(0)
-        for b in range(len(topo.nodes)):
-            if b != topo.my_node:
-                net_call.recv(topo.leader(b), empty)
-                net_call.send(topo.leader(b), b"")
-        net_call.wait()
+        ctx.chose(ctx.selection.select("barrier/network", 0, len(topo.nodes)))
+        net_call.run(net_dissemination.barrier(
+            net_call, [topo.leader(b) for b in range(len(topo.nodes))], topo.my_node))
     ctx.step()

@@ -30,6 +30,13 @@ by group rank, on the stream ``COLLECTIVE_TAG``. It adds what the contract lacks
   before anything is posted, and the engine thread runs it from the start, as it ran
   every async collective before.
 
+* **Algorithms written as generators** (``run``). The log-depth algorithms
+  (net_recursive_doubling.py, net_rabenseifner.py, net_halving.py, net_bruck.py,
+  net_binomial.py, net_dissemination.py) post with ``send`` / ``recv``, combine with
+  ``reduce`` and ``yield`` where they need everything posted so far to be complete:
+  ``run`` waits there. The simulator (neuron_dist/bench/netsim.py) drives the same
+  generators for thousands of ranks in one process.
+
 ``as_bytes`` is how a tensor's memory is handed to a transport (send/recv use it too).
 """
 
@@ -42,6 +49,7 @@ import torch
 
 from ..transport.errors import MessageSizeMismatch, StepDeferred
 from .descriptor import NWORDS, Call, CollectiveMismatch
+from .reduce_ops import Scratch, reduce_into
 
 COLLECTIVE_TAG = 1
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
@@ -199,6 +207,21 @@ class NetCall:
                 views.clear()
             view = views[(numel, dtype)] = base[:nbytes].view(dtype)
         return view
+
+    def run(self, algorithm) -> None:
+        """Run a between-nodes algorithm written as a generator: each ``yield`` waits for
+        everything posted so far (``wait``). An algorithm yields after its last post, so on
+        return everything it posted is complete (the simulator checks that)."""
+        for _ in algorithm:
+            self.wait()
+
+    def reduce(self, out, inputs: list, spec) -> None:
+        """``out = inputs[0] op inputs[1] ...`` (reduce_ops.reduce_into; ``out`` may alias
+        the first two inputs)."""
+        scratch = self._scratch.get("reduce")
+        if scratch is None:
+            scratch = self._scratch["reduce"] = Scratch()
+        reduce_into(out, inputs, spec, len(inputs), scratch)
 
     def wait(self) -> None:
         """Wait for everything posted; check the peers' descriptors first."""

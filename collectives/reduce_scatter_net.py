@@ -11,22 +11,24 @@ Nodes of equal size (``columns``)
     local rank j of every node forms column j, which owns the blocks of the ranks (b, j)
     on every node b. Per node b, a local reduce-scatter of this node's contributions to
     node b's blocks (local rank j gets the node's partial sum of block (b, j)) -> each
-    rank sends those partials to the ranks of its column on the other nodes and reduces
-    the partials of its own block they send back, in node order. Only each block's share
-    crosses the network, once per other node (gloo runs a whole all-reduce), and every
-    local rank drives its own part of it.
+    rank reduce-scatters those partials with the ranks of its column on the other nodes.
+    Only each block's share crosses the network (gloo runs a whole all-reduce), and every
+    local rank drives its own part of it. The column's reduce-scatter is the
+    ``reduce_scatter/network`` table's choice: ``direct`` (each rank sends every other
+    its partial and reduces the partials of its own block, in node order, in one round)
+    or ``halving`` (net_halving.py: recursive halving, log2 P rounds, for many nodes).
 Uneven nodes, or ``NEURON_DIST_ALGO=reduce_scatter=leader`` (``leader``)
     local reduce to the leader -> leaders exchange each node's share -> local broadcast.
 
-Every receiver reduces in node order, so all ranks compute bit-identical results. AVG and
-PREMUL_SUM follow reduce_ops.phase_specs.
+Each block is reduced by one rank (its owner) only. AVG and PREMUL_SUM follow
+reduce_ops.phase_specs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import broadcast as bcast, reduce_scatter as rs, rooted
+from . import broadcast as bcast, net_halving, reduce_scatter as rs, rooted
 from .context import Context
 from .reduce_ops import PREMUL_SUM, finish_phases, phase_specs, reduce_into
 
@@ -80,7 +82,12 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     first, later = phase_specs(spec)
     j, mine = ctx.rank, topo.my_node
     alone = len(topo.local) == 1
-    if alone:  # every message posted before the one wait
+    column = [node[j] for node in topo.nodes]
+    sizes = {inputs[g].numel() for g in column}  # (every rank knows every block's size)
+    algo = ctx.selection.select("reduce_scatter/network", max(sizes) * out.element_size(),
+                                len(column), uniform=len(sizes) == 1)
+    ctx.chose(algo)
+    if alone and algo == "direct":  # every message posted before the one wait
         net_call.deferrable()
     # ``out`` is written only once every input has been read and sent: it may alias one of
     # the inputs (an in-place reduce_scatter).
@@ -98,7 +105,14 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
         partial[b] = dest
     if len(topo.local) == 1:
         ctx.finish()
-    column = [node[j] for node in topo.nodes]
+    if algo == "halving":
+        m = out.numel()
+        work = net_call.buffer("rhwork", m * len(column), out.dtype)
+        for b in range(len(column)):
+            work[b * m:(b + 1) * m].copy_(partial[b])
+        net_call.run(net_halving.reduce_scatter(net_call, out, work, column, mine, later))
+        finish_phases(out, spec, topo.size)
+        return
     got = {}
     for b in range(len(topo.nodes)):
         if b != mine:

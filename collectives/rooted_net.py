@@ -8,9 +8,9 @@ rank). In a rooted collective, each node has one rank that speaks for it (``node
 the root itself on the root's node, the leader (local index 0) elsewhere.
 
 reduce
-    local reduce to the node's speaker -> the speakers of the other nodes send their
-    node's partial to the root, which reduces the partials in node order (AVG and
-    PREMUL_SUM follow reduce_ops.phase_specs).
+    local reduce to the node's speaker -> the speakers reduce their nodes' partials to the
+    root along a binomial tree (net_binomial.py, the ``reduce/network`` table: ceil(log2 N)
+    rounds; AVG and PREMUL_SUM follow reduce_ops.phase_specs).
 gather, scatter
     direct: ranks on other nodes send their block to / receive it from the root over the
     network; the root's node uses the local algorithm among its ranks.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from . import rooted
+from . import net_binomial, rooted
 from .context import Context
-from .reduce_ops import finish_phases, phase_specs, reduce_into
+from .reduce_ops import finish_phases, phase_specs
 
 
 def node_root(topo, root: int) -> int:
@@ -30,6 +30,13 @@ def node_root(topo, root: int) -> int:
     if topo.node_of(root) == topo.my_node:
         return topo.local.index(root)
     return 0
+
+
+def speakers(topo, root: int) -> list:
+    """The group rank that speaks for each node (node order) in a collective rooted at
+    ``root``: the root on its node, the leader elsewhere."""
+    root_node = topo.node_of(root)
+    return [root if b == root_node else topo.leader(b) for b in range(len(topo.nodes))]
 
 
 def reduce(ctx: Context, out, inp, spec, root: int) -> None:
@@ -40,18 +47,13 @@ def reduce(ctx: Context, out, inp, spec, root: int) -> None:
     here = node_root(topo, root)
     part = torch.empty_like(inp) if ctx.rank == here else inp
     rooted.reduce(ctx, part, inp, first, here)
-    root_node = topo.node_of(root)
-    if ctx.rank == here and topo.rank != root:
-        net_call.send(root, part)
-        net_call.wait()
-    elif topo.rank == root:
-        senders = {b: topo.leader(b) for b in range(len(topo.nodes)) if b != root_node}
-        got = {b: torch.empty_like(inp) for b in senders}
-        for b, p in senders.items():
-            net_call.recv(p, got[b])
-        net_call.wait()
-        views = [part if b == root_node else got[b] for b in range(len(topo.nodes))]
-        reduce_into(out, views, later, len(views), ctx.scratch)
+    if ctx.rank == here:
+        ctx.chose(ctx.selection.select("reduce/network", part.numel() * part.element_size(),
+                                       len(topo.nodes)))
+        net_call.run(net_binomial.reduce(net_call, part, speakers(topo, root), topo.my_node,
+                                         topo.node_of(root), later))
+    if topo.rank == root:
+        out.copy_(part)
         finish_phases(out, spec, topo.size)
 
 

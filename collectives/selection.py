@@ -19,9 +19,14 @@ A collective has one table per stage it goes through:
 ``<x>/nodes``
     a group that spans nodes (``collectives/<x>_net.py``): how the node phases and the
     network combine; ``nbytes`` is the message (all_reduce) or the largest block.
-``all_reduce/network``
-    the exchange among the nodes of an all-reduce across nodes; ``nbytes`` is the buffer
-    each rank exchanges (its slice in the hierarchical algorithm), ``ranks`` its peers.
+``<x>/network``
+    the exchange among the nodes of a collective across nodes: one rank per node (a
+    column of ranks with the same local index, or the nodes' leaders); ``nbytes`` is the
+    buffer each rank exchanges (its slice in the hierarchical all-reduce; the block of one
+    rank in all_gather and reduce_scatter), ``ranks`` the nodes. Where several algorithms
+    can serve, rows marked ``_modelled`` pick the one the cost model (net_cost.py) predicts
+    fastest for this many nodes and bytes on the group's ``Link`` (``NEURON_DIST_NET_COST``,
+    by default the measured one).
 
 Every rank of a call must choose the same algorithm: conditions only read what every rank
 of the call agrees on (sizes, dtypes, the node layout, what the node's ranks agreed about
@@ -41,6 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import net_cost
+
 # ------------------------------------------------------------------------ thresholds
 # Single copy (single_copy.py) from this block size: process_vm_readv pins the peer's pages
 # one by one and copied 1.3-2 GB/s here, against 4-12 GB/s for memmove through a
@@ -56,7 +63,6 @@ HIERARCHICAL_MIN_ELEMENTS = 64
 # synchronise twice. Measured (2 cores, 2 and 4 ranks, one- and two-step interleaved in
 # one run): one step was 1.4-2.5x faster from 64 KiB up to a whole 1 MiB slot at both.
 ONE_STEP_PEER_BYTES = 3 << 20
-RING_BYTES = 4 << 20  # network all-reduce among 3+ peers: a ring from here, else direct
 # Network all-reduce between two peers: halves from here, else direct. Halves does half the
 # additions in two dependent phases; direct one phase. Two netns nodes over veth, a group per
 # algorithm taking turns block by block in one run (three runs, direct / halves): 1 MiB
@@ -70,22 +76,37 @@ class Situation:
     ``numel`` (elements of the buffer), ``block`` (bytes of the largest per-rank block),
     ``cma`` (the node's ranks can read each other's memory), ``first`` (the algorithm
     begins with the call's first step), ``even`` (nodes of equal size), ``addresses``
-    (tensors a single-copy algorithm must publish), and the group's ``small_bytes`` and
-    ``slot_bytes``."""
+    (tensors a single-copy algorithm must publish), ``uniform`` (every rank's block has the
+    same size), and the group's ``small_bytes``, ``slot_bytes`` and ``link``
+    (net_cost.Link)."""
 
     __slots__ = ("nbytes", "ranks", "numel", "block", "cma", "first", "even", "addresses",
-                 "small_bytes", "slot_bytes")
+                 "uniform", "small_bytes", "slot_bytes", "link")
 
     def __init__(self, nbytes: int, ranks: int, numel: int = 0, block: int = 0,
                  cma: bool = False, first: bool = True, even: bool = True, addresses: int = 1,
-                 small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20):
+                 uniform: bool = True, small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20,
+                 link: net_cost.Link = net_cost.MEASURED):
         self.nbytes, self.ranks, self.numel, self.block = nbytes, ranks, numel, block
         self.cma, self.first, self.even, self.addresses = cma, first, even, addresses
-        self.small_bytes, self.slot_bytes = small_bytes, slot_bytes
+        self.uniform = uniform
+        self.small_bytes, self.slot_bytes, self.link = small_bytes, slot_bytes, link
 
 
 def _always(s: Situation) -> bool:
     return True
+
+
+def _modelled(table: str, algorithm: str):
+    """A row's condition: ``algorithm`` is the one of ``table``'s ``_modelled`` rows that
+    can run here (``RUNS``) and that the cost model predicts fastest."""
+    def holds(s: Situation) -> bool:
+        candidates = [name for name, cond in TABLES[table]
+                      if getattr(cond, "modelled", False) and RUNS.get(name, _always)(s)]
+        return net_cost.cheapest(collective(table), candidates, s.ranks, s.nbytes,
+                                 s.link) == algorithm
+    holds.modelled = True
+    return holds
 
 
 # ------------------------------------------------------------------------ the tables
@@ -127,10 +148,28 @@ TABLES: dict[str, tuple] = {
         ("leader", _always),
     ),
     "all_reduce/network": (
-        ("ring", lambda s: s.ranks >= 3 and s.nbytes >= RING_BYTES),
+        # two nodes: one exchange (direct) or, for large buffers, in halves (measured)
         ("halves", lambda s: s.ranks == 2 and s.nbytes >= HALVES_BYTES),
+        ("direct", lambda s: s.ranks == 2),
+        ("direct", _modelled("all_reduce/network", "direct")),
+        ("recursive_doubling", _modelled("all_reduce/network", "recursive_doubling")),
+        ("rabenseifner", _modelled("all_reduce/network", "rabenseifner")),
+        ("ring", _modelled("all_reduce/network", "ring")),
         ("direct", _always),
     ),
+    "all_gather/network": (
+        ("direct", _modelled("all_gather/network", "direct")),
+        ("bruck", _modelled("all_gather/network", "bruck")),
+        ("direct", _always),
+    ),
+    "reduce_scatter/network": (
+        ("direct", _modelled("reduce_scatter/network", "direct")),
+        ("halving", _modelled("reduce_scatter/network", "halving")),
+        ("direct", _always),
+    ),
+    "broadcast/network": (("binomial", _always),),
+    "reduce/network": (("binomial", _always),),
+    "barrier/network": (("dissemination", _always),),
 }
 
 # algorithm -> can it run in this situation (absent: always). A row whose algorithm cannot
@@ -142,6 +181,8 @@ RUNS = {
     "columns": lambda s: s.even,
     "ring": lambda s: s.ranks >= 2 and s.numel >= s.ranks,
     "halves": lambda s: s.ranks == 2,
+    "bruck": lambda s: s.uniform,  # (blocks of one size: they travel packed)
+    "halving": lambda s: s.uniform,
 }
 
 
@@ -226,13 +267,14 @@ def _known(tables=None) -> str:
 
 class Selection:
     """A group's selection: the tables above with its overrides in front, and its settings
-    (``small_bytes``: NEURON_DIST_SMALL_BYTES, ``slot_bytes``: the shared-memory slot)."""
+    (``small_bytes``: NEURON_DIST_SMALL_BYTES, ``slot_bytes``: the shared-memory slot,
+    ``link``: the network's costs, NEURON_DIST_NET_COST)."""
 
-    __slots__ = ("small_bytes", "slot_bytes", "_rows", "_memo")
+    __slots__ = ("small_bytes", "slot_bytes", "link", "_rows", "_memo")
 
     def __init__(self, small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20,
-                 overrides: tuple = ()):
-        self.small_bytes, self.slot_bytes = small_bytes, slot_bytes
+                 overrides: tuple = (), link: net_cost.Link = net_cost.MEASURED):
+        self.small_bytes, self.slot_bytes, self.link = small_bytes, slot_bytes, link
         self._rows = {}
         for table, rows in TABLES.items():
             front = tuple((o.algorithm, _in_range(o.lo, o.hi)) for o in overrides
@@ -256,7 +298,7 @@ class Selection:
 
     def _select(self, table: str, nbytes: int, ranks: int, situation: dict) -> str:
         s = Situation(nbytes, ranks, small_bytes=self.small_bytes, slot_bytes=self.slot_bytes,
-                      **situation)
+                      link=self.link, **situation)
         for algorithm, holds in self._rows[table]:
             if holds(s) and RUNS.get(algorithm, _always)(s):
                 return algorithm

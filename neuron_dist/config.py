@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .collectives.net_cost import MEASURED, Link, parse as parse_link
 from .collectives.selection import parse_overrides
 
 PREFIX = "NEURON_DIST_"
@@ -72,6 +73,7 @@ class Settings:
     net_link_timeout: float = 10.0
     net_max_unexpected_bytes: int = 512 << 20
     algo: tuple = ()  # NEURON_DIST_ALGO: selection.Override rows, in front of the tables
+    net_cost: Link = MEASURED  # NEURON_DIST_NET_COST: the network's costs the tables price
     transport: str = "rdm"
     master_addr: str | None = None  # torchrun's MASTER_ADDR: where the rendezvous host is
 
@@ -107,6 +109,7 @@ class Settings:
             net_max_unexpected_bytes=parse_bytes(
                 _env("NEURON_DIST_NET_MAX_UNEXPECTED_BYTES", "512M", env)),
             algo=parse_overrides(_env("NEURON_DIST_ALGO", "auto", env), parse_bytes),
+            net_cost=parse_link(_env("NEURON_DIST_NET_COST", "auto", env)),
             transport=_env("NEURON_DIST_TRANSPORT", "rdm", env).lower(),
             master_addr=_env("MASTER_ADDR", None, env) or None,
         )

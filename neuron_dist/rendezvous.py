@@ -170,7 +170,8 @@ def selection_settings(settings) -> str:
     algo = ",".join(f"{o.table}:{o.lo}-{'' if o.hi is None else o.hi}={o.algorithm}"
                     for o in settings.algo) or "auto"
     return (f"NEURON_DIST_ALGO={algo} NEURON_DIST_SMALL_BYTES={settings.small_bytes} "
-            f"NEURON_DIST_SHM_SLOT_BYTES={settings.slot_bytes}")
+            f"NEURON_DIST_SHM_SLOT_BYTES={settings.slot_bytes} "
+            f"NEURON_DIST_NET_COST={settings.net_cost.describe()}")
 
 
 def check_same_selection(rank: int, choices: list) -> None:

@@ -59,7 +59,7 @@ Models (n = bytes per rank, N nodes, L ranks per node, P = N L; x_L = n / L)
     neuron        what allreduce_net.all_reduce runs (``neuron_choice``), asked of the code's
                   own selection tables (collectives/selection.py: ``all_reduce/nodes``,
                   ``all_reduce/network``; by default leader below 64 L elements, else
-                  hierarchical; among the nodes, a ring from RING_BYTES per slice (3+
+                  hierarchical; among 3+ nodes the exchange collectives/net_cost.py prices cheapest (3+
                   nodes), halves from HALVES_BYTES (2 nodes), else direct). The local
                   phases follow the ``all_reduce`` table the same way.
     A network phase costs  lat + (messages the rank sends) x alpha_net
@@ -126,8 +126,9 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from ..collectives.context import ALIGN_BYTES
+from ..collectives import net_cost
 from ..collectives.selection import (DEFAULT, HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
-                                     RING_BYTES, Selection)
+                                     Selection)
 from ..collectives.net import PIGGYBACK_BYTES
 from ..config import Settings
 from .sweep import human_size, parse_size
@@ -145,8 +146,8 @@ MEM_FLAG_BYTES = 64 << 30     # '!' when direct-exchange receive buffers pass th
 INTRA_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 NET_BACKENDS = ("neuron-1rail", "neuron-4rails", "gloo")
 
-ALGOS = ("hier+direct", "hier+ring", "leader", "flat ring")
-IMPLEMENTED = ("hier+direct", "hier+ring", "leader")
+ALGOS = ("hier+direct", "hier+ring", "hier+log-depth", "leader", "flat ring")
+IMPLEMENTED = ("hier+direct", "hier+ring", "hier+log-depth", "leader")
 
 
 # ============================================================================ data
@@ -426,9 +427,33 @@ def exchange_choice(x: float, N: int, selection: Selection = DEFAULT) -> str:
 
 def exchange_reduce(x: float, N: int, sharers: int, m: Machine) -> float:
     """``allreduce_net._exchange_reduce`` as the code runs it (``exchange_choice``)."""
-    if exchange_choice(x, N) == "direct":
+    algo = exchange_choice(x, N)
+    if algo == "direct":
         return direct_exchange(x, N, sharers, m)
+    if algo in LOG_DEPTH:
+        return log_depth(x, N, sharers, m, algo)
     return ring_among(x, N, sharers, m)
+
+
+LOG_DEPTH = ("recursive_doubling", "rabenseifner")  # the log-depth all_reduce exchanges
+
+
+def log_depth(x: float, N: int, sharers: int, m: Machine, algo: str | None = None) -> float:
+    """A log-depth exchange among N ranks (``algo``, or whichever of ``LOG_DEPTH`` the
+    product's cost model, collectives/net_cost.py, prefers): its critical path counted by
+    ``net_cost.shape``, priced here as every network phase is (``lat`` per dependent round,
+    ``alpha`` per message sent, bytes through the rank and its node link, gamma per byte
+    reduced)."""
+    if N <= 1:
+        return 0.0
+    if algo is None:
+        algo = net_cost.cheapest("all_reduce", LOG_DEPTH, N, int(x), DEFAULT.link)
+    sh = net_cost.shape("all_reduce", algo, N, int(x))
+    net = m.net
+    t_bytes = max(sh.bytes * net.beta_rank, sharers * sh.bytes * net.beta_link)
+    if not net.duplex:
+        t_bytes *= 2
+    return sh.rounds * net.lat + sh.sent * net.alpha + t_bytes + sh.reduced * m.intra.g
 
 
 def direct_exchange(x: float, N: int, sharers: int, m: Machine) -> float:
@@ -492,13 +517,19 @@ def t_alone(n: int, N: int, m: Machine) -> float:
 
 def t_hier_direct(n: int, N: int, L: int, m: Machine) -> float:
     """Hierarchical, always exchanging directly among the nodes (the code does below
-    RING_BYTES per slice, or HALVES_BYTES between two nodes; whatever n: the code itself
+    where the tables pick it, or HALVES_BYTES between two nodes; whatever n: the code itself
     switches to leader below 64 L elements, see ``neuron_choice``)."""
     return _hierarchical(n, N, L, m, direct_exchange)
 
 
+def t_hier_log_depth(n: int, N: int, L: int, m: Machine) -> float:
+    """Hierarchical, always running a log-depth exchange among the nodes
+    (recursive doubling or Rabenseifner: ``log_depth``)."""
+    return _hierarchical(n, N, L, m, log_depth)
+
+
 def t_hier_ring(n: int, N: int, L: int, m: Machine) -> float:
-    """Hierarchical, always running a ring among the nodes (the code does from RING_BYTES
+    """Hierarchical, always running a ring among the nodes (the code does where the tables pick it
     per slice among 3+ nodes, from HALVES_BYTES between two)."""
     return _hierarchical(n, N, L, m, ring_among)
 
@@ -522,8 +553,8 @@ def t_flat_ring(n: int, N: int, L: int, m: Machine) -> float:
     return ring_among(n, P, 1, m, descriptors=False)
 
 
-MODELS = {"hier+direct": t_hier_direct, "hier+ring": t_hier_ring, "leader": t_leader,
-          "flat ring": t_flat_ring}
+MODELS = {"hier+direct": t_hier_direct, "hier+ring": t_hier_ring,
+          "hier+log-depth": t_hier_log_depth, "leader": t_leader, "flat ring": t_flat_ring}
 
 
 def neuron_choice(n: int, N: int, L: int, selection: Selection = DEFAULT) -> str:
@@ -539,12 +570,20 @@ def neuron_choice(n: int, N: int, L: int, selection: Selection = DEFAULT) -> str
     if L > 1 and layout == "leader":
         return "leader"
     x = n if L == 1 else slice_bytes(n, L)
-    return "hier+direct" if exchange_choice(x, N, selection) == "direct" else "hier+ring"
+    return exchange_model(exchange_choice(x, N, selection))
+
+
+def exchange_model(algo: str) -> str:
+    """The ``MODELS`` name of a hierarchical all-reduce whose exchange is ``algo``."""
+    if algo == "direct":
+        return "hier+direct"
+    return "hier+log-depth" if algo in LOG_DEPTH else "hier+ring"
 
 
 def code_ring_from(N: int, L: int, selection: Selection = DEFAULT, hi: int = 1 << 40) -> int | None:
     """Smallest size (bytes, float32) from which ``neuron_choice`` runs a ring (or halves)
-    among the N nodes, found by asking the tables (None: not up to ``hi``)."""
+    among the N nodes, found by asking the tables (None: not up to ``hi``, or the choice
+    does not grow leader -> direct -> ring with the size, as among 3 nodes)."""
     lo_el, hi_el = 1, hi // ELEM
     if neuron_choice(hi_el * ELEM, N, L, selection) != "hier+ring":
         return None
@@ -787,7 +826,8 @@ def _header(r: _Run) -> None:
                     "dtype": "float32", "cores_of_measuring_machine": r.cores,
                     "descriptor_piggyback_bytes": PIGGYBACK_BYTES,
                     "selection_thresholds": {
-                        "RING_BYTES": RING_BYTES, "HALVES_BYTES": HALVES_BYTES,
+                        "ring_from_3_nodes_alone": code_ring_from(3, 1),
+                        "HALVES_BYTES": HALVES_BYTES,
                         "PIGGYBACK_BYTES": PIGGYBACK_BYTES,
                         "hierarchical_min_elements_per_rank": HIERARCHICAL_MIN_ELEMENTS}}
     out(f"# {args.command}")
@@ -805,8 +845,8 @@ def _header(r: _Run) -> None:
                                             "started": meta.get("started")}
         else:
             out(f"#   {path}: not present")
-    out(f"# neuron's algorithm choice from collectives/selection.py: ring among 3+ nodes from "
-        f"RING_BYTES = {human_size(RING_BYTES)} per slice, halves between two from HALVES_BYTES "
+    out(f"# neuron's algorithm choice from collectives/selection.py: among 3+ nodes the "
+        f"cheapest exchange by collectives/net_cost.py, halves between two from HALVES_BYTES "
         f"= {human_size(HALVES_BYTES)}, descriptor inside the data up to PIGGYBACK_BYTES = "
         f"{human_size(PIGGYBACK_BYTES)}, hierarchical from {HIERARCHICAL_MIN_ELEMENTS} L elements")
     out("# units: us / ms / s; GB/s = 1e9 B/s; err = predicted / measured - 1")
@@ -1121,7 +1161,8 @@ def _check_summary(r: _Run) -> None:
 
 # ------------------------------------------------------------------ 3. predictions
 
-_SHORT = {"hier+direct": "D", "hier+ring": "R", "leader": "l", "single-node": "1 node"}
+_SHORT = {"hier+direct": "D", "hier+ring": "R", "hier+log-depth": "G", "leader": "l",
+          "single-node": "1 node"}
 
 
 def _predictions_section(r: _Run) -> None:
@@ -1140,7 +1181,8 @@ def _predictions_section(r: _Run) -> None:
     out(f"intra: L=2 fit; inter: {args.transport} (alpha_net {net.alpha * 1e6:.0f} us, lat "
         f"{net.lat * 1e6:.0f} us, {_gbs(net.beta_rank):.2f} GB/s per rank), {link_txt}, full "
         f"duplex. neuron = what allreduce_net.all_reduce runs (D = hier+direct, R = hier+ring, "
-        f"l = leader); best over the four; direct/ring = hier+direct / hier+ring. '!' = direct "
+        f"G = hier+log-depth: recursive doubling or Rabenseifner, l = leader); best over the "
+        f"five; direct/ring = hier+direct / hier+ring. '!' = direct "
         f"exchange needs > {MEM_FLAG_BYTES >> 30} GiB of receive buffers per node.")
     out("bytes through each node link per direction: hier+direct (N-1) n (L ranks x N-1 peers"
         " x n/L), hier+ring 2(N-1)/N n (L rings x 2(N-1) steps x n/(L N)), leader (N-1) n "
@@ -1164,10 +1206,11 @@ def _predictions_section(r: _Run) -> None:
                 flag = "!" if p["recv_buffers_per_node"] > MEM_FLAG_BYTES else ""
                 t = p["times"]
                 rows.append([P, N, fmt_t(t["hier+direct"]) + flag, fmt_t(t["hier+ring"]),
-                             fmt_t(t["leader"]) + flag, fmt_t(t["flat ring"]),
+                             fmt_t(t["hier+log-depth"]), fmt_t(t["leader"]) + flag, fmt_t(t["flat ring"]),
                              f"{fmt_t(p['neuron_auto_s'])} {_SHORT[p['neuron_auto']]}", p["best"],
                              f"{p['direct_over_ring']:.2f}x" if N > 1 else "-"])
-            out.table(["P", "N", "hier+direct", "hier+ring", "leader", "flat ring", "neuron",
+            out.table(["P", "N", "hier+direct", "hier+ring", "hier+log-depth", "leader",
+                       "flat ring", "neuron",
                        "best", "direct/ring"], rows)
             out()
     out("who wins (P ranges):")
@@ -1199,8 +1242,9 @@ def _crossover_lines(r: _Run, pm: Machine, ppns, ranks) -> None:
     out = r.out
     out("ring among nodes vs direct exchange: smallest power-of-two size from which hier+ring "
         "is faster than hier+direct (as modelled / with lat = 0); the code (collectives/"
-        f"selection.py) runs the ring from RING_BYTES = {human_size(RING_BYTES)} per slice (3+ "
-        f"nodes) and in halves from HALVES_BYTES = {human_size(HALVES_BYTES)} per slice (2 nodes)")
+        f"selection.py) picks among 3+ nodes what collectives/net_cost.py prices cheapest "
+        f"(a ring among 3 nodes alone from {human_size(code_ring_from(3, 1) or 0)}) and "
+        f"runs halves from HALVES_BYTES = {human_size(HALVES_BYTES)} per slice (2 nodes)")
     cross = {}
     for L in ppns:
         parts = []

@@ -26,7 +26,7 @@ import torch
 
 from neuron_dist.bench import costmodel as cm
 from neuron_dist.collectives import allreduce_net
-from neuron_dist.collectives.selection import (DEFAULT, HALVES_BYTES, RING_BYTES, Selection,
+from neuron_dist.collectives.selection import (DEFAULT, HALVES_BYTES, Selection,
                                               parse_overrides)
 from neuron_dist.config import parse_bytes
 from neuron_dist.collectives.context import ALIGN_BYTES
@@ -209,22 +209,21 @@ def test_sanity_between_algorithms():
 @pytest.mark.timeout(60)
 def test_neuron_choice_follows_allreduce_net():
     assert cm.neuron_choice(1 << 20, 1, 8) == "single-node"
-    assert cm.neuron_choice(8, 4, 1) == "hier+direct"            # alone on its node
+    assert cm.neuron_choice(8, 3, 1) == "hier+direct"            # alone on its node
     assert cm.neuron_choice(64 * 8 * 4 - 4, 4, 8) == "leader"    # < 64 L elements
-    assert cm.neuron_choice(64 * 8 * 4, 4, 8) == "hier+direct"
-    assert cm.neuron_choice(8 * RING_BYTES, 3, 8) == "hier+ring"       # slices of RING_BYTES
-    assert cm.neuron_choice(8 * RING_BYTES - 4096, 3, 8) == "hier+direct"
-    assert cm.neuron_choice(8 * RING_BYTES, 2, 8) == ("hier+ring" if RING_BYTES >= HALVES_BYTES
-                                                      else "hier+direct")  # halves between two
-    assert cm.neuron_choice(RING_BYTES, 3, 1) == "hier+ring"           # alone: the whole buffer
+    assert cm.neuron_choice(64 * 8 * 4, 3, 8) == "hier+direct"
+    assert cm.neuron_choice(8 * (4 << 20), 3, 8) == "hier+ring"        # slices of 4 MiB
+    assert cm.neuron_choice(8 * HALVES_BYTES, 2, 8) == "hier+ring"     # halves between two
+    assert cm.neuron_choice(8 * (4 << 20), 16, 8) == "hier+log-depth"  # many nodes
+    assert cm.neuron_choice(8, 16, 1) == "hier+log-depth"              # alone: the whole buffer
 
 
 # (nodes, ranks per node) and sizes around every threshold of allreduce_net.all_reduce
-LAYOUTS = [(2, 1), (3, 1), (2, 2), (3, 2), (4, 8), (2, 8), (8, 4)]
+LAYOUTS = [(2, 1), (3, 1), (2, 2), (3, 2), (4, 8), (2, 8), (8, 4), (16, 1), (5, 2)]
 
 
 def _sizes_to_check(L: int) -> list[int]:
-    around = {4, 1 << 10, 64 * 4 * L, RING_BYTES, L * RING_BYTES, HALVES_BYTES,
+    around = {4, 1 << 10, 64 * 4 * L, 4 << 20, L * (4 << 20), HALVES_BYTES,
               L * HALVES_BYTES, 1 << 30}
     sizes = {2 ** k for k in range(2, 31)}
     for x in around:
@@ -256,8 +255,8 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch, selection=DEFAULT) -
 
     monkeypatch.setattr(allreduce_net.rs, "reduce_scatter", record("hierarchical"))
     monkeypatch.setattr(allreduce_net.allreduce, "all_reduce", record("leader"))
-    monkeypatch.setattr(allreduce_net, "_ring_all_reduce", network("ring"))
-    monkeypatch.setattr(allreduce_net, "_halves", network("halves"))
+    for name in allreduce_net._NETWORK:
+        monkeypatch.setitem(allreduce_net._NETWORK, name, network(name))
     topo = Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
     net_call = SimpleNamespace(topo=topo, buffer=network("direct"), deferrable=lambda: None)
     ctx = SimpleNamespace(net_call=net_call, rank=0, size=L, finish=lambda: None,
@@ -268,14 +267,14 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch, selection=DEFAULT) -
     path = local[0] if local else "hierarchical"     # alone on its node: no local phase
     if path == "leader":
         return "leader"
-    return "hier+direct" if chosen.value.args[0] == "direct" else "hier+ring"
+    return cm.exchange_model(chosen.value.args[0])
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("N,L", LAYOUTS)
 def test_neuron_choice_is_what_allreduce_net_runs(N, L, monkeypatch):
     """The cost model's "neuron" column is the algorithm the shipped code runs, for sizes
-    from 4 B to 1 GiB and around each of its thresholds (RING_BYTES, HALVES_BYTES, 64 L
+    from 4 B to 1 GiB and around each of its thresholds (HALVES_BYTES, 64 L
     elements): both ask collectives/selection.py, and this runs the code itself, so either
     one deciding on its own fails here."""
     wrong = []
@@ -308,12 +307,14 @@ def test_neuron_choice_follows_overrides(text, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_code_ring_from_is_the_table_threshold():
-    # among 3 nodes alone on their node: the whole buffer from RING_BYTES
-    assert cm.code_ring_from(3, 1) == RING_BYTES
     assert cm.code_ring_from(2, 1) == HALVES_BYTES
-    # L ranks per node: rank 0's slice reaches RING_BYTES (aligned partition)
+    # among 3 nodes alone on their node: where the cost model prices the ring cheapest
+    ring = cm.code_ring_from(3, 1)
+    assert DEFAULT.select("all_reduce/network", ring, 3, numel=ring // 4) == "ring"
+    assert DEFAULT.select("all_reduce/network", ring - 4, 3, numel=ring // 4 - 1) != "ring"
+    # L ranks per node: rank 0's slice reaches that size (aligned partition)
     n = cm.code_ring_from(3, 8)
-    assert cm.slice_bytes(n, 8) >= RING_BYTES > cm.slice_bytes(n - 4, 8)
+    assert cm.slice_bytes(n, 8) >= ring > cm.slice_bytes(n - 4, 8)
     assert cm.code_ring_from(3, 8, Selection(overrides=parse_overrides("all_reduce=direct",
                                                                        parse_bytes))) is None
 

@@ -9,7 +9,7 @@ import pytest
 
 from neuron_dist.collectives import alltoall, selection as sel
 from neuron_dist.collectives.selection import (HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
-                                              ONE_STEP_PEER_BYTES, RING_BYTES,
+                                              ONE_STEP_PEER_BYTES,
                                               SINGLE_COPY_BYTES, Selection)
 from neuron_dist.config import Settings, parse_bytes
 
@@ -111,9 +111,36 @@ def test_across_nodes_defaults():
     for table in ("all_gather/nodes", "reduce_scatter/nodes"):
         assert D.select(table, 8, L) == "columns"
         assert D.select(table, 8, L, even=False) == "leader"
-    assert net(D, RING_BYTES, 3) == "ring" and net(D, RING_BYTES - 4, 3) == "direct"
     assert net(D, HALVES_BYTES, 2) == "halves" and net(D, HALVES_BYTES - 4, 2) == "direct"
-    assert net(D, 1 << 30, 2) == "halves"  # (the ring is for 3+ peers)
+    assert net(D, 1 << 30, 2) == "halves"  # (two nodes: measured, not modelled)
+    # more nodes: the cost model's choice, log-depth from a few nodes on
+    assert net(D, 8, 3) == "direct"  # one round of 2 messages beats 2 rounds with a fold
+    for peers in (16, 64, 1024):
+        assert net(D, 8, peers) == "recursive_doubling"
+        assert net(D, 1 << 20, peers) == "rabenseifner"
+        assert D.select("all_gather/network", 1 << 10, peers) == "bruck"
+        assert D.select("reduce_scatter/network", 1 << 10, peers) == "halving"
+    assert D.select("broadcast/network", 1 << 20, 9) == "binomial"
+    assert D.select("barrier/network", 0, 9) == "dissemination"
+
+
+def test_across_nodes_the_cost_model_chooses():
+    """From 3 nodes the network tables pick what net_cost predicts fastest on the group's
+    link, among the algorithms that can run; NEURON_DIST_NET_COST's link changes it."""
+    from neuron_dist.collectives import net_cost
+    for peers in (3, 4, 5, 8, 13, 64):
+        for nbytes in (8, 4 << 10, 256 << 10, 4 << 20, 64 << 20):
+            can = ["direct", "recursive_doubling", "rabenseifner"] + (
+                ["ring"] if nbytes // 4 >= peers else [])
+            assert net(D, nbytes, peers) == net_cost.cheapest(
+                "all_reduce", can, peers, nbytes, net_cost.MEASURED), (peers, nbytes)
+    rounds_only = Selection(SMALL, SLOT, link=net_cost.Link(alpha=0, lat=1, beta=0, gamma=0))
+    assert net(rounds_only, 8, 64) == "direct"  # one round
+    messages_only = Selection(SMALL, SLOT, link=net_cost.parse("alpha=1s,lat=0s,gbs=1e9"))
+    assert net(messages_only, 8, 5) == "recursive_doubling"  # 3 messages where direct has 4
+    assert net(messages_only, 1 << 20, 64) == "recursive_doubling"
+    bytes_only = Selection(SMALL, SLOT, link=net_cost.Link(alpha=0, lat=0, beta=1, gamma=0))
+    assert net(bytes_only, 1 << 20, 64) == "rabenseifner"  # 2 (p-1)/p of the buffer
 
 
 def test_all_to_all_overrides():
@@ -132,10 +159,12 @@ def test_overrides_force_an_algorithm_where_it_can_run():
     s = over("all_reduce=ring")
     assert net(s, 12, 3) == net(s, 8, 2) == "ring"  # (12 B: 3 float32 among 3 peers)
     assert net(s, 8, 3) == "direct"  # fewer elements than peers: the table's own rows
-    assert net(s, RING_BYTES, 3) == "ring"
+    assert net(s, 4 << 20, 3) == "ring"
     assert ar(s, 8) == "one_step"  # other tables keep their rows
     s = over("all_reduce=halves")
-    assert net(s, 8, 2) == "halves" and net(s, RING_BYTES, 3) == "ring"  # halves: two only
+    assert net(s, 8, 2) == "halves" and net(s, 8, 3) == "direct"  # halves: two only
+    s = over("all_reduce=rabenseifner")
+    assert net(s, 8, 2) == net(s, 8, 3) == "rabenseifner"
     s = over("all_reduce=single_copy")
     assert ar(s, 8, cma=True) == "single_copy"
     assert ar(s, 8, cma=False) == ar(s, 8, cma=True, first=False) == "one_step"
@@ -171,7 +200,7 @@ def test_a_bare_name_applies_to_every_table_that_has_it():
 
 
 @pytest.mark.parametrize("text,words", [
-    ("all_reduse=ring", ["unknown collective 'all_reduse'", "all_reduce/network: ring"]),
+    ("all_reduse=ring", ["unknown collective 'all_reduse'", "all_reduce/network: halves, direct, recursive_doubling, rabenseifner, ring"]),
     ("all_reduce=rign", ["all_reduce has no algorithm 'rign'", "ring"]),
     ("all_gather=ring", ["all_gather has no algorithm 'ring'", "columns"]),
     ("bogus", ["no collective has an algorithm 'bogus'"]),
@@ -223,6 +252,6 @@ def test_a_remembered_choice_is_the_choice_for_that_very_situation():
     assert ar(s, big, cma=False) != "single_copy"  # (cma differs: not the remembered one)
     assert ar(s, big, cma=True, first=False) != "single_copy"
     assert ar(s, big, cma=True) == "single_copy"
-    assert net(s, RING_BYTES, 4) == "ring" and net(s, RING_BYTES, 2) != "ring"
+    assert net(s, 8, 16) == "recursive_doubling" and net(s, 8, 2) == "direct"
     forced = over("all_reduce=two_step")
     assert ar(forced, 8) == "two_step" and ar(s, 8) == "one_step"  # per Selection

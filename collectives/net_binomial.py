@@ -1,0 +1,61 @@
+"""Broadcast and reduce among ranks on different nodes along a binomial tree.
+
+How it works
+------------
+Ranks are numbered relative to the root (``rel = (index - root) mod P``). The parent of
+``rel`` is ``rel`` with its lowest set bit cleared; its children are ``rel + 2^j`` for every
+2^j below that bit. Broadcast: a rank receives from its parent, then sends to all its
+children at once (largest subtree first). Reduce: the mirror image: a rank receives from
+its children one level at a time, smallest subtree first, reduces each into its partial
+(its own data first, so the order is a fixed tree), then sends to its parent. Depth
+ceil(log2 P); the root sends (or receives) ceil(log2 P) messages where a flat tree has it
+send P - 1.
+
+Written as generators over a ``NetCall`` (net.py: each ``yield`` waits for everything
+posted), so the simulator (neuron_dist/bench/netsim.py) runs the same code.
+"""
+
+from __future__ import annotations
+
+
+def _children(rel: int, size: int) -> list:
+    """Relative ranks of ``rel``'s children, largest subtree first."""
+    low = rel & -rel if rel else 1 << size.bit_length()
+    out, mask = [], low >> 1
+    while mask:
+        if rel + mask < size:
+            out.append(rel + mask)
+        mask >>= 1
+    return out
+
+
+def broadcast(net, buf, peers: list, me: int, root: int):
+    """Make ``buf`` equal to ``peers[root]``'s on every rank of ``peers``."""
+    size = len(peers)
+    rel = (me - root) % size
+    if rel:
+        net.recv(peers[(rel - (rel & -rel) + root) % size], buf)
+        yield
+    sent = False
+    for child in _children(rel, size):
+        net.send(peers[(child + root) % size], buf)
+        sent = True
+    if sent:
+        yield
+
+
+def reduce(net, buf, peers: list, me: int, root: int, spec):
+    """Reduce typed ``buf`` over ``peers`` into ``peers[root]``'s ``buf`` (the others' ``buf``
+    is used as scratch: it ends holding their subtree's partial)."""
+    size = len(peers)
+    rel = (me - root) % size
+    children = _children(rel, size)
+    if children:
+        tmp = net.buffer("binomial", buf.numel(), buf.dtype)
+    for child in reversed(children):  # smallest subtree first: it is ready first
+        net.recv(peers[(child + root) % size], tmp)
+        yield
+        net.reduce(buf, [buf, tmp], spec)
+    if rel:
+        net.send(peers[(rel - (rel & -rel) + root) % size], buf)
+        yield

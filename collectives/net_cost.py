@@ -1,0 +1,198 @@
+"""What an algorithm between nodes costs: the model the selection tables choose by.
+
+How it works
+------------
+Each algorithm's critical path is counted from its code (``shape``): the dependent rounds,
+the messages the busiest rank sends and receives, the bytes through its link in one
+direction, the bytes it reduces and the bytes it copies. The simulator
+(neuron_dist/bench/netsim.py) runs the algorithms' own code and its tests check these
+counts against what the code did, for 2 to 1024 ranks. A ``Link`` prices them::
+
+    time = rounds x lat + (sent + received) x alpha + bytes x beta + (reduced + copied) x gamma
+
+``alpha`` is the CPU a rank spends on one message it sends or receives (Python, frames,
+acknowledgements); ``lat`` is what a dependent round adds beyond that (the wire and the
+wake-up of the waiting thread); ``beta`` is per byte through one link in one direction
+(links are full duplex); ``gamma`` per byte of a binary reduction or a copy. A message
+above ``PIGGYBACK_BYTES`` to a new peer of the call has its call descriptor sent apart
+(net.py): one message more.
+
+The link's figures (``MEASURED``) come from the benchmark, measured offline over a veth
+link between two network namespaces and fitted by the lab's cost model
+(``python -m neuron_dist.bench.costmodel``, results/costmodel.json,
+``parameters_used``): alpha = its per-message cost (50.0 us), beta its per-byte cost
+(0.485 ns/B, 2.06 GB/s), gamma the reduction speed on one node (0.039 ns/B, 25.6 GB/s).
+Its ``lat`` (112.6 us) was calibrated on 2-node all_reduce points with one message sent
+per phase and nothing charged for receiving; here a received message costs alpha too, so
+lat = 112.6 - 50.0 = 62.6 us. ``NEURON_DIST_NET_COST`` overrides any of them for a
+cluster whose links differ (e.g. ``alpha=20us,lat=10us,gbs=12``; parsed by ``parse``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .net import PIGGYBACK_BYTES
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's costs, in seconds (see the module docstring)."""
+
+    alpha: float
+    lat: float
+    beta: float
+    gamma: float
+
+    def describe(self) -> str:
+        return (f"alpha={self.alpha * 1e6:g}us,lat={self.lat * 1e6:g}us,"
+                f"gbs={1e-9 / self.beta:g},reduce_gbs={1e-9 / self.gamma:g}")
+
+
+MEASURED = Link(alpha=50.0e-6, lat=62.6e-6, beta=0.4847e-9, gamma=0.03907e-9)
+
+
+def parse(text: str, base: Link = MEASURED) -> Link:
+    """``NEURON_DIST_NET_COST``'s text (``alpha=20us,lat=10us,gbs=12,reduce_gbs=30``; any
+    subset, ``auto`` for none) -> the ``Link`` with those figures changed.
+
+    Raises
+    ------
+    ValueError
+        An unknown name or a value that is not a positive number (the message names it).
+    """
+    units = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+    changes = {}
+    for entry in (e.strip() for e in text.lower().split(",")):
+        if not entry or entry == "auto":
+            continue
+        name, eq, value = (p.strip() for p in entry.partition("="))
+        try:
+            if not eq:
+                raise ValueError
+            if name in ("alpha", "lat"):
+                unit = next((u for u in ("ms", "us", "ns", "s") if value.endswith(u)), "s")
+                number = float(value[:len(value) - len(unit)] if value.endswith(unit)
+                               else value) * units[unit]
+                if number < 0 or not math.isfinite(number):
+                    raise ValueError
+                changes[name] = number
+            elif name in ("gbs", "reduce_gbs"):
+                gbs = float(value)
+                if not gbs > 0 or not math.isfinite(gbs):
+                    raise ValueError
+                changes["beta" if name == "gbs" else "gamma"] = 1e-9 / gbs
+            else:
+                raise KeyError(name)
+        except KeyError:
+            raise ValueError(f"NEURON_DIST_NET_COST: unknown figure {name!r} in {entry!r} "
+                             f"(alpha, lat, gbs, reduce_gbs)") from None
+        except ValueError:
+            raise ValueError(f"NEURON_DIST_NET_COST: bad value in {entry!r} (alpha and lat "
+                             f"take a time such as 20us, gbs and reduce_gbs a positive "
+                             f"number of GB/s)") from None
+    return replace(base, **changes)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The critical path of one call (see the module docstring)."""
+
+    rounds: int
+    sent: int
+    received: int
+    bytes: float
+    reduced: float = 0.0
+    copied: float = 0.0
+
+    def time(self, link: Link) -> float:
+        """Predicted seconds on ``link``."""
+        return (self.rounds * link.lat + (self.sent + self.received) * link.alpha
+                + self.bytes * link.beta + (self.reduced + self.copied) * link.gamma)
+
+
+def _big(nbytes: float) -> int:
+    """1 if a first message of ``nbytes`` to a peer has its descriptor sent apart."""
+    return int(nbytes > PIGGYBACK_BYTES)
+
+
+def _levels(ranks: int) -> tuple:
+    """(log2 of the fold's power of two, 1 if some ranks fold in else 0)."""
+    pof2 = 1 << (ranks.bit_length() - 1)
+    return pof2.bit_length() - 1, int(ranks != pof2)
+
+
+def _depth(ranks: int) -> int:
+    return (ranks - 1).bit_length()  # ceil(log2 ranks)
+
+
+def _tree_depth(ranks: int) -> int:
+    """Depth of a binomial tree of ``ranks``: the most bits set in a number below it."""
+    m = ranks - 1
+    return m.bit_length() - (1 if (m + 1) & m else 0)
+
+
+def shape(collective: str, algorithm: str, ranks: int, nbytes: int) -> Shape:
+    """The critical path of ``algorithm`` for ``collective`` among ``ranks`` ranks (one per
+    node). ``nbytes``: the buffer (all_reduce, broadcast), each rank's block (all_gather,
+    reduce_scatter); unused for barrier."""
+    P, n = ranks, float(nbytes)
+    if P < 2:
+        return Shape(0, 0, 0, 0.0)
+    key = (collective, algorithm)
+    if algorithm == "direct":  # every rank sends to and receives from every other at once
+        per = P - 1
+        msgs = per * (1 + _big(n))
+        reduced = per * n if collective in ("all_reduce", "reduce_scatter") else 0.0
+        return Shape(1, msgs, msgs, per * n, reduced)
+    if key == ("all_reduce", "recursive_doubling"):
+        k, f = _levels(P)
+        msgs = (k + f) * (1 + _big(n))
+        # (the fold-in overlaps the first exchange of the partner that did not fold)
+        return Shape(k + f, msgs, msgs, (k + f) * n, (k + f) * n)
+    if key == ("all_reduce", "rabenseifner"):
+        k, f = _levels(P)
+        p = 1 << k
+        desc = sum(_big(n / 2 ** (j + 1)) for j in range(k)) + f * _big(n)
+        msgs = 2 * k + f + desc
+        return Shape(2 * k + 2 * f, msgs, msgs, 2 * n * (p - 1) / p + f * n,
+                     n * (p - 1) / p + f * n)
+    if key == ("all_reduce", "ring"):
+        msgs = 2 * (P - 1) + _big(n / P)
+        return Shape(2 * (P - 1), msgs, msgs, 2 * n * (P - 1) / P, n * (P - 1) / P)
+    if key == ("all_reduce", "halves"):
+        msgs = 2 + _big(n / 2)
+        return Shape(2, msgs, msgs, n, n / 2)
+    if key == ("all_gather", "bruck"):
+        d = _depth(P)
+        msgs = d + sum(_big(n * min(2 ** j, P - 2 ** j)) for j in range(d))
+        return Shape(d, msgs, msgs, (P - 1) * n, copied=2 * P * n)
+    if key == ("reduce_scatter", "halving"):
+        k, f = _levels(P)
+        p = 1 << k
+        total = P * n
+        desc = sum(_big(total / 2 ** j) for j in range(1, k + 1))
+        return Shape(k + 2 * f, k + f + desc + f * _big(n), k + f + desc + f * _big(total),
+                     total * (p - 1) / p + f * total, total * (p - 1) / p + f * total,
+                     copied=total)
+    if key == ("broadcast", "binomial"):  # the root sends to its ceil(log2 P) children
+        d = _depth(P)
+        return Shape(_tree_depth(P), d * (1 + _big(n)), 1 + _big(n), d * n)
+    if key == ("reduce", "binomial"):
+        d = _depth(P)
+        return Shape(_tree_depth(P), 1 + _big(n), d * (1 + _big(n)), d * n, d * n)
+    if key == ("barrier", "dissemination"):
+        d = _depth(P)
+        return Shape(d, d, d, 0.0)
+    raise ValueError(f"no cost model for {collective} {algorithm}")
+
+
+def cheapest(collective: str, candidates, ranks: int, nbytes: int, link: Link) -> str:
+    """The candidate with the least predicted time (the first of equals)."""
+    best, best_t = None, math.inf
+    for name in candidates:
+        t = shape(collective, name, ranks, nbytes).time(link)
+        if t < best_t:
+            best, best_t = name, t
+    return best

@@ -13,8 +13,9 @@ Nodes of equal size (``columns``)
     local all-gather of the blocks that node's ranks sent to this node's ranks. Every block
     crosses the network once per other node, each local rank driving its own share. The
     column's all-gather is the ``all_gather/network`` table's choice: ``direct`` (each
-    rank sends its block to every other, in one round) or ``bruck`` (net_bruck.py: log2 P
-    rounds, for many nodes).
+    rank sends its block to every other, in one round), ``recursive_doubling``
+    (net_recursive_doubling.py: log2 P rounds with the peers of the other log-depth
+    algorithms) or ``bruck`` (net_bruck.py: ceil(log2 P) rounds for any P).
 Uneven nodes, or ``NEURON_DIST_ALGO=all_gather=leader`` (``leader``)
     local all-gather -> node leaders exchange whole node blocks -> local broadcast of
     what came in, packed into one buffer.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import allgather, broadcast as bcast, net_bruck
+from . import allgather, broadcast as bcast, net_bruck, net_recursive_doubling
 from .context import Context
 
 
@@ -76,9 +77,9 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
             net_call.deferrable()  # every message posted before the one wait
         if outs[me].data_ptr() != inp.data_ptr():
             outs[me].copy_(inp)
-    if algo == "bruck":
-        net_call.run(net_bruck.all_gather(net_call, [outs[g] for g in column], outs[me],
-                                          column, mine))
+    if algo != "direct":
+        net_call.run(_NETWORK[algo](net_call, [outs[g] for g in column], outs[me], column,
+                                    mine))
         if alone:
             ctx.finish()
         else:
@@ -103,6 +104,10 @@ def _gather_columns(ctx: Context, outs: list) -> None:
     for b, node in enumerate(topo.nodes):
         if b != topo.my_node:
             allgather.all_gather(ctx, [outs[g] for g in node], outs[node[ctx.rank]])
+
+
+# the ``all_gather/network`` algorithms other than the direct exchange
+_NETWORK = {"bruck": net_bruck.all_gather, "recursive_doubling": net_recursive_doubling.all_gather}
 
 
 def _pack(blocks) -> torch.Tensor:

@@ -3,15 +3,20 @@
 How it works
 ------------
 A local step (every rank of the node has arrived; it is also the call's descriptor check)
--> the node leaders (local index 0) run a dissemination barrier over the network
-(net_dissemination.py, the ``barrier/network`` table: ceil(log2 N) rounds of one message):
-every node has arrived -> a second local step releases the node's ranks.
+-> the node leaders (local index 0) run a barrier over the network (the
+``barrier/network`` table: recursive doubling among a power of two of nodes,
+net_recursive_doubling.py, else dissemination, net_dissemination.py: ceil(log2 N) rounds
+of one message) -> every node has arrived -> a second local step releases the node's
+ranks.
 """
 
 from __future__ import annotations
 
-from . import net_dissemination
+from . import net_dissemination, net_recursive_doubling
 from .context import Context
+
+_NETWORK = {"dissemination": net_dissemination.barrier,
+            "recursive_doubling": net_recursive_doubling.barrier}
 
 
 def barrier(ctx: Context) -> None:
@@ -20,7 +25,8 @@ def barrier(ctx: Context) -> None:
     topo = net_call.topo
     ctx.finish()
     if ctx.rank == 0:
-        ctx.chose(ctx.selection.select("barrier/network", 0, len(topo.nodes)))
-        net_call.run(net_dissemination.barrier(
+        algo = ctx.selection.select("barrier/network", 0, len(topo.nodes))
+        ctx.chose(algo)
+        net_call.run(_NETWORK[algo](
             net_call, [topo.leader(b) for b in range(len(topo.nodes))], topo.my_node))
     ctx.step()

@@ -2,7 +2,9 @@
 
 How it works
 ------------
-Ranks are numbered relative to the root (``rel = (index - root) mod P``). The parent of
+Ranks are numbered relative to the root: ``rel = index ^ root`` when P is a power of two
+(so a rank's tree partners are ``index ^ 2^j``, the peers of recursive doubling: no rails
+of their own), else ``rel = (index - root) mod P``. The parent of
 ``rel`` is ``rel`` with its lowest set bit cleared; its children are ``rel + 2^j`` for every
 2^j below that bit. Broadcast: a rank receives from its parent, then sends to all its
 children at once (largest subtree first). Reduce: the mirror image: a rank receives from
@@ -29,16 +31,24 @@ def _children(rel: int, size: int) -> list:
     return out
 
 
+def _numbering(size: int, root: int):
+    """(rank index -> relative rank, relative rank -> rank index) for a tree at ``root``."""
+    if size & (size - 1) == 0:
+        return (lambda i: i ^ root), (lambda r: r ^ root)
+    return (lambda i: (i - root) % size), (lambda r: (r + root) % size)
+
+
 def broadcast(net, buf, peers: list, me: int, root: int):
     """Make ``buf`` equal to ``peers[root]``'s on every rank of ``peers``."""
     size = len(peers)
-    rel = (me - root) % size
+    rel_of, index_of = _numbering(size, root)
+    rel = rel_of(me)
     if rel:
-        net.recv(peers[(rel - (rel & -rel) + root) % size], buf)
+        net.recv(peers[index_of(rel - (rel & -rel))], buf)
         yield
     sent = False
     for child in _children(rel, size):
-        net.send(peers[(child + root) % size], buf)
+        net.send(peers[index_of(child)], buf)
         sent = True
     if sent:
         yield
@@ -48,14 +58,15 @@ def reduce(net, buf, peers: list, me: int, root: int, spec):
     """Reduce typed ``buf`` over ``peers`` into ``peers[root]``'s ``buf`` (the others' ``buf``
     is used as scratch: it ends holding their subtree's partial)."""
     size = len(peers)
-    rel = (me - root) % size
+    rel_of, index_of = _numbering(size, root)
+    rel = rel_of(me)
     children = _children(rel, size)
     if children:
         tmp = net.buffer("binomial", buf.numel(), buf.dtype)
     for child in reversed(children):  # smallest subtree first: it is ready first
-        net.recv(peers[(child + root) % size], tmp)
+        net.recv(peers[index_of(child)], tmp)
         yield
         net.reduce(buf, [buf, tmp], spec)
     if rel:
-        net.send(peers[(rel - (rel & -rel) + root) % size], buf)
+        net.send(peers[index_of(rel - (rel & -rel))], buf)
         yield

@@ -164,6 +164,14 @@ def shape(collective: str, algorithm: str, ranks: int, nbytes: int) -> Shape:
     if key == ("all_reduce", "halves"):
         msgs = 2 + _big(n / 2)
         return Shape(2, msgs, msgs, n, n / 2)
+    if key == ("all_gather", "recursive_doubling"):
+        k, f = _levels(P)
+        desc = sum(_big(n * 2 ** j) for j in range(k))
+        return Shape(k + 2 * f, k + f + desc + f * _big(P * n), k + f + desc + f * _big(n),
+                     (P - 1) * n + f * P * n, copied=2 * P * n)
+    if key == ("barrier", "recursive_doubling"):
+        k, f = _levels(P)
+        return Shape(k + 2 * f, k + f, k + f, 0.0)
     if key == ("all_gather", "bruck"):
         d = _depth(P)
         msgs = d + sum(_big(n * min(2 ** j, P - 2 ** j)) for j in range(d))

@@ -27,15 +27,14 @@ from __future__ import annotations
 from .net_fold import Fold
 
 
-def halve(net, buf, peers: list, fold: Fold, bounds, spec, key: str):
-    """Recursive halving over the virtual ranks: region ``v`` of ``buf`` is
-    ``buf[bounds(v):bounds(v + 1)]``; afterwards this rank's region holds the reduction over
-    every virtual rank's ``buf``. Returns the rounds as (own window, other window, partner)
-    for ``gather_back``."""
+def windows(fold: Fold, peers: list, bounds) -> list:
+    """The rounds of recursive halving for this (non-extra) rank, computed without any
+    message: (own half, other half, partner) per round, halves as (start, end) of the
+    buffer, region ``v`` being ``bounds(v) .. bounds(v + 1)``. Round j pairs virtual rank
+    ``v`` with ``v ^ 2^(log2 p - 1 - j)``."""
     v = fold.vrank
     lo, hi = 0, fold.pof2
     rounds = []
-    tmp = None
     while hi - lo > 1:
         half = (hi - lo) // 2
         mid = lo + half
@@ -43,19 +42,25 @@ def halve(net, buf, peers: list, fold: Fold, bounds, spec, key: str):
             keep, give, pv = (lo, mid), (mid, hi), v + half
         else:
             keep, give, pv = (mid, hi), (lo, mid), v - half
-        partner = peers[fold.real(pv)]
-        ks, ke = bounds(keep[0]), bounds(keep[1])
-        gs, ge = bounds(give[0]), bounds(give[1])
-        if tmp is None:  # (later rounds keep part of the first round's half)
-            tmp = net.buffer(key, ke - ks, buf.dtype)
-        got = tmp[:ke - ks]
+        rounds.append(((bounds(keep[0]), bounds(keep[1])), (bounds(give[0]), bounds(give[1])),
+                       peers[fold.real(pv)], pv < v))
+        lo, hi = keep
+    return rounds
+
+
+def halve(net, buf, peers: list, fold: Fold, bounds, spec, key: str):
+    """Recursive halving over the virtual ranks: region ``v`` of ``buf`` is
+    ``buf[bounds(v):bounds(v + 1)]``; afterwards this rank's region holds the reduction over
+    every virtual rank's ``buf``. Returns the rounds (``windows``) for ``gather_back``."""
+    rounds = windows(fold, peers, bounds)
+    tmp = net.buffer(key, rounds[0][0][1] - rounds[0][0][0], buf.dtype) if rounds else None
+    for (ks, ke), (gs, ge), partner, partner_first in rounds:
+        got = tmp[:ke - ks]  # (later rounds keep part of the first round's half)
         net.recv(partner, got)
         net.send(partner, buf[gs:ge])
         yield
         mine = buf[ks:ke]
-        net.reduce(mine, [got, mine] if pv < v else [mine, got], spec)
-        rounds.append(((ks, ke), (gs, ge), partner))
-        lo, hi = keep
+        net.reduce(mine, [got, mine] if partner_first else [mine, got], spec)
     return rounds
 
 
@@ -63,7 +68,7 @@ def gather_back(net, buf, rounds: list):
     """All-gather by recursive doubling, the rounds of ``halve`` in reverse: each round this
     rank sends everything it holds to the partner of that round and receives the rest of
     the window."""
-    for (ks, ke), (gs, ge), partner in reversed(rounds):
+    for (ks, ke), (gs, ge), partner, _ in reversed(rounds):
         net.recv(partner, buf[gs:ge])
         net.send(partner, buf[ks:ke])
         yield

@@ -1,8 +1,12 @@
-"""All-reduce among ranks on different nodes by recursive doubling (small buffers).
+"""All-reduce, all-gather and barrier among ranks on different nodes by recursive doubling.
 
 How it works
 ------------
-In round k (k = 0 .. log2 p - 1) virtual rank ``v`` swaps its whole buffer with ``v ^ 2^k``
+Virtual rank ``v`` (net_fold.py) talks to ``v ^ 2^k`` in round k: with a power of two of
+ranks a rank has log2 P peers in all, the same ones for every collective of this file and
+for net_halving.py's and net_rabenseifner.py's (and net_binomial.py's trees): few rails.
+
+all_reduce: in round k (k = 0 .. log2 p - 1) virtual rank ``v`` swaps its whole buffer with ``v ^ 2^k``
 and both reduce the two, the lower virtual rank's data first: after round k every block of
 2^(k+1) virtual ranks holds the same partial result, bit for bit (both partners computed
 the same operation on the same operands in the same order). Any number of ranks: the
@@ -12,14 +16,25 @@ in log2 p dependent rounds (+2): the latency algorithm, for buffers where the nu
 messages decides. The order of the additions is a tree, not rank order; float16/bfloat16
 round once per level.
 
-Written as a generator over a ``NetCall`` (net.py: ``send``, ``recv``, ``reduce``,
+all_gather: the blocks are laid out in rank order; in each round a rank sends every block
+it holds to its partner and receives the partner's (net_halving.gather_back over the
+halving windows of the blocks): log2 p rounds, P - 1 blocks received in all. With the
+fold, an extra rank sends its block first and gets the whole result last.
+
+barrier: empty messages in the same pattern; after the last round every rank has heard,
+through some chain, from every other.
+
+Written as generators over a ``NetCall`` (net.py: ``send``, ``recv``, ``reduce``,
 ``buffer``; each ``yield`` waits for everything posted), so the simulator
 (neuron_dist/bench/netsim.py) runs the same code for thousands of ranks in one process.
 """
 
 from __future__ import annotations
 
+import torch
+
 from .net_fold import Fold
+from .net_halving import gather_back, windows
 
 
 def all_reduce(net, buf, peers: list, me: int, spec):
@@ -48,4 +63,56 @@ def all_reduce(net, buf, peers: list, me: int, spec):
         mask <<= 1
     if fold.folded:
         net.send(peers[me - 1], buf)
+        yield
+
+
+def all_gather(net, outs: list, mine, peers: list, me: int):
+    """``outs[k]`` (uint8, all of ``mine``'s size) = rank ``peers[k]``'s ``mine``; ``mine``
+    may be ``outs[me]``."""
+    size, b = len(peers), mine.numel()
+    fold = Fold(size, me)
+    held = net.buffer("rdgather", size * b, torch.uint8)
+    held[me * b:(me + 1) * b].copy_(mine)
+    if fold.extra:
+        partner = peers[me + 1]
+        net.send(partner, held[me * b:(me + 1) * b])
+        yield  # (the send completes before anything lands in the same memory)
+        net.recv(partner, held)
+        yield
+    else:
+        if fold.folded:
+            net.recv(peers[me - 1], held[(me - 1) * b:me * b])
+            yield
+        yield from gather_back(net, held, windows(fold, peers, lambda v: fold.first(v) * b))
+        if fold.folded:
+            net.send(peers[me - 1], held)
+            yield
+    for k in range(size):
+        if k != me:
+            outs[k].copy_(held[k * b:(k + 1) * b])
+    if outs[me].data_ptr() != mine.data_ptr():
+        outs[me].copy_(mine)
+
+
+def barrier(net, peers: list, me: int):
+    """Return only once every rank of ``peers`` has called it."""
+    fold = Fold(len(peers), me)
+    empty = bytearray(0)
+    if fold.extra:
+        net.send(peers[me + 1], b"")
+        net.recv(peers[me + 1], empty)
+        yield
+        return
+    if fold.folded:
+        net.recv(peers[me - 1], empty)
+        yield
+    v, mask = fold.vrank, 1
+    while mask < fold.pof2:
+        partner = peers[fold.real(v ^ mask)]
+        net.recv(partner, empty)
+        net.send(partner, b"")
+        yield
+        mask <<= 1
+    if fold.folded:
+        net.send(peers[me - 1], b"")
         yield

@@ -159,6 +159,9 @@ TABLES: dict[str, tuple] = {
     ),
     "all_gather/network": (
         ("direct", _modelled("all_gather/network", "direct")),
+        # (before bruck: as fast for a power of two, and with the peers of the other
+        # log-depth algorithms, so no rails of its own)
+        ("recursive_doubling", _modelled("all_gather/network", "recursive_doubling")),
         ("bruck", _modelled("all_gather/network", "bruck")),
         ("direct", _always),
     ),
@@ -169,7 +172,11 @@ TABLES: dict[str, tuple] = {
     ),
     "broadcast/network": (("binomial", _always),),
     "reduce/network": (("binomial", _always),),
-    "barrier/network": (("dissemination", _always),),
+    "barrier/network": (
+        # a power of two: the peers of the other log-depth algorithms; else fewer rounds
+        ("recursive_doubling", lambda s: s.ranks & (s.ranks - 1) == 0),
+        ("dissemination", _always),
+    ),
 }
 
 # algorithm -> can it run in this situation (absent: always). A row whose algorithm cannot
@@ -182,6 +189,7 @@ RUNS = {
     "ring": lambda s: s.ranks >= 2 and s.numel >= s.ranks,
     "halves": lambda s: s.ranks == 2,
     "bruck": lambda s: s.uniform,  # (blocks of one size: they travel packed)
+    "recursive_doubling": lambda s: s.uniform,
     "halving": lambda s: s.uniform,
 }
 

@@ -530,7 +530,7 @@ def test_small_collectives_across_nodes_take_the_express_lane(names):
         assert len(out["algos"]) == 1 and "None" not in out["algos"], (rank, out)
         for op, algos in out["other_algos"].items():  # (both paths: one algorithm)
             assert len(algos) == 1 and "None" not in algos, (rank, op, out)
-        assert out["broadcast_algos"] == ["leaders+slots"], (rank, out)
+        assert out["broadcast_algos"] == ["binomial+slots"], (rank, out)
 
 
 def _objects_per_pending_receive(rank, world):

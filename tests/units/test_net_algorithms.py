@@ -99,20 +99,29 @@ def test_reduce_scatter_by_halving(size):
     assert not fails, fails[:10]
 
 
+ALL_GATHER = {"bruck": net_bruck.all_gather,
+              "recursive_doubling": net_recursive_doubling.all_gather}
+
+
+@pytest.mark.parametrize("algo", list(ALL_GATHER))
 @pytest.mark.parametrize("size", RANKS)
-def test_all_gather_by_bruck(size):
+def test_all_gather(algo, size):
     for b in (0, 1, 13):
-        group, peers = _peers(size, b)
-        sim = Simulation(group)
-        mine = [torch.randint(0, 256, (b,), dtype=torch.uint8) for _ in range(size)]
-        outs = [[torch.zeros(b, dtype=torch.uint8) for _ in range(size)] for _ in range(size)]
-        for i in range(size):  # in place: the input is this rank's own output block
-            outs[i][i].copy_(mine[i])
-        sim.run({p: net_bruck.all_gather(sim.nets[p], outs[i], outs[i][i], peers, i)
-                 for i, p in enumerate(peers)})
-        for i in range(size):
-            for k in range(size):
-                assert torch.equal(outs[i][k], mine[k]), (b, i, k)
+        for in_place in (True, False):
+            group, peers = _peers(size, b)
+            sim = Simulation(group)
+            mine = [torch.randint(0, 256, (b,), dtype=torch.uint8) for _ in range(size)]
+            outs = [[torch.zeros(b, dtype=torch.uint8) for _ in range(size)]
+                    for _ in range(size)]
+            if in_place:  # the input is this rank's own output block
+                for i in range(size):
+                    outs[i][i].copy_(mine[i])
+            sim.run({p: ALL_GATHER[algo](sim.nets[p], outs[i], outs[i][i] if in_place
+                                         else mine[i], peers, i)
+                     for i, p in enumerate(peers)})
+            for i in range(size):
+                for k in range(size):
+                    assert torch.equal(outs[i][k], mine[k]), (b, in_place, i, k)
 
 
 @pytest.mark.parametrize("size", RANKS)
@@ -138,13 +147,40 @@ def test_binomial_broadcast_and_reduce_from_every_root(size):
 
 
 @pytest.mark.parametrize("size", RANKS)
-def test_dissemination_barrier_hears_from_everyone(size):
-    group, peers = _peers(size, 1)
-    sim = Simulation(group)
-    stats = sim.run({p: net_dissemination.barrier(sim.nets[p], peers, i)
-                     for i, p in enumerate(peers)})
-    assert all(sim.heard(p) >= set(peers) for p in peers)
-    assert stats.sent == (size - 1).bit_length()
+def test_barriers_hear_from_everyone(size):
+    for barrier in (net_dissemination.barrier, net_recursive_doubling.barrier):
+        group, peers = _peers(size, 1)
+        sim = Simulation(group)
+        sim.run({p: barrier(sim.nets[p], peers, i) for i, p in enumerate(peers)})
+        assert all(sim.heard(p) >= set(peers) for p in peers), barrier
+
+
+def test_a_power_of_two_of_ranks_talks_to_log2_peers():
+    """Among 2^k ranks every log-depth algorithm pairs a rank with rank ^ 2^j: together
+    they open rails to k peers, not to every rank."""
+    size = 32
+    spec = ReduceSpec("SUM")
+    for root in (0, 5):
+        sim = Simulation(size)
+        peers = list(range(size))
+        runs = []
+        for r in peers:
+            net = sim.nets[r]
+
+            def everything(net=net, r=r):
+                yield from net_recursive_doubling.all_reduce(net, torch.ones(3), peers, r, spec)
+                yield from net_rabenseifner.all_reduce(net, torch.ones(700), peers, r, spec)
+                outs = [torch.zeros(2, dtype=torch.uint8) for _ in peers]
+                yield from net_recursive_doubling.all_gather(net, outs, outs[r], peers, r)
+                yield from net_halving.reduce_scatter(net, torch.ones(2), torch.ones(64),
+                                                      peers, r, spec)
+                yield from net_binomial.broadcast(net, torch.ones(4), peers, r, root)
+                yield from net_binomial.reduce(net, torch.ones(4), peers, r, root, spec)
+                yield from net_recursive_doubling.barrier(net, peers, r)
+            runs.append(everything())
+        sim.run(runs)
+        for r in peers:
+            assert sim.nets[r].stats.peers == {r ^ (1 << j) for j in range(5)}, (root, r)
 
 
 def test_the_simulator_catches_what_a_network_would_hang_on():
@@ -199,7 +235,8 @@ def _simulate(collective: str, algorithm: str, size: int, nbytes: int, device="c
         gens = [ALL_REDUCE[algorithm](sim.nets[r], t(n), peers, r, spec) for r in peers]
     elif collective == "all_gather":
         outs = [[t(nbytes, torch.uint8) for _ in peers] for _ in peers]
-        gens = [net_bruck.all_gather(sim.nets[r], outs[r], outs[r][r], peers, r) for r in peers]
+        gens = [ALL_GATHER[algorithm](sim.nets[r], outs[r], outs[r][r], peers, r)
+                for r in peers]
     elif collective == "reduce_scatter":
         gens = [net_halving.reduce_scatter(sim.nets[r], t(n), t(size * n), peers, r, spec)
                 for r in peers]
@@ -207,14 +244,17 @@ def _simulate(collective: str, algorithm: str, size: int, nbytes: int, device="c
         gens = [net_binomial.broadcast(sim.nets[r], t(n), peers, r, 0) for r in peers]
     elif collective == "reduce":
         gens = [net_binomial.reduce(sim.nets[r], t(n), peers, r, 0, spec) for r in peers]
-    else:
+    elif algorithm == "dissemination":
         gens = [net_dissemination.barrier(sim.nets[r], peers, r) for r in peers]
+    else:
+        gens = [net_recursive_doubling.barrier(sim.nets[r], peers, r) for r in peers]
     return sim, sim.run(gens)
 
 
 MODELLED = [("all_reduce", "recursive_doubling"), ("all_reduce", "rabenseifner"),
-            ("all_reduce", "ring"), ("all_gather", "bruck"), ("reduce_scatter", "halving"),
-            ("broadcast", "binomial"), ("reduce", "binomial"), ("barrier", "dissemination")]
+            ("all_reduce", "ring"), ("all_gather", "bruck"), ("all_gather", "recursive_doubling"),
+            ("reduce_scatter", "halving"), ("broadcast", "binomial"), ("reduce", "binomial"),
+            ("barrier", "dissemination"), ("barrier", "recursive_doubling")]
 
 
 @pytest.mark.parametrize("collective,algorithm", MODELLED, ids=[f"{c}-{a}" for c, a in MODELLED])

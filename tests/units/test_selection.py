@@ -118,10 +118,15 @@ def test_across_nodes_defaults():
     for peers in (16, 64, 1024):
         assert net(D, 8, peers) == "recursive_doubling"
         assert net(D, 1 << 20, peers) == "rabenseifner"
-        assert D.select("all_gather/network", 1 << 10, peers) == "bruck"
+        assert D.select("all_gather/network", 1 << 10, peers) == "recursive_doubling"
         assert D.select("reduce_scatter/network", 1 << 10, peers) == "halving"
+        assert D.select("barrier/network", 0, peers) == "recursive_doubling"
+    for peers in (12, 100):  # not a power of two: fewer rounds than a fold gives
+        assert D.select("all_gather/network", 1 << 10, peers) == "bruck"
+        assert D.select("barrier/network", 0, peers) == "dissemination"
+    assert D.select("all_gather/network", 1 << 10, 16, uniform=False) == "direct"
+    assert D.select("reduce_scatter/network", 1 << 10, 16, uniform=False) == "direct"
     assert D.select("broadcast/network", 1 << 20, 9) == "binomial"
-    assert D.select("barrier/network", 0, 9) == "dissemination"
 
 
 def test_across_nodes_the_cost_model_chooses():

@@ -149,3 +149,28 @@ def test_eight_nodes_talk_to_log_n_peers():
         assert "recursive_doubling" in out["algos"]["all_gather_into_tensor"], out["algos"]
         assert "halving" in out["algos"]["reduce_scatter_tensor"], out["algos"]
         assert "recursive_doubling" in out["algos"]["barrier"], out["algos"]
+
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("algo", list(FORCED))
+def test_async_collectives_with_a_late_rank(algo):
+    """Every rank alone on its node, one late: async all_reduce, all_gather and
+    reduce_scatter (in place) with multi-round algorithms (not deferred: the engine thread
+    runs them from the start) return at once on the ranks on time, and every result is
+    right."""
+    from across_nodes.test_async_net import three_ranks_one_late
+    from one_node.test_async import LATE
+
+    world = 5
+    res = run_ranks(three_ranks_one_late, world, timeout=180,
+                    env=_env(LAYOUTS["5x1"], NEURON_DIST_ALGO=FORCED[algo]))
+    total = sum(100.0 * r for r in range(world))
+    for rank, out in res.items():
+        assert out["all_reduce"] == [world * i + total for i in range(6)], (rank, out)
+        assert out["avg"] == [(world + 1) / 2] * 4, (rank, out)
+        assert out["ag"] == [float(x) for r in range(world) for x in (r, -r)], (rank, out)
+        assert out["rs"] == [world * (world + 1) / 2 * (3 * rank + i) for i in range(3)], \
+            (rank, out)
+    for rank in range(world - 1):
+        assert res[rank]["returned"] < LATE / 3, res[rank]  # it did not wait for the late one

@@ -14,7 +14,9 @@ ring among more than ``--ring-sim-max`` ranks (2 (P-1) rounds of P ranks: slow t
 is priced by net_cost.shape, whose counts tests/units/test_net_algorithms.py checks against
 the simulator up to 64 ranks.
 
-``--json FILE`` writes every row; the text goes to stdout.
+``--json FILE`` writes every row, ``--plot FILE.png`` draws predicted time against nodes
+(log-log, one panel per size; ``--from-json FILE`` draws it from an earlier ``--json``
+without simulating again); the text goes to stdout.
 """
 
 from __future__ import annotations
@@ -62,13 +64,48 @@ def priced(algorithm: str, size: int, nbytes: int) -> dict:
             "time_s": sh.time(net_cost.MEASURED), "source": "cost model"}
 
 
+def plot(path: str, rows: list, link: str) -> None:
+    """Predicted time against nodes, neuron / ring / tree, one panel per size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = sorted({r["nbytes"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.8), squeeze=False)
+    for ax, nbytes in zip(axes.flat, sizes):
+        mine = [r for r in rows if r["nbytes"] == nbytes]
+        nodes = [r["nodes"] for r in mine]
+        for key, label, colour in (("neuron", "neuron (table's choice)", "tab:red"),
+                                   ("ring", "ring", "tab:blue"), ("tree", "tree", "tab:green")):
+            ax.plot(nodes, [r[key]["time_s"] * 1e3 for r in mine], "o-", color=colour,
+                    label=label, markersize=3)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("nodes (1 rank each)")
+        ax.set_ylabel("predicted ms")
+        ax.set_title(f"all_reduce {human_size(nbytes)}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"simulated all_reduce between nodes; link {link}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", default="8,16,32,64,128,256,512,1024,2048,4096")
     p.add_argument("--sizes", default="8,64K,1M")
     p.add_argument("--ring-sim-max", type=int, default=256)
     p.add_argument("--json")
+    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--from-json", metavar="FILE", help="plot an earlier --json, no simulation")
     args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            done = json.load(f)
+        if args.plot:
+            plot(args.plot, done["rows"], done["link"])
+        return 0
     nodes = [int(x) for x in args.nodes.split(",")]
     sizes = [parse_size(x) for x in args.sizes.split(",")]
     rows = []
@@ -98,6 +135,8 @@ def main(argv=None) -> int:
                   f"{ring['time_s'] * 1e3:>7.2f}ms | {tree['sent']:>9} {tree['hops']:>5} "
                   f"{tree['time_s'] * 1e3:>7.2f}ms | {ring['time_s'] / mine['time_s']:>6.1f}x",
                   flush=True)
+    if args.plot:
+        plot(args.plot, rows, net_cost.MEASURED.describe())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python -m neuron_dist.bench.scaleplan " + " ".join(

@@ -38,8 +38,9 @@ Acknowledgement: per segment, batched
 
 Delayed acks (``ack_delay`` > 0)
     Acks of small messages (``total`` <= ``DELAYED_ACK_BYTES``: a driver completes their
-    sends at once, so nobody waits for these acks) are held for up to ``ack_delay`` and
-    ride behind the next DATA frames to that peer, like TCP's delayed ack. A ping-pong
+    sends at once, so nobody waits for these acks) are held for up to ``ack_delay``, or
+    until ``DELAYED_ACK_HELD_BYTES`` of such messages wait, and ride behind the next DATA
+    frames to that peer, like TCP's delayed ack. A ping-pong
     then costs no ACK frame and no wake-up per message at either end. Acks of larger
     messages, duplicates' acks and a full batch go at the next ``poll_transmit``. Whenever
     DATA frames go to a peer, every ack waiting for it rides on them (``nacks`` entries
@@ -143,6 +144,10 @@ FILL_BYTES = 4 << 20
 # Acks of messages up to this size may wait (ack_delay): the driver's eager sends
 # (driver.EAGER_BYTES), which complete at once, so nobody waits for their acks.
 DELAYED_ACK_BYTES = 256 << 10
+# ... until this many bytes of such messages wait for their acks: then they go at once, so
+# the copies a streaming sender keeps for its unacknowledged eager sends stay bounded
+# whatever ``ack_delay`` is.
+DELAYED_ACK_HELD_BYTES = 4 << 20
 NOTICE_BYTES = 4096  # a notice_tags message up to this size always finds memory
 
 # ----------------------------------------------------------------------------- events
@@ -314,6 +319,7 @@ class _Peer:
     acks_out: dict = field(default_factory=dict)  # rail the data came on -> [(msg_id, offset)]
     acks_due: float = math.inf  # when the held acks must go (now, for urgent ones)
     acks_held: int = 0
+    acks_bytes: int = 0  # bytes of the messages those acks are for (segments counted whole)
     recv_done: _IdWindow = field(default_factory=_IdWindow)
     partial: dict = field(default_factory=dict)  # msg_id -> _Reassembly
     held: int = 0  # private reassembly + early bytes from this peer (max_reassembly_bytes)
@@ -981,6 +987,7 @@ class Endpoint:
             state.acks_held = len(rest)
         else:
             state.acks_out, state.acks_due, state.acks_held = {}, math.inf, 0
+            state.acks_bytes = 0
         self.stats["acks_piggybacked"] += len(take)
         return F.pack_acks(take)
 
@@ -1063,8 +1070,10 @@ class Endpoint:
             entries = state.acks_out[rail] = []
         entries.append((msg_id, offset))
         state.acks_held += 1
+        state.acks_bytes += total
         if (urgent or total > DELAYED_ACK_BYTES or self.ack_delay <= 0
-                or state.acks_held >= F.MAX_ACKS_PER_FRAME):
+                or state.acks_held >= F.MAX_ACKS_PER_FRAME
+                or state.acks_bytes >= DELAYED_ACK_HELD_BYTES):
             state.acks_due = min(state.acks_due, now)
             self.has_work = True
         elif state.acks_due == math.inf:
@@ -1074,7 +1083,7 @@ class Endpoint:
 
     def _flush_acks(self, peer: int, state: _Peer, out: list) -> None:
         pending, state.acks_out = state.acks_out, {}
-        state.acks_due, state.acks_held = math.inf, 0
+        state.acks_due, state.acks_held, state.acks_bytes = math.inf, 0, 0
         for rail, entries in sorted(pending.items()):
             if not state.rails[rail]:
                 rail = self._pick_rail(state)

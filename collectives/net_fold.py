@@ -15,7 +15,8 @@ Thakur, Rabenseifner and Gropp, as MPICH does it):
 Virtual rank ``v`` speaks for real ranks ``first(v) .. first(v + 1) - 1`` (two for a pair,
 one otherwise), so a contiguous range of virtual ranks speaks for a contiguous range of
 real ones: the reduce-scatter by halving (net_halving.py) uses that to hand each rank its
-own block.
+own block. ``fold_in`` and ``fold_out`` are an all-reduce's two fold steps, shared by
+recursive doubling and Rabenseifner.
 """
 
 from __future__ import annotations
@@ -62,3 +63,31 @@ class Fold:
     def levels(self) -> int:
         """Rounds of recursive doubling among the virtual ranks (log2 of ``pof2``)."""
         return self.pof2.bit_length() - 1
+
+
+def fold_in(net, buf, peers: list, fold: Fold, spec):
+    """The fold-in of an all-reduce of typed ``buf`` (a generator over a ``NetCall``, like
+    the algorithms): an extra rank sends its buffer to its partner and then receives the
+    result into it; the partner adds it to its own, the extra rank's data first. Returns
+    True for the extra rank (its ``buf`` holds the result: it is done)."""
+    me = fold.index
+    if fold.extra:
+        partner = peers[me + 1]
+        net.send(partner, buf)
+        yield  # (the send completes before the result lands in the same memory)
+        net.recv(partner, buf)
+        yield
+        return True
+    if fold.folded:
+        tmp = net.buffer("fold", buf.numel(), buf.dtype)
+        net.recv(peers[me - 1], tmp)
+        yield
+        net.reduce(buf, [tmp, buf], spec)
+    return False
+
+
+def fold_out(net, buf, peers: list, fold: Fold):
+    """The fold-out of an all-reduce: the partner of an extra rank sends it the result."""
+    if fold.folded:
+        net.send(peers[fold.index - 1], buf)
+        yield

@@ -17,25 +17,15 @@ tree, and float16/bfloat16 round once per level.
 from __future__ import annotations
 
 from .context import ALIGN_BYTES, partition
-from .net_fold import Fold
+from .net_fold import Fold, fold_in, fold_out
 from .net_halving import gather_back, halve
 
 
 def all_reduce(net, buf, peers: list, me: int, spec):
     """Reduce typed ``buf`` in place over ``peers`` (group ranks; ``peers[me]`` is this rank)."""
     fold = Fold(len(peers), me)
-    if fold.extra:
-        partner = peers[me + 1]
-        net.send(partner, buf)
-        yield  # (the send completes before the result lands in the same memory)
-        net.recv(partner, buf)
-        yield
+    if (yield from fold_in(net, buf, peers, fold, spec)):
         return
-    if fold.folded:
-        tmp = net.buffer("rbfold", buf.numel(), buf.dtype)
-        net.recv(peers[me - 1], tmp)
-        yield
-        net.reduce(buf, [tmp, buf], spec)
     regions = partition(buf.numel(), fold.pof2, max(1, ALIGN_BYTES // buf.element_size()))
     n = buf.numel()
 
@@ -44,6 +34,4 @@ def all_reduce(net, buf, peers: list, me: int, spec):
 
     rounds = yield from halve(net, buf, peers, fold, bounds, spec, "rb")
     yield from gather_back(net, buf, rounds)
-    if fold.folded:
-        net.send(peers[me - 1], buf)
-        yield
+    yield from fold_out(net, buf, peers, fold)

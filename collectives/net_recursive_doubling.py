@@ -33,25 +33,16 @@ from __future__ import annotations
 
 import torch
 
-from .net_fold import Fold
+from .net_fold import Fold, fold_in, fold_out
 from .net_halving import gather_back, windows
 
 
 def all_reduce(net, buf, peers: list, me: int, spec):
     """Reduce typed ``buf`` in place over ``peers`` (group ranks; ``peers[me]`` is this rank)."""
     fold = Fold(len(peers), me)
-    if fold.extra:
-        partner = peers[me + 1]
-        net.send(partner, buf)
-        yield  # (the send completes before the result lands in the same memory)
-        net.recv(partner, buf)
-        yield
+    if (yield from fold_in(net, buf, peers, fold, spec)):
         return
     tmp = net.buffer("rd", buf.numel(), buf.dtype)
-    if fold.folded:
-        net.recv(peers[me - 1], tmp)
-        yield
-        net.reduce(buf, [tmp, buf], spec)
     v, mask = fold.vrank, 1
     while mask < fold.pof2:
         pv = v ^ mask
@@ -61,9 +52,7 @@ def all_reduce(net, buf, peers: list, me: int, spec):
         yield
         net.reduce(buf, [tmp, buf] if pv < v else [buf, tmp], spec)
         mask <<= 1
-    if fold.folded:
-        net.send(peers[me - 1], buf)
-        yield
+    yield from fold_out(net, buf, peers, fold)
 
 
 def all_gather(net, outs: list, mine, peers: list, me: int):

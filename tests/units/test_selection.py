@@ -260,3 +260,26 @@ def test_a_remembered_choice_is_the_choice_for_that_very_situation():
     assert net(s, 8, 16) == "recursive_doubling" and net(s, 8, 2) == "direct"
     forced = over("all_reduce=two_step")
     assert ar(forced, 8) == "two_step" and ar(s, 8) == "one_step"  # per Selection
+
+
+def test_net_cost_setting_parses_and_names_what_is_wrong():
+    """NEURON_DIST_NET_COST: any subset of alpha, lat (times), gbs, reduce_gbs (GB/s);
+    anything else fails at init with an error that names the entry."""
+    from neuron_dist.collectives import net_cost
+    from neuron_dist.config import Settings
+
+    link = net_cost.parse("alpha=20us, lat=1ms,gbs=12")
+    assert (link.alpha, link.lat, link.beta) == pytest.approx((20e-6, 1e-3, 1e-9 / 12))
+    assert link.gamma == net_cost.MEASURED.gamma
+    assert net_cost.parse("auto") == net_cost.parse("") == net_cost.MEASURED
+    again = net_cost.parse(link.describe())  # (the text init compares across ranks)
+    assert (again.alpha, again.lat, again.beta, again.gamma) == pytest.approx(
+        (link.alpha, link.lat, link.beta, link.gamma), rel=1e-5)
+    assert Settings.from_env({"NEURON_DIST_NET_COST": "lat=5us"}).net_cost.lat == \
+        pytest.approx(5e-6)
+    for text, words in (("alpha=fast", "bad value in 'alpha=fast'"),
+                        ("gbs=0", "bad value in 'gbs=0'"), ("lat=-1us", "bad value"),
+                        ("beta=3", "unknown figure 'beta'"), ("alpha", "bad value in 'alpha'")):
+        with pytest.raises(ValueError) as e:
+            Settings.from_env({"NEURON_DIST_NET_COST": text})
+        assert "NEURON_DIST_NET_COST" in str(e.value) and words in str(e.value), str(e.value)

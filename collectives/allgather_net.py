@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import allgather, broadcast as bcast, net_bruck, net_recursive_doubling
+from . import allgather, broadcast as bcast, net_bruck, net_mpi, net_recursive_doubling
 from .context import Context
 
 
@@ -68,7 +68,8 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     column = [node[j] for node in topo.nodes]
     sizes = {outs[g].numel() for g in column}  # (every rank knows every block's size)
     algo = ctx.selection.select("all_gather/network", max(sizes), len(column),
-                                uniform=len(sizes) == 1)
+                                uniform=len(sizes) == 1,
+                                native=net_mpi.serves(net_call.net, column))
     ctx.chose(algo)
     if not alone:
         allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
@@ -77,9 +78,12 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
             net_call.deferrable()  # every message posted before the one wait
         if outs[me].data_ptr() != inp.data_ptr():
             outs[me].copy_(inp)
-    if algo != "direct":
+    if algo == "mpi":
+        net_mpi.all_gather(net_call, [outs[g] for g in column], mine)
+    elif algo != "direct":
         net_call.run(_NETWORK[algo](net_call, [outs[g] for g in column], outs[me], column,
                                     mine))
+    if algo != "direct":
         if alone:
             ctx.finish()
         else:

@@ -24,7 +24,8 @@ algorithm the cost model (net_cost.py) predicts fastest for P and the bytes:
 ``recursive_doubling`` (net_recursive_doubling.py: log2 P rounds of whole buffers),
 ``rabenseifner`` (net_rabenseifner.py: reduce-scatter by halving, all-gather by doubling),
 ``ring`` (net_ring.py: 2 (P-1) steps of 1/P of the buffer), or ``direct`` (P - 1 messages in one
-round: few nodes).
+round: few nodes). Under mpiexec with the MPI transport, ``mpi``: the cluster's MPI
+(net_mpi.py).
 Every algorithm gives every rank bit-identical results: the direct exchange reduces in
 node order on every rank; the others compute each value once, or on both sides of a pair
 from the same operands in the same order (their additions follow a tree, and float16 /
@@ -36,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs
-from . import net_rabenseifner, net_recursive_doubling, net_ring
+from . import net_mpi, net_rabenseifner, net_recursive_doubling, net_ring
 from .context import ALIGN_BYTES, Context, flat, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, finish_phases, phase_specs, reduce_into
 
@@ -107,7 +108,8 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None
             rest()
         return
     algo = ctx.selection.select("all_reduce/network", buf.numel() * buf.element_size(),
-                                len(peers), numel=buf.numel())
+                                len(peers), numel=buf.numel(),
+                                native=net_mpi.serves(net_call.net, peers))
     ctx.chose(algo)
     if algo != "direct":
         _NETWORK[algo](ctx, buf, peers, spec)
@@ -170,8 +172,13 @@ def _generator(algorithm):
     return run
 
 
+def _mpi(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+    net_mpi.all_reduce(ctx.net_call, buf, peers, spec)
+
+
 # the ``all_reduce/network`` algorithms other than the direct exchange
 _NETWORK = {
+    "mpi": _mpi,
     "halves": _halves,
     "ring": _generator(net_ring.all_reduce),
     "recursive_doubling": _generator(net_recursive_doubling.all_reduce),

@@ -12,7 +12,7 @@ ranks.
 
 from __future__ import annotations
 
-from . import net_dissemination, net_recursive_doubling
+from . import net_dissemination, net_mpi, net_recursive_doubling
 from .context import Context
 
 _NETWORK = {"dissemination": net_dissemination.barrier,
@@ -25,8 +25,12 @@ def barrier(ctx: Context) -> None:
     topo = net_call.topo
     ctx.finish()
     if ctx.rank == 0:
-        algo = ctx.selection.select("barrier/network", 0, len(topo.nodes))
+        leaders = [topo.leader(b) for b in range(len(topo.nodes))]
+        algo = ctx.selection.select("barrier/network", 0, len(topo.nodes),
+                                    native=net_mpi.serves(net_call.net, leaders))
         ctx.chose(algo)
-        net_call.run(_NETWORK[algo](
-            net_call, [topo.leader(b) for b in range(len(topo.nodes))], topo.my_node))
+        if algo == "mpi":
+            net_mpi.barrier(net_call)
+        else:
+            net_call.run(_NETWORK[algo](net_call, leaders, topo.my_node))
     ctx.step()

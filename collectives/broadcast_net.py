@@ -11,7 +11,7 @@ algorithm from its speaker.
 
 from __future__ import annotations
 
-from . import broadcast as bcast, net_binomial
+from . import broadcast as bcast, net_binomial, net_mpi
 from .context import Context
 from .rooted_net import node_root, speakers
 
@@ -20,9 +20,17 @@ def broadcast(ctx: Context, buf, root: int) -> None:
     """Make uint8 ``buf`` equal to the root's everywhere."""
     net_call = ctx.net_call
     topo = net_call.topo
-    ctx.chose(ctx.selection.select("broadcast/network", buf.numel(), len(topo.nodes)))
+    root_node = topo.node_of(root)
+    # (MPI's: the speakers are the leaders, a column, when the root is its node's leader)
+    algo = ctx.selection.select("broadcast/network", buf.numel(), len(topo.nodes),
+                                native=(net_call.net.column is not None
+                                        and root == topo.leader(root_node)))
+    ctx.chose(algo)
     here = node_root(topo, root)
     if ctx.rank == here:
-        net_call.run(net_binomial.broadcast(net_call, buf, speakers(topo, root), topo.my_node,
-                                            topo.node_of(root)))
+        if algo == "mpi":
+            net_mpi.broadcast(net_call, buf, root_node)
+        else:
+            net_call.run(net_binomial.broadcast(net_call, buf, speakers(topo, root),
+                                                topo.my_node, root_node))
     bcast.broadcast(ctx, buf, here)

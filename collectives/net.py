@@ -53,6 +53,7 @@ from .reduce_ops import Scratch, reduce_into
 
 COLLECTIVE_TAG = 1
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
+DESCRIPTOR_BYTES = _DESC.size
 # Data up to this size travels in one message with the descriptor: one message less per
 # peer and call, for one copy more at each end (copies of 256 KiB take about 6 µs here,
 # a message some 30 µs of Python at each end). The limit keeps descriptor and data within
@@ -154,6 +155,15 @@ class NetCall:
     def _words(self) -> bytes:
         return _DESC.pack(*self.call.words(self.seq), 0)
 
+    def descriptor(self) -> bytes:
+        """This rank's call descriptor, as it travels (``DESCRIPTOR_BYTES``)."""
+        return self._words()
+
+    def check_descriptor(self, peer: int, words: bytes) -> None:
+        """Raise ``CollectiveMismatch`` unless ``peer``'s descriptor ``words`` names this
+        call (for algorithms that exchange descriptors themselves: net_mpi.py)."""
+        self._check(peer, words)
+
     def send(self, peer: int, buf):
         """Post a send of ``buf`` to ``peer``; returns its request (done: ``buf`` is free)."""
         if self.defer_once and not self._deferrable:
@@ -207,6 +217,11 @@ class NetCall:
                 views.clear()
             view = views[(numel, dtype)] = base[:nbytes].view(dtype)
         return view
+
+    def forget(self, key: str) -> None:
+        """Drop scratch buffer ``key`` from the pool for good (something may still write
+        it: a later call gets a fresh one)."""
+        self._scratch.pop(key, None)
 
     def run(self, algorithm) -> None:
         """Run a between-nodes algorithm written as a generator: each ``yield`` waits for

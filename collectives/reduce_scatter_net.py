@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import broadcast as bcast, net_halving, reduce_scatter as rs, rooted
+from . import broadcast as bcast, net_halving, net_mpi, reduce_scatter as rs, rooted
 from .context import Context
 from .reduce_ops import PREMUL_SUM, finish_phases, phase_specs, reduce_into
 
@@ -85,7 +85,8 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     column = [node[j] for node in topo.nodes]
     sizes = {inputs[g].numel() for g in column}  # (every rank knows every block's size)
     algo = ctx.selection.select("reduce_scatter/network", max(sizes) * out.element_size(),
-                                len(column), uniform=len(sizes) == 1)
+                                len(column), uniform=len(sizes) == 1,
+                                native=net_mpi.serves(net_call.net, column))
     ctx.chose(algo)
     if alone and algo == "direct":  # every message posted before the one wait
         net_call.deferrable()
@@ -105,6 +106,11 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
         partial[b] = dest
     if len(topo.local) == 1:
         ctx.finish()
+    if algo == "mpi":
+        net_mpi.reduce_scatter(net_call, out, [partial[b] for b in range(len(column))], mine,
+                               later)
+        finish_phases(out, spec, topo.size)
+        return
     if algo == "halving":
         m = out.numel()
         work = net_call.buffer("rhwork", m * len(column), out.dtype)

@@ -77,19 +77,20 @@ class Situation:
     ``cma`` (the node's ranks can read each other's memory), ``first`` (the algorithm
     begins with the call's first step), ``even`` (nodes of equal size), ``addresses``
     (tensors a single-copy algorithm must publish), ``uniform`` (every rank's block has the
-    same size), and the group's ``small_bytes``, ``slot_bytes`` and ``link``
-    (net_cost.Link)."""
+    same size), ``native`` (the network phase's ranks are a column the transport runs its
+    own collectives on: net_mpi.serves), and the group's ``small_bytes``, ``slot_bytes``
+    and ``link`` (net_cost.Link)."""
 
     __slots__ = ("nbytes", "ranks", "numel", "block", "cma", "first", "even", "addresses",
-                 "uniform", "small_bytes", "slot_bytes", "link")
+                 "uniform", "native", "small_bytes", "slot_bytes", "link")
 
     def __init__(self, nbytes: int, ranks: int, numel: int = 0, block: int = 0,
                  cma: bool = False, first: bool = True, even: bool = True, addresses: int = 1,
-                 uniform: bool = True, small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20,
-                 link: net_cost.Link = net_cost.MEASURED):
+                 uniform: bool = True, native: bool = False, small_bytes: int = 64 << 10,
+                 slot_bytes: int = 1 << 20, link: net_cost.Link = net_cost.MEASURED):
         self.nbytes, self.ranks, self.numel, self.block = nbytes, ranks, numel, block
         self.cma, self.first, self.even, self.addresses = cma, first, even, addresses
-        self.uniform = uniform
+        self.uniform, self.native = uniform, native
         self.small_bytes, self.slot_bytes, self.link = small_bytes, slot_bytes, link
 
 
@@ -148,6 +149,8 @@ TABLES: dict[str, tuple] = {
         ("leader", _always),
     ),
     "all_reduce/network": (
+        # under mpiexec with the MPI transport: the cluster's MPI (net_mpi.py)
+        ("mpi", _always),
         # two nodes: one exchange (direct) or, for large buffers, in halves (measured)
         ("halves", lambda s: s.ranks == 2 and s.nbytes >= HALVES_BYTES),
         ("direct", lambda s: s.ranks == 2),
@@ -158,6 +161,7 @@ TABLES: dict[str, tuple] = {
         ("direct", _always),
     ),
     "all_gather/network": (
+        ("mpi", _always),
         ("direct", _modelled("all_gather/network", "direct")),
         # (before bruck: as fast for a power of two, and with the peers of the other
         # log-depth algorithms, so no rails of its own)
@@ -166,13 +170,15 @@ TABLES: dict[str, tuple] = {
         ("direct", _always),
     ),
     "reduce_scatter/network": (
+        ("mpi", _always),
         ("direct", _modelled("reduce_scatter/network", "direct")),
         ("halving", _modelled("reduce_scatter/network", "halving")),
         ("direct", _always),
     ),
-    "broadcast/network": (("binomial", _always),),
+    "broadcast/network": (("mpi", _always), ("binomial", _always)),
     "reduce/network": (("binomial", _always),),
     "barrier/network": (
+        ("mpi", _always),
         # a power of two: the peers of the other log-depth algorithms; else fewer rounds
         ("recursive_doubling", lambda s: s.ranks & (s.ranks - 1) == 0),
         ("dissemination", _always),
@@ -191,6 +197,7 @@ RUNS = {
     "bruck": lambda s: s.uniform,  # (blocks of one size: they travel packed)
     "recursive_doubling": lambda s: s.uniform,
     "halving": lambda s: s.uniform,
+    "mpi": lambda s: s.native and s.uniform,
 }
 
 

@@ -109,7 +109,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
         return GroupLinks(channel, topo, None, key, auth, _hold(settings, load, False))
     try:
         if settings.transport == "mpi":
-            net = _open_mpi(auth, key, rank, size, timeout, label)
+            net = _open_mpi(auth, key, rank, size, timeout, label, topo.column())
         else:
             net = _open_network(auth, key, rank, size, size - len(topo.local), settings,
                                 timeout, label, spin)
@@ -219,14 +219,16 @@ def check_memory_model(topo: Topology, archs: list) -> None:
 
 
 def _open_mpi(auth: StoreAuth, key: str, rank: int, size: int, timeout: timedelta,
-              label: str):
+              label: str, column: list):
     """The group's MPI transport: ranks publish their MPI_COMM_WORLD rank, then build the
-    group's communicator together."""
+    group's communicator together, and each ``column`` (the ranks MPI's own collectives run
+    among: collectives/net_mpi.py) its own."""
     from .transport.mpi import MpiTransport, world_rank  # mpi4py (and MPI_Init) only here
     auth.set(f"{key}/mpi/{rank}", str(world_rank()))
     world_ranks = [int(auth.get(f"{key}/mpi/{k}", k)) for k in range(size)]
     deadline = time.monotonic() + timeout.total_seconds()
-    net = MpiTransport(rank, size, world_ranks, label=label or f"rank {rank}", deadline=deadline)
+    net = MpiTransport(rank, size, world_ranks, label=label or f"rank {rank}", deadline=deadline,
+                       column=column)
     try:
         net.connect(range(size), deadline)
     except BaseException:

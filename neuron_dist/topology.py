@@ -66,6 +66,12 @@ class Topology:
     def leader(self, node: int) -> int:
         return self.nodes[node][0]
 
+    def column(self) -> list:
+        """The ranks of this rank's local index on every node that has one, in node order:
+        whom it exchanges with in the network phases (the leaders, for local index 0)."""
+        j = self.local.index(self.rank)
+        return [node[j] for node in self.nodes if len(node) > j]
+
     def describe(self) -> str:
         return " | ".join(f"node {i}: ranks {list(r)}" for i, r in enumerate(self.nodes))
 

@@ -153,6 +153,9 @@ class NetTransport(Protocol):
     rank: int
     world_size: int
     address: str  # where peers reach this rank (for logs)
+    # The group ranks this rank runs the transport's own collectives with (MPI: its column,
+    # collectives/net_mpi.py), or None: the transport has none.
+    column: list | None
 
     def connect(self, peers, deadline: float) -> None:
         """Make every rank of ``peers`` ({rank: address} or ranks) reachable by ``deadline``,

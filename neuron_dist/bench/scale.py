@@ -25,6 +25,10 @@ other (``--backends``, default ``neuron,gloo,mpich,floor``), each in fresh proce
   shared memory / cross-memory attach, which namespaces do not separate (11 x 1 MiB
   Allreduce between two namespaces sent 17 KB on eth0 with UCX's defaults, 11.6 MB with
   tcp). Inside a node MPICH uses its own shared memory, as neuron does.
+* **neuron-mpi** (not in the default list): neuron under the same mpiexec, with
+  ``NEURON_DIST_TRANSPORT=mpi`` (the rendezvous variables from MPI, ``mpi_launch``), so its
+  network phases are MPICH's own collectives (collectives/net_mpi.py); its ratios to gloo,
+  MPICH and neuron over rdm get columns of their own.
 
 Every rank times, in this order: all_reduce float32 SUM of 8 B, 64 KiB and 1 MiB;
 all_gather_into_tensor with 1 MiB of output in all; reduce_scatter_tensor with 1 MiB of
@@ -84,7 +88,8 @@ import time
 from .sweep import human_size
 
 WORKER = "neuron_dist.bench.scale_worker"
-BACKENDS = ("neuron", "gloo", "mpich", "floor")
+BACKENDS = ("neuron", "gloo", "mpich", "floor", "neuron-mpi")
+MPIEXEC_BACKENDS = ("mpich", "neuron-mpi")  # started by hydra's mpiexec, not torchrun
 OPS = (("all_reduce", 8), ("all_reduce", 64 << 10), ("all_reduce", 1 << 20),
        ("all_gather", 1 << 20), ("reduce_scatter", 1 << 20), ("broadcast", 64 << 10),
        ("barrier", 0))
@@ -122,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=_Formatter)
     p.add_argument("--nodes", type=int, required=True, help="virtual nodes (namespaces)")
     p.add_argument("--nproc-per-node", type=int, required=True, help="ranks per node")
-    p.add_argument("--backends", type=_backends, default=",".join(BACKENDS),
+    p.add_argument("--backends", type=_backends, default=",".join(BACKENDS[:4]),
                    help="comma list, measured in this order")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per op")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per op")
@@ -308,8 +313,9 @@ def run_torch(backend: str, outdir: str, args, timeout: float) -> dict:
             "env": env}
 
 
-def run_mpich(outdir: str, args, timeout: float, tmpdir: str) -> dict:
-    """The mpi4py worker under hydra's mpiexec, across the namespaces of :class:`Nodes`."""
+def run_mpich(outdir: str, args, timeout: float, tmpdir: str, backend: str = "mpich") -> dict:
+    """The worker of ``backend`` (``mpich``: mpi4py; ``neuron-mpi``: neuron over the MPI
+    transport) under hydra's mpiexec, across the namespaces of :class:`Nodes`."""
     from .mpi_runner import find_mpiexec, unavailable_reason
 
     why = unavailable_reason()
@@ -320,7 +326,7 @@ def run_mpich(outdir: str, args, timeout: float, tmpdir: str) -> dict:
     n, ppn = args.nodes, args.nproc_per_node
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                UCX_TLS="tcp", UCX_NET_DEVICES="eth0")
-    log_path = os.path.join(tmpdir, "mpiexec.log")
+    log_path = os.path.join(tmpdir, f"mpiexec-{backend}.log")
     timed_out, rc, left, stderr = False, None, [], ""
     with Nodes(n, tmpdir) as nodes:
         script = nodes.ssh_script()
@@ -329,7 +335,8 @@ def run_mpich(outdir: str, args, timeout: float, tmpdir: str) -> dict:
                "-n", str(n * ppn), "-ppn", str(ppn),
                "-genv", "UCX_TLS", "tcp", "-genv", "UCX_NET_DEVICES", "eth0",
                "-genv", "OMP_NUM_THREADS", "1",
-               sys.executable, *_worker_args("mpich", outdir, args)]
+               "-genv", "NEURON_DIST_SOCKET_IFNAME", "eth0",
+               sys.executable, *_worker_args(backend, outdir, args)]
         full = nodes.node_cmd(0, cmd)
         with open(log_path, "w") as logf:
             proc = subprocess.Popen(full, env=env, stdin=subprocess.DEVNULL, stdout=logf,
@@ -454,10 +461,14 @@ def tables(results: dict, backends: list[str], world: int) -> list[str]:
     ran = [b for b in backends if results.get(b, {}).get("ops") is not None]
     w = 10
     others = [b for b in ("gloo", "mpich", "floor") if b in ran and "neuron" in ran]
+    # neuron over the MPI transport against what it competes with there
+    versus = [(b, "neuron-mpi") for b in ("gloo", "mpich", "neuron") if b in ran
+              and "neuron-mpi" in ran]
     lines = [f"# time per op, us (median over iterations of the max over ranks); "
              f"ratio = other / neuron (> 1 = neuron faster)"]
     head = f"{'op':<15}{'size':>9} " + " ".join(f"{b:>{w}}" for b in ran) + "".join(
-        f" {b + '/neuron':>13}" for b in others)
+        f" {b + '/neuron':>13}" for b in others) + "".join(
+        f" {a + '/' + b:>18}" for a, b in versus)
     lines += [head, "-" * len(head)]
     for op, nbytes in OPS:
         cells = {b: results[b]["ops"].get(f"{op} {_size_of(op, nbytes, world)}") for b in ran}
@@ -468,6 +479,9 @@ def tables(results: dict, backends: list[str], world: int) -> list[str]:
         for b in others:
             r = _ratio(t[b], t["neuron"])
             row += f" {(f'{r:.2f}x' if r is not None else '-'):>13}"
+        for a, b in versus:
+            r = _ratio(t[a], t[b])
+            row += f" {(f'{r:.2f}x' if r is not None else '-'):>18}"
         lines.append(row)
     lines += ["#", "# CPU per op, us (whole process, every thread, user + system, timed batches "
                    "only; max over ranks)"]
@@ -631,8 +645,8 @@ def main(argv: list[str] | None = None) -> int:
             tail = _Tail(os.path.join(outdir, f"{b}-rank0.jsonl"), b, log)
             tail.start()
             try:
-                if b == "mpich":
-                    run = run_mpich(outdir, args, left, tmpdir)
+                if b in MPIEXEC_BACKENDS:
+                    run = run_mpich(outdir, args, left, tmpdir, b)
                 else:
                     run = run_torch(b, outdir, args, left)
             except (RuntimeError, ValueError, OSError) as exc:

@@ -3,7 +3,8 @@
 Started once per backend and rank: under torchrun by ``launch/vnodes.py`` for the torch
 backends (``--backend neuron|gloo|floor``; torchrun's env:// variables ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), or by MPICH's hydra
-``mpiexec`` for ``--backend mpich`` (mpi4py, ``MPI_THREAD_SINGLE``). A process measures one
+``mpiexec`` for ``--backend mpich`` (mpi4py, ``MPI_THREAD_SINGLE``) and ``--backend neuron-mpi``
+(neuron with ``NEURON_DIST_TRANSPORT=mpi``, the rendezvous variables from MPI). A process measures one
 backend only, so its sockets, threads and memory are that backend's (plus torch's own).
 
 Set-up: the default process group *is* the backend under test
@@ -83,7 +84,8 @@ CASES = (("all_reduce", 8), ("all_reduce", 64 << 10), ("all_reduce", 1 << 20),
          ("all_gather", 1 << 20), ("reduce_scatter", 1 << 20), ("broadcast", 64 << 10),
          ("barrier", 0))
 FLOOR_OPS = ("all_reduce", "barrier")
-TORCH_BACKENDS = {"neuron": "neuron", "gloo": "gloo", "floor": "neuron_floor"}
+TORCH_BACKENDS = {"neuron": "neuron", "gloo": "gloo", "floor": "neuron_floor",
+                  "neuron-mpi": "neuron"}
 
 
 def _cpu() -> float:
@@ -397,6 +399,12 @@ def main(argv=None) -> int:
     # torch 2.13 calls all_gather_into_tensor / reduce_scatter_tensor deprecated on every call
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     tx0 = _tx_bytes()
+    if args.backend == "neuron-mpi":
+        # neuron under mpiexec with the MPI transport: the rendezvous comes from MPI, the
+        # network phases are MPI's own collectives (collectives/net_mpi.py)
+        os.environ["NEURON_DIST_TRANSPORT"] = "mpi"
+        from neuron_dist import mpi_launch
+        mpi_launch.env_from_mpi()
     if args.backend == "mpich":
         comm = MpiComm(args.nproc_per_node)
         # the rank is known only after MPI_Init; PMI_RANK is hydra's

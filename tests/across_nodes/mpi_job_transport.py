@@ -177,6 +177,56 @@ def check_timeout(t: MpiTransport) -> None:
     barrier()
 
 
+def check_collectives() -> None:
+    """MPI's own collectives on a column (here every rank): each gives the right bytes;
+    one a member starts late times out on the others naming the collective, stays MPI's,
+    and completes once that member starts it."""
+    t = MpiTransport(RANK, SIZE, list(range(SIZE)), label="columns", deadline=deadline(),
+                     column=list(range(SIZE)))
+    assert t.column == list(range(SIZE))
+    assert t.reduces("float32", "SUM") and t.reduces("int64", "BXOR")
+    assert not t.reduces("float32", "BAND") and not t.reduces("bfloat16", "SUM")
+    n = 1000
+    out = np.zeros(SIZE * n, np.uint8)
+    t.iallgather(np.full(n, RANK + 1, np.uint8), out).wait(deadline())
+    assert (out.reshape(SIZE, n) == np.arange(1, SIZE + 1, dtype=np.uint8)[:, None]).all()
+    x = np.full(n, RANK + 1.5, np.float32)
+    t.iallreduce(x, "float32", "SUM").wait(deadline())
+    assert (x == sum(k + 1.5 for k in range(SIZE))).all(), x[:4]
+    send = np.arange(SIZE * n, dtype=np.int64) * (RANK + 1)
+    got = np.zeros(n, np.int64)
+    t.ireduce_scatter(send, got, "int64", "SUM").wait(deadline())
+    assert (got == np.arange(RANK * n, (RANK + 1) * n) * sum(range(1, SIZE + 1))).all()
+    blocks = np.repeat(np.arange(SIZE, dtype=np.uint8) + 10 * RANK, n)
+    got = np.zeros(SIZE * n, np.uint8)
+    t.ialltoall(blocks, got).wait(deadline())
+    assert (got.reshape(SIZE, n) == (RANK + 10 * np.arange(SIZE))[:, None]).all()
+    b = np.full(n, RANK, np.uint8)
+    t.ibcast(b, 1).wait(deadline())
+    assert (b == 1).all()
+    try:
+        t.ibcast(b, SIZE)
+    except ValueError as e:
+        assert "root" in str(e), e
+    else:
+        raise AssertionError("a root outside the column was accepted")
+    late = np.zeros(SIZE, np.uint8)
+    if RANK != 2:
+        req = t.iallgather(np.full(1, RANK, np.uint8), late)
+        try:
+            req.wait(time.monotonic() + 0.3)
+        except PeerTimeout as e:
+            assert "all_gather" in str(e) and "column" in str(e), e
+        else:
+            raise AssertionError("a collective a member had not started completed")
+    barrier()
+    if RANK == 2:
+        req = t.iallgather(np.full(1, RANK, np.uint8), late)
+    req.wait(deadline())  # (still MPI's after the timeout: it completes now)
+    assert list(late) == list(range(SIZE)), late
+    t.close()
+
+
 def check_callbacks(t: MpiTransport) -> None:
     """Callbacks run off the caller's thread, may post new requests, see failures too."""
     if RANK in (0, 1):
@@ -503,6 +553,8 @@ def main() -> None:
                      ("timings", timings)]:
         phase(name)
         fn(t)
+    phase("collectives")
+    check_collectives()
     phase("close")
     check_close()
     phase("abort")

@@ -198,3 +198,15 @@ def test_env_from_mpi_is_a_no_op_outside_mpi(monkeypatch):
     monkeypatch.delenv("RANK")
     assert m._wants_mpi_env("env://")
     assert not m._wants_mpi_env("env://?rank=0&world_size=1")  # rank given by the caller
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout,n", [("3x1", 3), ("2x2", 4), ("uneven", 3)])
+def test_mpi_collectives_between_nodes(layout, n):
+    """With the MPI transport the network phases are MPI's own collectives (net_mpi.py):
+    every dtype and op right, the same bits on every rank, ``mpi`` in the flight recorder,
+    and a call another rank did not make fails on every rank (see mpi_job_collectives.py)."""
+    out, err, seconds = run_mpi(n, "mpi_job_collectives.py", layout, timeout=280)
+    report = _report(out, "@@mpi-coll ")
+    print(f"\nmpi collectives ({layout}): {report} (job {seconds:.1f} s)")
+    assert report["layout"] == layout

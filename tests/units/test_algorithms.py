@@ -643,6 +643,8 @@ class _FakeNet:
         net = self
 
         class End:
+            column = None
+
             def isend(self, peer, tag, data):
                 net.posts[rank] += 1
                 req = _FakeNetRequest()

@@ -205,7 +205,7 @@ def test_a_bare_name_applies_to_every_table_that_has_it():
 
 
 @pytest.mark.parametrize("text,words", [
-    ("all_reduse=ring", ["unknown collective 'all_reduse'", "all_reduce/network: halves, direct, recursive_doubling, rabenseifner, ring"]),
+    ("all_reduse=ring", ["unknown collective 'all_reduse'", "all_reduce/network: mpi, halves, direct, recursive_doubling, rabenseifner, ring"]),
     ("all_reduce=rign", ["all_reduce has no algorithm 'rign'", "ring"]),
     ("all_gather=ring", ["all_gather has no algorithm 'ring'", "columns"]),
     ("bogus", ["no collective has an algorithm 'bogus'"]),
@@ -283,3 +283,19 @@ def test_net_cost_setting_parses_and_names_what_is_wrong():
         with pytest.raises(ValueError) as e:
             Settings.from_env({"NEURON_DIST_NET_COST": text})
         assert "NEURON_DIST_NET_COST" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_mpi_collectives_where_the_transport_has_the_column():
+    """The network tables pick MPI's own collectives exactly when the phase's ranks are the
+    transport's column (``native``); uneven blocks and overrides keep neuron's own."""
+    s = sel.DEFAULT
+    for table, nbytes in (("all_reduce/network", 8), ("all_reduce/network", 64 << 20),
+                          ("all_gather/network", 1 << 20), ("reduce_scatter/network", 4096),
+                          ("broadcast/network", 65536), ("barrier/network", 0)):
+        for ranks in (2, 3, 16):
+            assert s.select(table, nbytes, ranks, numel=max(nbytes // 4, ranks),
+                            native=True) == "mpi", (table, nbytes, ranks)
+            assert s.select(table, nbytes, ranks, numel=max(nbytes // 4, ranks)) != "mpi"
+    assert s.select("all_gather/network", 4096, 5, native=True, uniform=False) == "direct"
+    forced = over("all_reduce=recursive_doubling")
+    assert forced.select("all_reduce/network", 8, 8, numel=2, native=True) == "recursive_doubling"

@@ -116,7 +116,8 @@ _DRAIN_SECONDS = 2.0                 # graceful close: how long sends may take t
 CANCEL_GRACE = 1.0                   # a withdrawn request MPI already owns may finish this long
 
 # what an active MPI request is
-_SEND, _RECV, _NOTE_SEND, _DISCARD, _HELLO_SEND, _HELLO_RECV, _ABORT_SEND, _MISMATCH = range(8)
+(_SEND, _RECV, _NOTE_SEND, _DISCARD, _HELLO_SEND, _HELLO_RECV, _ABORT_SEND, _MISMATCH,
+ _COLL) = range(9)
 _OUTGOING = (_SEND, _NOTE_SEND, _HELLO_SEND, _ABORT_SEND)
 
 _SERIALIZED_LOCK = threading.Lock()  # every transport's MPI calls, below THREAD_MULTIPLE
@@ -190,6 +191,27 @@ class Request(_Request):
         return self._owner._drive(self._event, deadline)
 
 
+class CollectiveRequest(Request):
+    """One of MPI's collectives on the column (``MpiTransport.iallgather`` ...)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str, owner: "MpiTransport", nbytes: int):
+        super().__init__(None, -1, memoryview(b""), False, owner)
+        self.name, self.nbytes = name, nbytes
+
+    def wait(self, deadline: float) -> None:
+        try:
+            super().wait(deadline)
+        except PeerTimeout as e:
+            if self.error is not None:
+                raise
+            raise PeerTimeout([], e.waited,
+                              f"MPI's {self.name} ({self.nbytes} bytes) with column "
+                              f"{self._owner.column} did not complete in time: a member is "
+                              f"late or made another call", network=True) from None
+
+
 class MpiTransport:
     """Reliable tagged messages to the other ranks of a group, over MPI.
 
@@ -209,6 +231,11 @@ class MpiTransport:
         ``time.monotonic()`` by which every member must have joined the communicator's
         creation; ``PeerTimeout`` naming the members that had not otherwise (or, for a
         member that comes late, those that gave up). Default: wait as long as it takes.
+    column : list of int, optional
+        The group ranks (this one among them) with which this rank runs MPI's own
+        collectives (``iallgather`` ...): its column, the ranks of the same local index on
+        every node, in node order. Columns are disjoint; every member passes its own, or
+        none does (the column communicators are split from the group's, collectively).
 
     Raises
     ------
@@ -219,7 +246,7 @@ class MpiTransport:
     """
 
     def __init__(self, rank: int, world_size: int, world_ranks, label: str = "", *,
-                 comm=None, deadline: float | None = None):
+                 comm=None, deadline: float | None = None, column=None):
         MPI = self._MPI = _mpi()
         if not MPI.Is_initialized() or MPI.Is_finalized():
             raise RuntimeError("MpiTransport needs an initialised MPI (mpi4py.rc.initialize) "
@@ -260,6 +287,9 @@ class MpiTransport:
             tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
         if comm_rank != rank:  # Create_group orders ranks as the group does
             raise RuntimeError(f"MPI gave rank {comm_rank} for group rank {rank}")
+        self.column, self._column_comm = None, None
+        if column is not None:
+            self._split_column([int(k) for k in column])
         self.tag_ub = tag_ub
         self._direct = (tag_ub + 1) // 2          # [0, direct): tags as they are
         self._abort_tag, self._hello_tag, self._note_tag = tag_ub, tag_ub - 1, tag_ub - 2
@@ -392,6 +422,120 @@ class MpiTransport:
         note = bytearray(len(withdrawn))
         msg.Recv(note)
         return bytes(note) == withdrawn
+
+    def _split_column(self, column: list) -> None:
+        """Split the column communicator off the group's (collective over the group: every
+        member does it right after the group's creation, so all are there)."""
+        if self.rank not in column or len(set(column)) != len(column):
+            raise ValueError(f"column {column} must list distinct group ranks, {self.rank} "
+                             f"among them")
+        with self._lock:
+            sub = self._comm.Split(column[0], column.index(self.rank))
+            size = sub.Get_size()
+        if size != len(column):
+            sub.Free()
+            raise ValueError(f"{self._label}: column {column} has {size} members in MPI (do "
+                             f"all ranks pass the same columns?)")
+        self.column, self._column_comm = column, sub
+
+    # ------------------------------------------------------------------ collectives
+    # MPI's own nonblocking collectives on the column communicator. Every member of the
+    # column must start the same collectives in the same order with matching sizes (MPI's
+    # rule): collectives/net_mpi.py checks the calls' descriptors with a fixed-size
+    # ``iallgather`` before any other. Buffers belong to MPI until the request completes;
+    # one that never does (a deadline, a failed member) keeps them alive (orphans).
+
+    _MPI_OPS = {"SUM": "SUM", "PRODUCT": "PROD", "MIN": "MIN", "MAX": "MAX",
+                "BAND": "BAND", "BOR": "BOR", "BXOR": "BXOR"}
+    _MPI_TYPES = {"float32": "FLOAT", "float64": "DOUBLE", "int8": "INT8_T",
+                  "int16": "INT16_T", "int32": "INT32_T", "int64": "INT64_T",
+                  "uint8": "UINT8_T"}
+
+    def reduces(self, dtype: str, op: str) -> bool:
+        """Can MPI reduce elements of ``dtype`` (torch's name: ``float32``...) with ``op``
+        (``SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ``BAND``, ``BOR``, ``BXOR``)?"""
+        if dtype not in self._MPI_TYPES or op not in self._MPI_OPS:
+            return False
+        return dtype.startswith(("int", "uint")) or op not in ("BAND", "BOR", "BXOR")
+
+    def iallgather(self, send, recv) -> "CollectiveRequest":
+        """Every column member's ``send`` bytes, in column order, into ``recv``."""
+        s, r = memoryview(send).cast("B"), _writable(recv)
+        if r.nbytes != s.nbytes * len(self._need_column()):
+            raise ValueError(f"iallgather: {r.nbytes} bytes cannot hold "
+                             f"{len(self.column)} x {s.nbytes}")
+        B = self._MPI.BYTE
+        return self._collective("all_gather", r.nbytes,
+                                lambda c: c.Iallgather([s, B], [r, B]), (s, r))
+
+    def ialltoall(self, send, recv) -> "CollectiveRequest":
+        """Block ``b`` of ``send`` to column member ``b``; member ``b``'s block for this rank
+        into block ``b`` of ``recv`` (blocks of one size)."""
+        s, r = memoryview(send).cast("B"), _writable(recv)
+        if r.nbytes != s.nbytes or s.nbytes % len(self._need_column()):
+            raise ValueError(f"ialltoall: {s.nbytes} and {r.nbytes} bytes are not "
+                             f"{len(self.column)} blocks each")
+        B = self._MPI.BYTE
+        return self._collective("all_to_all", r.nbytes,
+                                lambda c: c.Ialltoall([s, B], [r, B]), (s, r))
+
+    def iallreduce(self, buf, dtype: str, op: str) -> "CollectiveRequest":
+        """Reduce ``buf`` (elements of ``dtype``) over the column with ``op``, in place."""
+        b = _writable(buf)
+        t, o = self._typed(dtype, op, b.nbytes)
+        IN_PLACE = self._MPI.IN_PLACE
+        return self._collective("all_reduce", b.nbytes,
+                                lambda c: c.Iallreduce(IN_PLACE, [b, t], o), (b,))
+
+    def ireduce_scatter(self, send, recv, dtype: str, op: str) -> "CollectiveRequest":
+        """Reduce ``send`` (one block per column member, in order) with ``op``; this rank's
+        block of the result into ``recv``."""
+        s, r = memoryview(send).cast("B"), _writable(recv)
+        if s.nbytes != r.nbytes * len(self._need_column()):
+            raise ValueError(f"ireduce_scatter: {s.nbytes} bytes are not {len(self.column)} "
+                             f"blocks of {r.nbytes}")
+        t, o = self._typed(dtype, op, r.nbytes)
+        return self._collective("reduce_scatter", s.nbytes,
+                                lambda c: c.Ireduce_scatter_block([s, t], [r, t], o), (s, r))
+
+    def ibcast(self, buf, root: int) -> "CollectiveRequest":
+        """Column member ``root``'s (an index into ``column``) ``buf`` into everyone's."""
+        b = _writable(buf)
+        if not 0 <= root < len(self._need_column()):
+            raise ValueError(f"ibcast: root {root} is not an index into column {self.column}")
+        B = self._MPI.BYTE
+        return self._collective("broadcast", b.nbytes, lambda c: c.Ibcast([b, B], root), (b,))
+
+    def _need_column(self) -> list:
+        if self.column is None:
+            raise ValueError(f"{self._label}: MPI collectives need the transport's column")
+        return self.column
+
+    def _typed(self, dtype: str, op: str, nbytes: int):
+        if not self.reduces(dtype, op):
+            raise ValueError(f"MPI does not reduce {dtype} with {op} here")
+        MPI = self._MPI
+        t = getattr(MPI, self._MPI_TYPES[dtype])
+        if nbytes % t.Get_size():
+            raise ValueError(f"{nbytes} bytes are not whole {dtype} elements")
+        return t, getattr(MPI, self._MPI_OPS[op])
+
+    def _collective(self, name: str, nbytes: int, start, bufs) -> "CollectiveRequest":
+        req = CollectiveRequest(name, self, nbytes)
+        with self._lock:
+            self._check_open()
+            self._need_column()
+            self._read_control()
+            for k in self.column:
+                if k in self._failed:
+                    raise self._failed[k]
+            mpi_req = start(self._column_comm)
+            if mpi_req.Test():
+                req._finish()
+            else:
+                self._add(mpi_req, _COLL, req, bufs)
+                self._wake()
+        return req
 
     # ------------------------------------------------------------------ set-up
 
@@ -789,6 +933,12 @@ class MpiTransport:
             except self._MPI.Exception as e:
                 self._stats["mpi_errors"] += 1
                 kind, obj, _ = self._entries[i]
+                if kind == _COLL:
+                    obj._finish(TransportError(f"{self._label}: MPI failed the {obj.name} of "
+                                               f"column {self.column}: {e}"))
+                    self._entries[i] = (_DISCARD, None, None)
+                    done.append(i)
+                    continue
                 peer = obj.source if isinstance(obj, Request) else obj
                 failed.append((peer, e))
                 self._entries[i] = (_DISCARD, peer, None)
@@ -802,7 +952,7 @@ class MpiTransport:
 
     def _completed(self, entry) -> None:
         kind, obj, buf = entry
-        if kind == _SEND:
+        if kind in (_SEND, _COLL):
             obj._finish()
         elif kind == _RECV:
             self._stats["messages_received"] += 1
@@ -823,7 +973,8 @@ class MpiTransport:
         keep_r, keep_e, orphans = [], [], []
         for r, e in zip(self._reqs, self._entries):
             kind, obj, buf = e
-            if kind in (_SEND, _RECV, _MISMATCH) and obj.source == peer:
+            if ((kind in (_SEND, _RECV, _MISMATCH) and obj.source == peer)
+                    or (kind == _COLL and peer in self.column)):
                 obj._finish(error)
                 orphans.append((r, buf))
             else:
@@ -974,6 +1125,11 @@ class MpiTransport:
                 t.join(timeout=5.0)
         with self._lock:
             _sweep_orphans(self._MPI)
+            if not self._MPI.Is_finalized() and self._column_comm is not None:
+                try:
+                    self._column_comm.Free()
+                except self._MPI.Exception as e:  # noqa: BLE001 - closing anyway
+                    log.warning("neuron %s: MPI_Comm_free failed: %s", self._label, e)
             if not self._MPI.Is_finalized() and self._comm != self._MPI.COMM_NULL:
                 try:
                     self._comm.Free()

@@ -246,6 +246,8 @@ class RdmTransport:
         Names the group in log messages.
     """
 
+    column = None  # no collectives of its own (transport/base.py)
+
     # ``irecv_any`` takes a ``claim`` and ``drive_until``/``wake`` exist, so a receive from
     # any rank can also listen on shared memory (neuron_dist/p2p_any.py).
     CLAIMS = True

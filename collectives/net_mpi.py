@@ -62,7 +62,7 @@ def all_reduce(net_call, buf, peers: list, spec) -> None:
     P = len(peers)
     if n <= SLOT_DATA:
         gathered = _gather_slots(net_call, "ar", buf)
-        net_call.reduce(buf, [_slot(gathered, b, n).view(buf.dtype) for b in range(P)], spec)
+        net_call.reduce(buf, list(_slots(gathered, P, n).view(buf.dtype).unbind()), spec)
         return
     _gather_slots(net_call, "ar", None)
     net = net_call.net
@@ -173,7 +173,7 @@ def _gather_slots(net_call, key: str, data):
     P = len(net_call.net.column)
 
     def start(slot, out):
-        slot[:len(words)].copy_(torch.frombuffer(bytearray(words), dtype=torch.uint8))
+        as_bytes(slot)[:len(words)] = words
         if data is not None and data.numel():
             b = _bytes(data)
             slot[HEAD:HEAD + b.numel()].copy_(b)
@@ -181,9 +181,11 @@ def _gather_slots(net_call, key: str, data):
 
     gathered = _collective(net_call, f"slots{key}", P * SLOT, start, SLOT)
     column, me = net_call.net.column, net_call.topo.rank
+    raw = as_bytes(gathered)
     for b, peer in enumerate(column):
-        if peer != me:
-            net_call.check_descriptor(peer, bytes(gathered[b * SLOT:b * SLOT + len(words)]))
+        theirs = raw[b * SLOT:b * SLOT + len(words)]
+        if peer != me and theirs != words:
+            net_call.check_descriptor(peer, bytes(theirs))
     return gathered
 
 
@@ -210,6 +212,11 @@ def _collective(net_call, key: str, nbytes: int, start, in_bytes: int = 0):
 
 def _slot(gathered, b: int, n: int):
     return gathered[b * SLOT + HEAD:b * SLOT + HEAD + n]
+
+
+def _slots(gathered, P: int, n: int):
+    """The data of every member's slot: a P x n view (rows in column order)."""
+    return gathered[:P * SLOT].view(P, SLOT)[:, HEAD:HEAD + n]
 
 
 def _bytes(t):

@@ -108,7 +108,7 @@ _ABORT_REASON_BYTES = 1000           # notices stay small: MPI sends them eagerl
 _CREATE_TAG = 0x4E44                 # tag of MPI_Comm_create_group (any value <= 32767)
 _ARRIVE_TAG = 0x4E45                 # members' arrival notes before it, on the parent
 _SPIN_SECONDS = 1e-3                 # a waiting thread polls (yielding the CPU) this long ...
-_COLL_SPIN_SECONDS = 0.05            # ... or this long for a collective (see CollectiveRequest)
+_COLL_SPIN_SECONDS = 0.05            # ... or this long for a collective (_drive_collective)
 _HOT_SLEEP = 2e-4                    # ... then sleeps up to this long between polls
 _IDLE_POLLS = 4                      # the progress thread's back-to-back polls, then
 _COLD_SLEEP = 2e-3                   # sleeps growing to this between polls
@@ -195,17 +195,15 @@ class Request(_Request):
 class CollectiveRequest(Request):
     """One of MPI's collectives on the column (``MpiTransport.iallgather`` ...)."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "mpi")
 
     def __init__(self, name: str, owner: "MpiTransport", nbytes: int):
         super().__init__(None, -1, memoryview(b""), False, owner)
         self.name, self.nbytes = name, nbytes
+        self.mpi = None  # MPI's request, while MPI has it
 
     def _block(self, deadline: float) -> bool:
-        # A collective moves on only while its members call into MPI, and its rounds show
-        # no progress until the last: so its waiter keeps polling, yielding the CPU in
-        # between, much longer before it sleeps (as a blocking MPI collective would).
-        return self._owner._drive(self._event, deadline, _COLL_SPIN_SECONDS)
+        return self._owner._drive_collective(self, deadline)
 
     def wait(self, deadline: float) -> None:
         try:
@@ -540,9 +538,60 @@ class MpiTransport:
             if mpi_req.Test():
                 req._finish()
             else:
+                req.mpi = mpi_req
                 self._add(mpi_req, _COLL, req, bufs)
                 self._wake()
         return req
+
+    def _drive_collective(self, req: CollectiveRequest, deadline: float) -> bool:
+        """Wait for collective ``req``, driving MPI from this thread; False on timeout.
+
+        A collective moves on only while its members call into MPI, and shows no progress
+        until its last round: so its waiter tests its request (which drives all of MPI)
+        back to back, yielding the CPU in between, for up to ``_COLL_SPIN_SECONDS`` (as a
+        blocking MPI collective would), with a whole poll (peers' notices, other requests)
+        every ``_SPIN_SECONDS``; then it polls with sleeps as ``_drive`` does. One test
+        costs a few µs of Python where a whole poll costs several times that, and on
+        crowded cores every µs a waiter spends is taken from the members it waits for.
+        """
+        event = req._event
+        with self._lock:
+            self._waiting_threads += 1
+        try:
+            start = now = time.monotonic()
+            full_at = now + _SPIN_SECONDS
+            while not event.is_set() and now - start < _COLL_SPIN_SECONDS:
+                with self._lock:
+                    if self._closed:
+                        break
+                    mpi_req = req.mpi
+                    try:
+                        if now >= full_at:
+                            self._poll()
+                            full_at = now + _SPIN_SECONDS
+                        elif mpi_req is not None and mpi_req.Test():
+                            self._retire(mpi_req)
+                            req._finish()
+                    except Exception:  # noqa: BLE001 - the whole poll below reports it
+                        full_at = now
+                if event.is_set():
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                os.sched_yield()
+        finally:
+            with self._lock:
+                self._waiting_threads -= 1
+        return event.is_set() or self._drive(event, deadline)
+
+    def _retire(self, mpi_req) -> None:
+        """Under the lock: forget a request MPI has completed (tested by its waiter)."""
+        for i, r in enumerate(self._reqs):
+            if r is mpi_req:
+                del self._reqs[i]
+                del self._entries[i]
+                return
 
     # ------------------------------------------------------------------ set-up
 
@@ -961,6 +1010,8 @@ class MpiTransport:
         kind, obj, buf = entry
         if kind in (_SEND, _COLL):
             obj._finish()
+            if kind == _COLL:
+                obj.mpi = None
         elif kind == _RECV:
             self._stats["messages_received"] += 1
             self._stats["bytes_received"] += obj.nbytes
@@ -997,7 +1048,7 @@ class MpiTransport:
                     req._finish(error)
             self._anyq.clear()
 
-    def _drive(self, event, deadline: float, spin: float = _SPIN_SECONDS) -> bool:
+    def _drive(self, event, deadline: float) -> bool:
         """Wait for ``event`` until ``deadline``, polling MPI from this thread meanwhile.
 
         Polls back to back for 1 ms after the last progress, with ``sched_yield`` in between
@@ -1009,7 +1060,7 @@ class MpiTransport:
             self._waiting_threads += 1
         try:
             idle = 0
-            spin_until = time.monotonic() + spin
+            spin_until = time.monotonic() + _SPIN_SECONDS
             while not event.is_set():
                 with self._lock:
                     if self._closed:
@@ -1024,7 +1075,7 @@ class MpiTransport:
                 if now >= deadline:
                     return False
                 if progressed:
-                    idle, spin_until = 0, now + spin
+                    idle, spin_until = 0, now + _SPIN_SECONDS
                 if now < spin_until:
                     os.sched_yield()
                 else:

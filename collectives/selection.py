@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import net_cost
+from . import net_cost, net_mpi
 
 # ------------------------------------------------------------------------ thresholds
 # Single copy (single_copy.py) from this block size: process_vm_readv pins the peer's pages
@@ -175,7 +175,13 @@ TABLES: dict[str, tuple] = {
         ("halving", _modelled("reduce_scatter/network", "halving")),
         ("direct", _always),
     ),
-    "broadcast/network": (("mpi", _always), ("binomial", _always)),
+    "broadcast/network": (
+        # only data that rides in the descriptor gather: beyond it the gather plus MPI's
+        # Ibcast took 2-3x the binomial tree over MPI's messages (8 and 16 netns nodes,
+        # results/scale-mpi-*x1.txt)
+        ("mpi", lambda s: s.nbytes <= net_mpi.SLOT_DATA),
+        ("binomial", _always),
+    ),
     "reduce/network": (("binomial", _always),),
     "barrier/network": (
         ("mpi", _always),

@@ -291,11 +291,12 @@ def test_mpi_collectives_where_the_transport_has_the_column():
     s = sel.DEFAULT
     for table, nbytes in (("all_reduce/network", 8), ("all_reduce/network", 64 << 20),
                           ("all_gather/network", 1 << 20), ("reduce_scatter/network", 4096),
-                          ("broadcast/network", 65536), ("barrier/network", 0)):
+                          ("broadcast/network", 256), ("barrier/network", 0)):
         for ranks in (2, 3, 16):
             assert s.select(table, nbytes, ranks, numel=max(nbytes // 4, ranks),
                             native=True) == "mpi", (table, nbytes, ranks)
             assert s.select(table, nbytes, ranks, numel=max(nbytes // 4, ranks)) != "mpi"
     assert s.select("all_gather/network", 4096, 5, native=True, uniform=False) == "direct"
+    assert s.select("broadcast/network", 257, 5, native=True) == "binomial"
     forced = over("all_reduce=recursive_doubling")
     assert forced.select("all_reduce/network", 8, 8, numel=2, native=True) == "recursive_doubling"

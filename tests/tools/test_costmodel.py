@@ -258,7 +258,8 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch, selection=DEFAULT) -
     for name in allreduce_net._NETWORK:
         monkeypatch.setitem(allreduce_net._NETWORK, name, network(name))
     topo = Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
-    net_call = SimpleNamespace(topo=topo, buffer=network("direct"), deferrable=lambda: None)
+    net_call = SimpleNamespace(topo=topo, buffer=network("direct"), deferrable=lambda: None,
+                               net=SimpleNamespace(column=None))
     ctx = SimpleNamespace(net_call=net_call, rank=0, size=L, finish=lambda: None,
                           selection=selection, chose=lambda name: None)
     buf = torch.empty(n_bytes // 4, dtype=torch.float32, device="meta")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections import deque
@@ -98,20 +99,50 @@ class FlightRecorder:
         if not self.size:
             return None
         with self._lock:
-            records = [r.as_dict() for r in list(self._ring)]
-            doc = {"pid": os.getpid(), "rank": global_rank(), "reason": reason,
-                   "time": time.time(), "records": records}
-            path = self.path()
+            return self._write(reason)
+
+    def dump_from_signal(self, reason: str) -> None:
+        """``dump`` from a signal handler: now if no dump is under way, else by a thread of
+        its own once that one ends. (A handler runs on the main thread between two of its
+        bytecodes, possibly inside a dump that holds the lock: waiting for it there would
+        wait forever.)"""
+        if not self.size:
+            return
+        if self._lock.acquire(blocking=False):
             try:
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                tmp = f"{path}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(doc, f, indent=1)
-                os.replace(tmp, path)
-            except OSError:
-                return None
-            self.dumps += 1
-            return path
+                self._write(reason)
+            finally:
+                self._lock.release()
+            return
+        threading.Thread(target=self.dump, args=(reason,), daemon=True,
+                         name="neuron-fr-dump").start()
+
+    def _write(self, reason: str) -> str | None:
+        records = [r.as_dict() for r in list(self._ring)]
+        doc = {"pid": os.getpid(), "rank": global_rank(), "reason": reason,
+               "time": time.time(), "records": records}
+        path = self.path()
+        tmp = None
+        try:
+            directory = os.path.dirname(path) or "."
+            os.makedirs(directory, exist_ok=True)
+            # A fresh file of a random name (O_EXCL, mode 0600) in the often shared temp
+            # directory: a name known in advance could be a planted symlink. The rename
+            # replaces whatever is at ``path`` (a symlink itself, never its target).
+            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                                       dir=directory)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1)
+            os.replace(tmp, path)
+        except OSError:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            return None
+        self.dumps += 1
+        return path
 
 
 def global_rank() -> int | None:
@@ -133,4 +164,8 @@ def install_signal_handler() -> None:
         return
     if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
         return
-    signal.signal(signal.SIGUSR1, lambda signum, frame: recorder.dump("SIGUSR1"))
+    signal.signal(signal.SIGUSR1, _on_sigusr1)
+
+
+def _on_sigusr1(signum, frame) -> None:
+    recorder.dump_from_signal("SIGUSR1")

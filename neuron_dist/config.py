@@ -46,9 +46,25 @@ def _flag(name: str, default: str, env: Mapping | None = None) -> bool:
     return _env(name, default, env).strip().lower() not in ("0", "", "false", "no", "off")
 
 
+SECRET = "NEURON_DIST_AUTH_KEY"  # never written anywhere: environment() leaves it out
+MIN_AUTH_KEY_CHARS = 16
+
+
 def environment() -> dict[str, str]:
-    """The NEURON_DIST_* variables set in this process, as text (for benchmark records)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+    """The NEURON_DIST_* variables set in this process, as text (for benchmark records),
+    the job's secret key left out (only whether one is set)."""
+    out = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+    if SECRET in out:
+        out[SECRET] = "(set)"
+    return out
+
+
+def _auth_key(key: str | None) -> str | None:
+    if key is not None and len(key) < MIN_AUTH_KEY_CHARS:
+        raise ValueError(f"{SECRET} must be at least {MIN_AUTH_KEY_CHARS} characters (it has "
+                         f"{len(key)}): anyone who can read the store could guess a short one "
+                         f"offline. Use e.g. the output of `openssl rand -hex 32`")
+    return key
 
 
 @dataclass(frozen=True)
@@ -102,7 +118,7 @@ class Settings:
             rails=int(_env("NEURON_DIST_RAILS", "4", env)),
             net_segment_bytes=parse_bytes(_env("NEURON_DIST_NET_SEGMENT_BYTES", "8M", env)),
             socket_ifname=_env("NEURON_DIST_SOCKET_IFNAME", None, env) or None,
-            auth_key=_env("NEURON_DIST_AUTH_KEY", None, env) or None,
+            auth_key=_auth_key(_env("NEURON_DIST_AUTH_KEY", None, env) or None),
             net_crc=_flag("NEURON_DIST_NET_CRC", "0", env),
             net_mac=_flag("NEURON_DIST_NET_MAC", "0", env),
             net_link_timeout=float(_env("NEURON_DIST_NET_LINK_TIMEOUT", "10", env)),

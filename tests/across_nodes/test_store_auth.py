@@ -176,7 +176,7 @@ def test_replaced_address_fails_with_a_key(no_leftovers, forgery):
 
     store = AttackedStore("neuron/0/addr/0", forge)
     started = time.monotonic()
-    links = _set_up(store, ["a", "b"], "job secret", timeout=3.0)
+    links = _set_up(store, ["a", "b"], "job secret for tests", timeout=3.0)
     try:
         assert isinstance(links[1], StoreAuthError), links[1]
         assert "'neuron/0/addr/0'" in str(links[1]) and "rank 0" in str(links[1])
@@ -196,12 +196,12 @@ def test_replayed_address_from_an_earlier_run_fails(no_leftovers):
     """A tagged value copied from an earlier set-up with the same key (same key name, same
     writer) is refused: every value is bound to the set-up's fresh session."""
     first = AttackedStore("neuron/0/addr/0", lambda real: real)
-    links = _set_up(first, ["a", "b"], "job secret")
+    links = _set_up(first, ["a", "b"], "job secret for tests")
     _close(links)
     assert not any(isinstance(v, BaseException) for v in links.values()), links
     old = first.real
     links = _set_up(AttackedStore("neuron/0/addr/0", lambda real: old), ["a", "b"],
-                    "job secret", timeout=3.0)
+                    "job secret for tests", timeout=3.0)
     try:
         assert isinstance(links[1], StoreAuthError), links[1]
         assert "'neuron/0/addr/0'" in str(links[1])
@@ -212,9 +212,16 @@ def test_replayed_address_from_an_earlier_run_fails(no_leftovers):
 # ---------------------------------------------------------------- the segment's name
 
 def _attacker_segment():
+    """A segment of the right layout, its magic word written (it is no secret)."""
+    import struct
+
+    from neuron_dist.transport.shm.layout import MAGIC
+
     layout = Layout(2, 64 << 10, 64 << 10)
-    return Segment.create(new_segment_name(), layout.total_bytes, layout.eager_ranges(),
-                          directory=SHM)
+    seg = Segment.create(new_segment_name(), layout.total_bytes, layout.eager_ranges(),
+                         directory=SHM)
+    struct.pack_into("q", seg.map, 0, MAGIC)
+    return seg
 
 
 def test_replaced_segment_is_mapped_without_a_key(no_leftovers):
@@ -233,7 +240,7 @@ def test_replaced_segment_fails_with_a_key(no_leftovers):
     evil = _attacker_segment()
     store = AttackedStore("neuron/0/n0/segment", lambda real: evil.name)
     started = time.monotonic()
-    links = _set_up(store, ["a", "a"], "job secret")
+    links = _set_up(store, ["a", "a"], "job secret for tests")
     try:
         assert isinstance(links[1], StoreAuthError), links[1]
         assert "'neuron/0/n0/segment'" in str(links[1]) and "rank 0 " in str(links[1])
@@ -246,7 +253,7 @@ def test_replaced_segment_fails_with_a_key(no_leftovers):
 
 
 def test_genuine_set_up_with_a_key_works(no_leftovers):
-    links = _set_up(AttackedStore(), ["a", "a", "b"], "job secret")
+    links = _set_up(AttackedStore(), ["a", "a", "b"], "job secret for tests")
     try:
         assert not any(isinstance(v, BaseException) for v in links.values()), links
         data = np.arange(100, dtype=np.uint8)
@@ -277,7 +284,7 @@ def test_replaced_node_identity_is_believed_without_a_key(no_leftovers):
 
 
 def test_replaced_node_identity_fails_with_a_key(no_leftovers):
-    links = _set_up(AttackedStore("neuron/0/node/1", _forge_node), ["a", "b"], "job secret")
+    links = _set_up(AttackedStore("neuron/0/node/1", _forge_node), ["a", "b"], "job secret for tests")
     try:
         for rank in (0, 1):
             assert isinstance(links[rank], StoreAuthError), links[rank]
@@ -313,7 +320,7 @@ def test_collectives_across_nodes_with_a_key(net_mac):
     from across_nodes.test_multinode import LAYOUTS, _env
     from one_node.test_collectives import gather_family_matrix
     names = LAYOUTS["2+1"]
-    env = _env(names, NEURON_DIST_AUTH_KEY="job secret", NEURON_DIST_NET_MAC=net_mac)
+    env = _env(names, NEURON_DIST_AUTH_KEY="job secret for tests", NEURON_DIST_NET_MAC=net_mac)
     results = run_ranks(gather_family_matrix, len(names), env=env, timeout=240)
     assert not any(results.values()), results
 
@@ -325,7 +332,7 @@ def test_shrink_with_a_key():
     from across_nodes.test_shrink import TWO_NODES, _die_then_shrink
     world, victim = 4, 2
     env = lambda r: {"NEURON_DIST_NODE_NAME": f"shrink-{TWO_NODES[r]}",  # noqa: E731
-                     "NEURON_DIST_AUTH_KEY": "job secret"}
+                     "NEURON_DIST_AUTH_KEY": "job secret for tests"}
     res = run_ranks(_die_then_shrink, world, victim, env=env, expect_errors=True,
                     timeout=90, pg_timeout=20)
     assert res[victim][:2] == ("error", "Died"), res[victim]

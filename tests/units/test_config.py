@@ -200,3 +200,36 @@ def test_readme_lists_every_setting_with_its_default():
     wrong = {name: (default, readme[name]) for name, default in ours.items()
              if default is not None and f"`{default}`" not in readme[name]}
     assert not wrong, f"README default differs from config.py's (config, README): {wrong}"
+
+
+def test_the_auth_key_has_a_minimum_length_and_is_never_recorded(monkeypatch):
+    """Finding: the key had no length check, and the benchmark's environment record copied
+    every NEURON_DIST_* variable, the key included, into its JSON."""
+    from neuron_dist.config import MIN_AUTH_KEY_CHARS, environment
+
+    with pytest.raises(ValueError, match=f"at least {MIN_AUTH_KEY_CHARS} characters"):
+        Settings.from_env({"NEURON_DIST_AUTH_KEY": "short"})
+    key = "a much longer job secret"
+    assert Settings.from_env({"NEURON_DIST_AUTH_KEY": key}).auth_key == key
+    monkeypatch.setenv("NEURON_DIST_AUTH_KEY", key)
+    monkeypatch.setenv("NEURON_DIST_RAILS", "2")
+    env = environment()
+    assert env["NEURON_DIST_RAILS"] == "2" and key not in repr(env)
+    assert env["NEURON_DIST_AUTH_KEY"] == "(set)"
+
+
+def test_the_job_key_goes_through_a_slow_salted_kdf():
+    """Finding: derive_key was one salt-less SHA-256, so a key could be guessed offline at
+    a hash per guess from the store's tags."""
+    import hashlib
+    import time
+
+    from neuron_dist.transport.rdm.handshake import derive_key
+
+    secret = "another long job secret"
+    assert derive_key(secret) != hashlib.sha256(b"neuron-dist auth key\0" + secret.encode()).digest()
+    assert derive_key(secret) == hashlib.scrypt(secret.encode(), salt=b"neuron-dist auth key v2",
+                                                n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32)
+    start = time.perf_counter()
+    derive_key(secret)  # once per process: opening more groups stays fast
+    assert time.perf_counter() - start < 0.005

@@ -39,6 +39,7 @@ connection that follows: relaying the handshake gains nothing without the job ke
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -68,11 +69,17 @@ def group_id(group: bytes) -> bytes:
     return hashlib.sha256(b"neuron-dist group\0" + group).digest()[:16]
 
 
+@functools.lru_cache(maxsize=4)
 def derive_key(secret: str | bytes) -> bytes:
-    """A 32-byte key from a user-supplied secret (``NEURON_DIST_AUTH_KEY``)."""
+    """A 32-byte key from a user-supplied secret (``NEURON_DIST_AUTH_KEY``).
+
+    scrypt (n=2**14, r=8: about 16 MiB and tens of ms), salted with this protocol's name,
+    so a guess of the secret costs an attacker who read the store's tags that much each
+    instead of one hash; computed once per process (groups opened later reuse it)."""
     if isinstance(secret, str):
         secret = secret.encode()
-    return hashlib.sha256(b"neuron-dist auth key\0" + secret).digest()
+    return hashlib.scrypt(secret, salt=b"neuron-dist auth key v2", n=1 << 14, r=8, p=1,
+                          maxmem=64 << 20, dklen=32)
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:

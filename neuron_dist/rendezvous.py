@@ -1,9 +1,10 @@
 """Set-up of a group through the c10d store: who shares a node, shared memory, network rails.
 
 1. Every rank publishes its node identity (topology.node_identity), its CPU
-   architecture and the settings that choose algorithms (``selection_settings``: ranks
-   choosing differently would compute garbage, so a difference fails every rank, naming
-   it); ranks with equal identities form a node (topology.Topology).
+   architecture and the settings that choose algorithms or frame network messages
+   (``selection_settings``: ranks choosing differently would compute garbage or fail
+   later with a misleading error, so a difference fails every rank, naming it); ranks
+   with equal identities form a node (topology.Topology).
    A node of several ranks on a CPU that is not x86-64 is refused on every rank (the
    shared-memory protocol relies on x86-64's store ordering: transport/shm/ordering.py).
 2. Per node, the node's first rank sweeps leftover segments of dead jobs, creates the
@@ -165,13 +166,19 @@ def _hold(settings, load: tuple, spans_nodes: bool) -> float:
 
 
 def selection_settings(settings) -> str:
-    """The settings every rank must share because they choose algorithms
-    (collectives/selection.py), as text."""
+    """The settings every rank must share, as text: those that choose algorithms
+    (collectives/selection.py), and the network's (which transport, how many rails to a
+    peer, how messages are cut into frames and checked: a rank that differs would only
+    show up later as a malformed frame or an unreachable peer)."""
     algo = ",".join(f"{o.table}:{o.lo}-{'' if o.hi is None else o.hi}={o.algorithm}"
                     for o in settings.algo) or "auto"
     return (f"NEURON_DIST_ALGO={algo} NEURON_DIST_SMALL_BYTES={settings.small_bytes} "
             f"NEURON_DIST_SHM_SLOT_BYTES={settings.slot_bytes} "
-            f"NEURON_DIST_NET_COST={settings.net_cost.describe()}")
+            f"NEURON_DIST_NET_COST={settings.net_cost.describe()} "
+            f"NEURON_DIST_TRANSPORT={settings.transport} NEURON_DIST_RAILS={settings.rails} "
+            f"NEURON_DIST_NET_SEGMENT_BYTES={settings.net_segment_bytes} "
+            f"NEURON_DIST_NET_CRC={int(settings.net_crc)} "
+            f"NEURON_DIST_NET_MAC={int(settings.net_mac)}")
 
 
 def check_same_selection(rank: int, choices: list) -> None:
@@ -179,7 +186,7 @@ def check_same_selection(rank: int, choices: list) -> None:
     if len(set(choices)) > 1:
         raise ValueError(
             f"neuron: rank {rank}: the ranks of a group must share the settings that choose "
-            f"algorithms; rank 0 has {choices[0]!r}, "
+            f"algorithms and frame the network's messages; rank 0 has {choices[0]!r}, "
             + ", ".join(f"rank {k} {c!r}" for k, c in enumerate(choices) if c != choices[0]))
 
 
@@ -251,16 +258,20 @@ def _open_node_channel(auth: StoreAuth, key: str, rank: int, size: int, settings
         sweep_leftovers(settings.shm_dir)
         segment = Segment.create(new_segment_name(), layout.total_bytes, layout.eager_ranges(),
                                  directory=settings.shm_dir)
+        channel = ShmChannel(segment, layout, rank, spin)  # (writes the magic word first)
         auth.set(f"{key}/segment", segment.name)
     else:
+        segment = None
         try:
             segment = Segment.attach(auth.get(f"{key}/segment", 0).decode(), layout.total_bytes,
                                      directory=settings.shm_dir)
+            channel = ShmChannel(segment, layout, rank, spin)  # (checks the magic word)
         except (ShmSetupError, StoreAuthError) as exc:  # tell the creator, who waits for the count
+            if segment is not None:
+                segment.close()
             store.set(f"{key}/refused", f"local rank {rank} of the node: {exc}")
             store.add(f"{key}/attached", _REFUSED)
             raise
-    channel = ShmChannel(segment, layout, rank, spin)
     store.add(f"{key}/attached", 1)
     try:
         # every rank waits for the count, so that a rank that refused the segment fails

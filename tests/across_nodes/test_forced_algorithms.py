@@ -77,6 +77,19 @@ def _forced(rank, world):
                                              and "rank 1 'NEURON_DIST_ALGO=all_reduce/network"
                                              in str(e))
     os.environ.pop("NEURON_DIST_ALGO", None)
+    # network settings too (issue: "network settings are not compared across ranks"): a
+    # rank with other rails or segments is refused at once, not later as a bad frame
+    for var, value in (("NEURON_DIST_RAILS", "2"), ("NEURON_DIST_NET_SEGMENT_BYTES", "128K")):
+        if rank == 1:
+            os.environ[var] = value
+        try:
+            dist.new_group(list(range(world)), backend="neuron")
+            out[f"different {var} refused"] = False
+        except Exception as e:  # noqa: BLE001
+            out[f"different {var} refused"] = (
+                "frame the network's messages" in str(e) and f"{var}=" in str(e))
+        if rank == 1:
+            del os.environ[var]
     return out
 
 

@@ -413,3 +413,23 @@ def test_an_abort_heard_through_shared_memory_is_passed_on_to_the_other_nodes():
     ProcessGroupNeuron._on_error(group, PeerAborted(3, "x", ABORTED_MISMATCH, network=True), "w")
     group._channel.abort.assert_called_once()
     group._net.abort.assert_not_called()
+
+
+def test_attaching_a_segment_without_the_magic_word_is_refused():
+    """Finding: the layout's MAGIC was written by the creator but never checked on attach,
+    so a file that is not a node segment of this layout was used as one."""
+    from neuron_dist.transport.shm.segment import ShmSetupError
+
+    layout = Layout(2, 4096, 4096)
+    seg = Segment.create(new_segment_name(), layout.total_bytes, directory="/dev/shm")
+    try:
+        peer = Segment.attach(seg.name, layout.total_bytes, directory="/dev/shm")
+        with pytest.raises(ShmSetupError, match="not a neuron node segment"):
+            ShmChannel(peer, layout, 1, spin=0)  # (the creator has not set it up)
+        peer.close()  # (nothing of the refused channel holds the map)
+        creator = ShmChannel(seg, layout, 0, spin=0)
+        peer = Segment.attach(seg.name, layout.total_bytes, directory="/dev/shm")
+        ShmChannel(peer, layout, 1, spin=0).close()
+        creator.close()
+    finally:
+        seg.unlink()

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ChannelClosed, PeerAborted, PeerDied, PeerTimeout, StepDeferred
 from . import cma, futex
+from .segment import ShmSetupError
 from . import layout as L
 from ..backoff import Backoff
 from .mailbox import ShmMailbox
@@ -69,6 +70,13 @@ class ShmChannel:
 
     def __init__(self, segment: Segment, layout: L.Layout, rank: int, spin: int,
                  yield_seconds: float = 5e-4, max_sleep: float = 1e-3):
+        if rank != 0:  # (read before any view of the map exists: a refused map can close)
+            magic = struct.unpack_from("q", segment.map, 0)[0]
+            if magic != L.MAGIC:
+                raise ShmSetupError(
+                    f"shared-memory segment {segment.name!r} is not a neuron node segment "
+                    f"(magic word {magic & (2**64 - 1):#x}, expected {L.MAGIC:#x}): another "
+                    f"program's file, or one its creator has not set up")
         self.segment = segment
         self.layout = layout
         self.rank = rank
@@ -110,9 +118,9 @@ class ShmChannel:
         self._starts = {}  # rank -> its process's start time (procid.start_time)
         self._next_liveness = 0.0
         self.cma = False  # may ranks read each other's memory (cma.py)? set by rendezvous
-        self._w[self._pid_word[rank]] = os.getpid()
         if rank == 0:
-            self._w[0] = L.MAGIC
+            self._w[0] = L.MAGIC  # (the creator's, before it publishes the segment's name)
+        self._w[self._pid_word[rank]] = os.getpid()
 
     def _view(self, off: int, nbytes: int):
         return self._bytes[off:off + nbytes]

@@ -1148,3 +1148,34 @@ def test_a_peer_whose_group_closed_is_named_as_such_not_as_gone():
             ts[0].isend(1, 1, b"x")
     finally:
         ts[0].close()
+
+
+def test_a_failing_progress_thread_closes_its_transports_naming_why():
+    """Finding: ``Progress._background`` -> ``poll()`` had no guard: an exception ended the
+    thread silently, and what only it moves stalled into a misattributed timeout."""
+    from neuron_dist.transport.errors import TransportError
+
+    ts = _pair(rails=1)
+    try:
+        eng = ts[0]._engine
+        real = eng.poll
+
+        def broken(timeout, done=None):
+            if threading.current_thread().name == "neuron-rdm-progress":
+                raise RuntimeError("injected")
+            return real(timeout, done)
+
+        eng.poll = broken
+        with eng._lock:  # (nobody waits: the background thread leads after its linger)
+            eng._last_wait = 0.0
+            eng._idle.notify()
+        end = time.monotonic() + 10
+        while not all(t._closed for t in ts) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert all(t._closed for t in ts)
+        for t in ts:
+            with pytest.raises(TransportError, match="progress engine failed.*injected"):
+                t.irecv(1 - t.rank, 5, bytearray(1))
+    finally:
+        for t in ts:
+            t.close()

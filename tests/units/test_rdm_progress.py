@@ -79,3 +79,24 @@ def test_the_deadline_ends_a_wait_in_any_phase(engine):
     assert not engine.drive(lambda: False, start + 0.0002, spin=500)  # while polling
     assert not engine.drive(lambda: False, time.monotonic() + 0.05, spin=500)  # asleep
     assert time.monotonic() - start < 2.0
+
+
+def test_shutdown_never_closes_epoll_under_a_polling_thread():
+    """Finding: ``Progress._shutdown`` closed epoll without holding ``_poll``: a thread
+    waiting in ``drive`` then polled a closed epoll and raised."""
+    eng = progress.Progress()
+    errors = []
+
+    def wait():
+        try:
+            eng.drive(lambda: False, time.monotonic() + 1.0)
+        except Exception as e:  # noqa: BLE001 - what the test looks for
+            errors.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.2)  # (it polls, in epoll by now)
+    eng._shutdown()
+    t.join(5)
+    assert not t.is_alive()
+    assert not errors, errors

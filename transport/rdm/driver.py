@@ -293,6 +293,7 @@ class RdmTransport:
         self._any: dict = {}  # tag -> deque of receives from any source
         self._failed: dict[int, Exception] = {}
         self._closed = False
+        self._close_error = None  # what closed it (close(error)), named by later calls
         self._due = None  # the endpoint's next deadline, as last computed
         self._hosts = [host] if isinstance(host, str) else list(host)
         self._link_timeout = link_timeout
@@ -769,7 +770,7 @@ class RdmTransport:
         req.callback = callback
         with self._lock:
             if self._closed:
-                raise ChannelClosed(f"rdm transport of {self._label} is closed")
+                raise self._closed_error()
             # A message that arrived whole is delivered even if its sender has since closed
             # or failed: a peer that sends its last message and exits is normal.
             early = self.ep.take_early(peer, tag)
@@ -802,7 +803,7 @@ class RdmTransport:
         req.claim = claim
         with self._lock:
             if self._closed:
-                raise ChannelClosed(f"rdm transport of {self._label} is closed")
+                raise self._closed_error()
             if claim is not None and self.ep.peek_early_any(tag) is not None and not claim():
                 req._finish(Claimed())
                 return req
@@ -903,9 +904,17 @@ class RdmTransport:
         except Exception:  # noqa: BLE001 - the peer is gone already
             return None
 
+    def _closed_error(self) -> Exception:
+        """What a request on the closed transport raises: the error that closed it (so a
+        later call names the cause), unless that was a plain close."""
+        error = self._close_error
+        if error is None or isinstance(error, ChannelClosed):
+            return ChannelClosed(f"rdm transport of {self._label} is closed")
+        return error
+
     def _check_usable(self, peer: int) -> None:
         if self._closed:
-            raise ChannelClosed(f"rdm transport of {self._label} is closed")
+            raise self._closed_error()
         if peer in self._failed:
             raise self._failed[peer]
         if peer not in self._expected:
@@ -1267,6 +1276,7 @@ class RdmTransport:
                 return
             self._closed = True
             error = error or ChannelClosed(f"rdm transport of {self._label} was closed")
+            self._close_error = error
             for req in self._sends.values():
                 self._unhook(req.buf.obj, req.peer)  # (rails other groups keep write on)
                 req._finish(error)

@@ -67,15 +67,19 @@ end with the last, so nothing is left behind once every transport is closed.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import select
 import threading
 import time
 
+from ..errors import TransportError
 from ..requests import run_callbacks
 from ..backoff import Backoff
 from .listener import Listener
+
+log = logging.getLogger("neuron_dist.rdm")
 
 _BG_POLL = 0.05  # longest sleep of the background thread in epoll (a safety net)
 _FOLLOW = 0.001  # a waiter that cannot lead checks this often whether it may
@@ -216,13 +220,16 @@ class Progress:
     # ------------------------------------------------------------------ polling
 
     def poll(self, timeout: float, done=None) -> None:
-        """Under ``_poll``: wait up to ``timeout`` for rails or timers, and handle them.
+        """Under ``_poll``: wait up to ``timeout`` for rails or timers, and handle them
+        (nothing once the engine has shut down).
 
         Visits for bulk bytes (a payload being read in place, a queue being written) come
         after the others, and each visit reads a bounded number of bytes (the driver's
         ``_VISIT_BYTES``); once ``done()`` (the leader's own condition), the rails not
         handled yet are left for the next poll (epoll reports them again). So a small
         message that completes a waiter's request is not read after other rails' bulk."""
+        if self._stop:
+            return
         now = time.monotonic()
         for t in self._transports:
             due = t._next_due()
@@ -319,15 +326,32 @@ class Progress:
                     return
             if not self._poll.acquire(True, _BG_POLL):
                 continue
+            failure = None
             try:
                 with self._lock:
                     if self._waiters or self._stop:
                         continue
                     self._bg_leads = True
                 self.poll(_BG_POLL)
+            except Exception as e:  # noqa: BLE001 - never die silently: see _failed
+                failure = e
             finally:
                 self._bg_leads = False
                 self._poll.release()
+            if failure is not None:
+                self._failed(failure)
+
+    def _failed(self, error: Exception) -> None:
+        """The background thread's poll raised (a bug): without it nothing moves what nobody
+        waits for, so every transport closes with that cause, which their pending requests
+        and their groups' next calls raise (instead of a stall reported as a timeout)."""
+        log.error("neuron: the network progress engine failed", exc_info=error)
+        cause = TransportError(f"the network progress engine failed: {error!r}")
+        for t in list(self._transports):
+            try:
+                t.close(cause)
+            except Exception:  # noqa: BLE001 - close the others anyway
+                log.exception("neuron: closing a transport after the engine failed")
 
     # ------------------------------------------------------------------ lifetime
 
@@ -351,9 +375,17 @@ class Progress:
         for t in self._threads:
             if t is not me:
                 t.join(timeout=2.0)
-        self._epoll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        # Not while a thread polls: a leader in ``epoll`` would find it closed under it.
+        # (A leader polls at most _BG_POLL at a time and, once it holds ``_poll``, sees
+        # ``_stop``.)
+        got = self._poll.acquire(timeout=2.0)
+        try:
+            self._epoll.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        finally:
+            if got:
+                self._poll.release()
 
 
 # Every rdm transport of the process, and the links they share, work under this one lock

@@ -1036,3 +1036,31 @@ def test_fuzz_endpoint_never_raises_on_wire_input(bufs):
     for e in ep.events():
         assert isinstance(e, (FrameRejected, MessageReceived))
     assert 0 <= ep.reassembly_bytes <= 8192 + 4096 * 4
+
+
+def test_tiny_unexpected_messages_are_charged_to_the_peers_memory_budget():
+    """Finding: only a message's bytes counted against the budget, so 0-byte messages on
+    new tags (a stream and an early entry each) grew memory without bound. Now at most
+    ``max_held_messages`` are held per peer; the rest are dropped before anything is built
+    for them (the sender resends once receives take the held ones)."""
+    ep = Endpoint(1, 2, rails=1, segment_bytes=64, max_message_bytes=1024,
+                  max_reassembly_bytes=1 << 20, max_held_messages=10)
+    for i in range(50):  # each due next on a new tag, as a flood would send them
+        f = F.encode(F.DATA, 0, 1, msg_id=i, tag=1000 + i, seq=0, total=0, payload=b"")
+        if not _whole(ep, f):
+            ep.receive(0, f, 0.0)
+    held = [e for e in ep.events() if isinstance(e, MessageReceived)]
+    assert len(held) == 10 and ep.stats["dropped_full"] == 40
+    assert len(ep._peers[0].streams) == 10  # nothing built for the dropped ones
+    for e in held:  # taking them frees the room
+        assert ep.take_early(0, e.tag) == bytearray()
+    f = F.encode(F.DATA, 0, 1, msg_id=10, tag=1010, seq=0, total=0, payload=b"")
+    ep.receive(0, f, 0.0)
+    assert [e.tag for e in ep.events() if isinstance(e, MessageReceived)] == [1010]
+    # a message that is not due next may fill only half the count (like the bytes)
+    ep = Endpoint(1, 2, rails=1, segment_bytes=64, max_message_bytes=1024,
+                  max_reassembly_bytes=1 << 20, max_held_messages=10)
+    for i in range(20):
+        f = F.encode(F.DATA, 0, 1, msg_id=i, tag=7, seq=i + 1, total=1, payload=b"x")
+        ep.receive(0, f, 0.0)  # position 0 of tag 7 never comes: all wait behind it
+    assert ep._peers[0].held_messages == 5 and ep.stats["dropped_full"] == 15

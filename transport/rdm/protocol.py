@@ -116,6 +116,11 @@ Limits (bounded memory)
       the limit nobody receives is held back until receives are posted (its sends fail
       after ``max_retries`` resends if they never are). Only the next notice on a
       ``notice_tags`` stream (at most NOTICE_BYTES per peer) may pass the limit.
+    * ``max_held_messages`` per peer: the same for the number of messages held privately,
+      whatever their size (each costs its stream entry and buffer object even when it
+      holds no byte: without it a flood of 0-byte messages on new tags grew memory
+      without bound while ``max_reassembly_bytes`` saw nothing). A message that would
+      pass it is dropped unacked before anything is built for it.
     * ``max_message_bytes``: ``send`` refuses larger messages, the decoder rejects frames
       claiming larger ones.
 
@@ -149,6 +154,7 @@ DELAYED_ACK_BYTES = 256 << 10
 # whatever ``ack_delay`` is.
 DELAYED_ACK_HELD_BYTES = 4 << 20
 NOTICE_BYTES = 4096  # a notice_tags message up to this size always finds memory
+MAX_HELD_MESSAGES = 1 << 16  # messages held privately per peer (max_held_messages)
 
 # ----------------------------------------------------------------------------- events
 
@@ -323,6 +329,7 @@ class _Peer:
     recv_done: _IdWindow = field(default_factory=_IdWindow)
     partial: dict = field(default_factory=dict)  # msg_id -> _Reassembly
     held: int = 0  # private reassembly + early bytes from this peer (max_reassembly_bytes)
+    held_messages: int = 0  # the messages those bytes belong to (max_held_messages)
     streams: dict = field(default_factory=dict)  # tag -> _Stream
 
     def live_rails(self) -> list:
@@ -368,6 +375,8 @@ class Endpoint:
     max_reassembly_bytes : int
         Private memory per peer for messages no receive was posted for: reassembly
         buffers and early messages not yet taken.
+    max_held_messages : int
+        Messages per peer held in private memory (reassembling or early) at once.
     max_open_messages : int
         Distance allowed between the oldest unfinished and the newest started message
         per peer; must be equal on both sides.
@@ -386,7 +395,8 @@ class Endpoint:
                  max_message_bytes: int, *, rto: float = 0.2, backoff: float = 2.0,
                  max_rto: float = 5.0, max_retries: int = 8, window_bytes: int = 4 << 20,
                  max_reassembly_bytes: int = 64 << 20, max_open_messages: int = 4096,
-                 crc: bool = False, ack_delay: float = 0.0, notice_tags=()):
+                 crc: bool = False, ack_delay: float = 0.0, notice_tags=(),
+                 max_held_messages: int = MAX_HELD_MESSAGES):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         if not 1 <= rails <= 256:
@@ -400,6 +410,7 @@ class Endpoint:
         self.rto, self.backoff, self.max_rto, self.max_retries = rto, backoff, max_rto, max_retries
         self.window_bytes, self.max_reassembly_bytes = window_bytes, max_reassembly_bytes
         self.max_open_messages, self.crc = max_open_messages, crc
+        self.max_held_messages = max_held_messages
         self.ack_delay = ack_delay
         self.notice_tags = frozenset(notice_tags)
         # Something for poll_transmit besides deadlines (new messages, a window that opened,
@@ -558,6 +569,7 @@ class Endpoint:
     def _take(self, state: _Peer, stream: _Stream) -> bytearray:
         data = stream.early.popleft()[1]
         state.held -= len(data)
+        state.held_messages -= 1
         self.reassembly_bytes -= len(data)
         return data
 
@@ -784,20 +796,22 @@ class Endpoint:
             return False
         stream = state.streams.get(header.tag)
         if stream is None:
-            if seq:
-                return False
+            if seq or state.held_messages >= self.max_held_messages:
+                return False  # (the general path drops the latter, and counts that)
             stream = self._stream(state, header.tag)
         elif seq != stream.next_deliver or seq in stream.owner or seq in stream.cancelled:
             return False
         posted = stream.bound.get(seq)
         if posted is None:
-            if state.held + total > self.max_reassembly_bytes:
+            if (state.held + total > self.max_reassembly_bytes
+                    or state.held_messages >= self.max_held_messages):
                 return False  # (the general path drops it, and counts that)
             try:
                 data = bytearray(payload)
             except MemoryError:
                 return False  # (the general path drops it unacked: the sender retries)
             state.held += total
+            state.held_messages += 1
             self.reassembly_bytes += total
         elif posted.nbytes < total:
             return False
@@ -916,11 +930,12 @@ class Endpoint:
     def _fail(self, peer: int, reason: str) -> None:
         state = self._peers.pop(peer)
         self._failed[peer] = reason
-        kept = 0
+        kept = kept_messages = 0
         for stream in state.streams.values():
             kept += sum(len(data) for _, data in stream.early)
+            kept_messages += len(stream.early)
         self.reassembly_bytes -= state.held - kept
-        state.held, state.partial = kept, {}
+        state.held, state.held_messages, state.partial = kept, kept_messages, {}
         if kept:
             self._left[peer] = state  # its whole messages stay until taken
         self._events.append(PeerFailed(peer, reason, tuple(sorted(state.open))))
@@ -1139,8 +1154,9 @@ class Endpoint:
                 return False  # lands in the caller's buffer
         if due and header.tag in self.notice_tags and header.total <= NOTICE_BYTES:
             return False  # a notice (a rank aborting) gets through whatever is held
-        limit = self.max_reassembly_bytes if due else self.max_reassembly_bytes // 2
-        if state.held + header.total <= limit:
+        share = 1 if due else 2
+        if (state.held + header.total <= self.max_reassembly_bytes // share
+                and state.held_messages < self.max_held_messages // share):
             return False
         self.stats["dropped_full"] += count
         return True
@@ -1165,6 +1181,7 @@ class Endpoint:
                 return None  # not acked: the sender retries
             owner, discard = None, False
             state.held += frame.total
+            state.held_messages += 1
             self.reassembly_bytes += frame.total
         r = _Reassembly(frame.msg_id, frame.tag, frame.seq, frame.total, buf, owner,
                         discard=discard)
@@ -1218,6 +1235,7 @@ class Endpoint:
             stream.cancelled.discard(r.seq)
             if private:
                 state.held -= r.total
+                state.held_messages -= 1
                 self.reassembly_bytes -= r.total
             self.stats["discarded"] += 1
             return
@@ -1226,6 +1244,7 @@ class Endpoint:
             return
         if posted is not None and posted.nbytes >= r.total:
             state.held -= r.total
+            state.held_messages -= 1
             self.reassembly_bytes -= r.total
             posted[:r.total] = r.buf
             self._events.append(MessageReceived(src, r.tag, r.msg_id, posted[:r.total], True))
@@ -1233,6 +1252,7 @@ class Endpoint:
         data = r.buf.obj
         if posted is not None:  # too small for it: the receive gets the message to refuse
             state.held -= r.total
+            state.held_messages -= 1
             self.reassembly_bytes -= r.total
         else:  # nobody asked for it yet: kept (and counted) until taken
             self._arrivals += 1

@@ -324,3 +324,36 @@ def test_a_rail_that_breaks_before_the_dialer_took_the_last_one_costs_only_that_
     finally:
         release.set()
         _closing(ts)
+
+
+def test_a_trickling_acceptor_cannot_hold_a_dial_past_its_deadline():
+    """Finding: the dialer's handshake had no overall deadline (each read had the socket's
+    timeout), so an acceptor sending a byte now and then held it for minutes."""
+    from neuron_dist.transport.rdm import handshake
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    stop = threading.Event()
+
+    def trickle():
+        conn, _ = server.accept()
+        with conn:
+            for byte in handshake.MAGIC + bytes(64):
+                if stop.wait(0.2):
+                    return
+                conn.sendall(bytes([byte]))
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    sock = socket.create_connection(server.getsockname(), timeout=5.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(handshake.HandshakeError, match="not finished in time"):
+            handshake.dial(sock, KEY, b"group", 0, 0, 1, deadline=start + 1.0)
+        assert time.monotonic() - start < 2.0
+    finally:
+        stop.set()
+        sock.close()
+        t.join(5)
+        server.close()

@@ -114,7 +114,13 @@ def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
     while got < n:
         if deadline is not None:
             _until(sock, deadline)
-        k = sock.recv_into(view[got:])
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise HandshakeError(f"handshake not finished in time ({got} of {n} bytes of a "
+                                 f"handshake message came)") from None
         if k == 0:
             raise HandshakeError(f"connection closed after {got} of {n} handshake bytes")
         got += k
@@ -188,9 +194,11 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
 
 
 def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
-         dst: int) -> bytes:
-    """Authenticate to the acceptor ``dst`` on the connected ``sock`` (timeout set); return
-    the connection's ``session_key``.
+         dst: int, deadline: float | None = None) -> bytes:
+    """Authenticate to the acceptor ``dst`` on the connected ``sock``; return the
+    connection's ``session_key``. ``deadline`` (``time.monotonic()``) bounds the whole
+    handshake, however slowly the acceptor's bytes trickle in (else the socket's timeout
+    bounds each read).
 
     Raises
     ------
@@ -199,14 +207,16 @@ def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
     HandshakeError
         The other end is not ``dst`` of this job, or refused us.
     """
-    hello = _read_exact(sock, _HELLO_SIZE)
+    hello = _read_exact(sock, _HELLO_SIZE, deadline)
     if hello[:4] != MAGIC:
         raise HandshakeError(f"the listener at {sock.getpeername()} is not a neuron rail")
     challenge = secrets.token_bytes(32)
     ids = struct.pack("!IHI", my_rank, rail, dst)
+    if deadline is not None:
+        _until(sock, deadline)
     sock.sendall(_PROOF.pack(MAGIC, my_rank, rail, dst, group_id(group), challenge,
                              _mac(key, b"dial", group, hello[4:], ids)))
-    answer = _read_exact(sock, _OK_SIZE)
+    answer = _read_exact(sock, _OK_SIZE, deadline)
     if answer[:4] == CROSSED and hmac.compare_digest(
             answer[4:], _mac(key, b"crossed", group, challenge, struct.pack("!I", dst))):
         raise Crossed(f"rank {dst} is dialing rank {my_rank} too; rank {dst}'s rails are kept")

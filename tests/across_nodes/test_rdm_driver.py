@@ -706,6 +706,28 @@ def test_a_receive_being_read_is_withdrawn_at_once_and_nothing_lands_later(pair,
     """The sender stalls half way through a payload that lands in place, in a receive's
     buffer. The receive is withdrawn: the rest of the payload, when it comes, goes to
     scratch memory, never into the buffer."""
+    _withdraw_mid_payload(pair, monkeypatch)
+
+
+def test_withdrawing_mid_payload_keeps_the_rail_with_payload_authentication(monkeypatch, caplog):
+    """Finding: with payload MAC on, withdrawing a receive mid-payload swapped in zeroed
+    scratch memory and the frame's tag was then checked over it: "unauthenticated frame",
+    a shared rail closed and a false alarm. The rails stay up and carry the next message."""
+    import logging
+    ts = _pair(rails=1, frame_mac=True, payload_mac=True)
+    try:
+        with caplog.at_level(logging.ERROR):
+            _withdraw_mid_payload(ts, monkeypatch)
+        assert not [r for r in caplog.records if "unauthenticated" in r.getMessage()]
+        rails = [r for rs in ts[0]._rails.values() for r in rs] + \
+            [r for rs in ts[1]._rails.values() for r in rs]
+        assert rails and all(r.alive for r in rails)
+    finally:
+        for t in ts:
+            t.close()
+
+
+def _withdraw_mid_payload(pair, monkeypatch):
     from neuron_dist.transport.errors import PeerTimeout
     from neuron_dist.transport.rdm import links as D
     real = D._send_some

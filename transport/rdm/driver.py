@@ -571,7 +571,8 @@ class RdmTransport:
                                                 f"closed all its groups)") from None
                 time.sleep(0.05)
         try:
-            session = handshake.dial(sock, self._key, self._group, self.rank, rail, peer)
+            session = handshake.dial(sock, self._key, self._group, self.rank, rail, peer,
+                                     min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT))
         except BaseException:
             sock.close()
             raise
@@ -873,12 +874,16 @@ class RdmTransport:
         """Under the lock: nothing this transport holds refers to buffer ``obj`` any more.
 
         A payload being read into it goes on into scratch memory (the claim stays, so the
-        endpoint counts the bytes of its cancelled message); queued frames that refer to
-        it are replaced by copies (the part already written stays written)."""
+        endpoint counts the bytes of its cancelled message), which starts with a copy of
+        what was read so far: with payload authentication the frame's tag covers the
+        whole payload as it came, and is checked over that memory. Queued frames that
+        refer to it are replaced by copies (the part already written stays written)."""
         rails = self._rails.values() if peer is None else [self._rails.get(peer, ())]
         for rail in (r for rs in rails for r in rs if r is not None):
             if rail.stage == _PAYLOAD and rail.view.obj is obj:
-                rail.view = memoryview(bytearray(rail.view.nbytes))
+                scratch = memoryview(bytearray(rail.view.nbytes))
+                scratch[:rail.got] = rail.view[:rail.got]
+                rail.view = scratch
             if any(v.obj is obj for v in rail.out):
                 rail.out = deque(memoryview(bytes(v)) if v.obj is obj else v
                                  for v in rail.out)

@@ -59,6 +59,11 @@ class HandshakeError(ConnectionError):
     """A connection failed authentication or spoke something else than the handshake."""
 
 
+class HandshakeTimeout(HandshakeError, TimeoutError):
+    """The handshake was not finished by its deadline: the other end is stalled (or
+    trickles), which callers report as a timeout, not as a refusal."""
+
+
 class Crossed(HandshakeError):
     """Both ranks dialed each other at once, and the other rank's rails win (it has the
     higher rank): wait for them instead of opening these."""
@@ -119,8 +124,8 @@ def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
         except TimeoutError:
             if deadline is None:
                 raise
-            raise HandshakeError(f"handshake not finished in time ({got} of {n} bytes of a "
-                                 f"handshake message came)") from None
+            raise HandshakeTimeout(f"handshake not finished in time ({got} of {n} bytes of a "
+                                   f"handshake message came)") from None
         if k == 0:
             raise HandshakeError(f"connection closed after {got} of {n} handshake bytes")
         got += k
@@ -132,7 +137,7 @@ def _until(sock: socket.socket, deadline: float) -> None:
     however slowly its bytes trickle in)."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise HandshakeError("handshake not finished in time")
+        raise HandshakeTimeout("handshake not finished in time")
     sock.settimeout(remaining)
 
 

@@ -357,3 +357,34 @@ def test_a_trickling_acceptor_cannot_hold_a_dial_past_its_deadline():
         sock.close()
         t.join(5)
         server.close()
+
+
+def test_the_accept_loop_survives_a_thread_it_cannot_start(monkeypatch):
+    """Finding: the accept loop did not guard ``Thread.start()``: a ``RuntimeError`` at the
+    process's thread limit ended it while its socket stayed open, and every later dial
+    stalled into a timeout. That connection is dropped; the next is served."""
+    from neuron_dist.transport.rdm import handshake, listener as L
+
+    real = threading.Thread
+    failed = []
+
+    class AtTheLimit(real):
+        def start(self):
+            if self.name == "neuron-rdm-handshake" and not failed:
+                failed.append(self)
+                raise RuntimeError("can't start new thread")
+            return super().start()
+
+    monkeypatch.setattr(L.threading, "Thread", AtTheLimit)
+    lis = L.Listener("127.0.0.1", lambda gid, rank: None)
+    try:
+        host, port = lis.address.rsplit(":", 1)
+        first = socket.create_connection((host, int(port)), timeout=5)
+        assert first.recv(4) == b""  # dropped
+        first.close()
+        second = socket.create_connection((host, int(port)), timeout=5)
+        assert second.recv(4) == handshake.MAGIC  # the loop is alive: its hello comes
+        second.close()
+        assert failed
+    finally:
+        lis.close()

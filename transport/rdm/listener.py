@@ -90,7 +90,8 @@ class Listener:
         new one closes the oldest (a flood of idle connections costs the job no more than
         that many descriptors and threads). An error from ``accept`` (out of descriptors,
         a connection reset before it was taken) is logged and retried with a growing pause,
-        never the end of the loop.
+        never the end of the loop; so is a thread that cannot be started (the process's
+        thread limit): that connection is dropped.
         """
         pause = 0.0
         while not self._closed:
@@ -114,8 +115,17 @@ class Listener:
                 while len(self._handshakes) >= MAX_HANDSHAKES:
                     self._evict_oldest()
                 self._handshakes[conn] = addr
-            threading.Thread(target=self._accept_one, args=(conn, addr), daemon=True,
-                             name="neuron-rdm-handshake").start()
+            try:
+                threading.Thread(target=self._accept_one, args=(conn, addr), daemon=True,
+                                 name="neuron-rdm-handshake").start()
+            except RuntimeError as e:  # at the process's thread limit: drop this one, go on
+                with self._lock:
+                    self._handshakes.pop(conn, None)
+                conn.close()
+                pause = min(1.0, max(0.01, pause * 2))
+                self._strangers.note(f"no thread for a handshake from {addr}: {e}",
+                                     level=logging.WARNING)
+                time.sleep(pause)
 
     def _evict_oldest(self) -> None:
         """Under the lock: end the oldest unfinished handshake (its thread sees an error)."""
@@ -147,4 +157,11 @@ class Listener:
             conn.close()
             owner._release(peer, rail)
             return
-        owner._accepted(conn, peer, rail, session)
+        try:
+            owner._accepted(conn, peer, rail, session)
+        except Exception as e:  # noqa: BLE001 - never end this thread silently
+            log.exception("neuron listener: taking rail %d of rank %d failed", rail, peer)
+            conn.close()
+            owner._release(peer, rail)
+            self._strangers.note(f"could not take a rail from rank {peer}: {e!r}",
+                                 level=logging.WARNING)

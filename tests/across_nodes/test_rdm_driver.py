@@ -307,15 +307,19 @@ def test_eager_copies_go_back_to_the_pool_once_acked(pair):
     assert a._pool._bytes > 0
 
 
-def test_a_stream_of_eager_sends_keeps_every_copy_it_had_in_flight():
+def test_a_stream_of_eager_sends_keeps_every_copy_it_had_in_flight(monkeypatch):
     # The copy pool holds as much as the eager window lets be unacknowledged, so a stream
     # of eager sends with more than 8 MiB in flight gets all its copies back (with 8 MiB
     # it dropped half of them and allocated them anew: fresh pages for every other send).
     # The receiver holds its acks until the helper releases them, so all the copies are
     # in flight at once (else early acks let later sends reuse copies, and the pool ends
-    # up with fewer); a resend queued when its ack comes keeps its copy out of the pool
-    # (by design), so the timeout is long enough that a loaded machine resends nothing.
+    # up with fewer: so the bound on held acks, 4 MiB of messages, is lifted here, or on a
+    # slow run acks come back mid-stream); a resend queued when its ack comes keeps its
+    # copy out of the pool (by design), so the timeout is long enough that a loaded machine
+    # resends nothing.
+    from neuron_dist.transport.rdm import protocol
     from neuron_dist.transport.rdm.driver import EAGER_BYTES
+    monkeypatch.setattr(protocol, "DELAYED_ACK_HELD_BYTES", 1 << 40)
     a, b = _pair(rails=1, window_bytes=32 << 20, rto=60.0, ack_delay=60.0)
     try:
         n, count = EAGER_BYTES, 48  # 12 MiB of copies at once

@@ -555,9 +555,7 @@ class MpiTransport:
         crowded cores every µs a waiter spends is taken from the members it waits for.
         """
         event = req._event
-        with self._lock:
-            self._waiting_threads += 1
-        try:
+        with self._waiting():
             start = now = time.monotonic()
             full_at = now + _SPIN_SECONDS
             while not event.is_set() and now - start < _COLL_SPIN_SECONDS:
@@ -580,9 +578,6 @@ class MpiTransport:
                 if now >= deadline:
                     return False
                 os.sched_yield()
-        finally:
-            with self._lock:
-                self._waiting_threads -= 1
         return event.is_set() or self._drive(event, deadline)
 
     def _retire(self, mpi_req) -> None:
@@ -1056,9 +1051,7 @@ class MpiTransport:
         ``sleep(0)`` or a 25 us timed wait cost ~0.1 ms), then with sleeps growing to
         0.2 ms. False on timeout.
         """
-        with self._lock:
-            self._waiting_threads += 1
-        try:
+        with self._waiting():
             idle = 0
             spin_until = time.monotonic() + _SPIN_SECONDS
             while not event.is_set():
@@ -1082,6 +1075,15 @@ class MpiTransport:
                     idle += 1
                     event.wait(min(deadline - now, _HOT_SLEEP, 2.5e-5 * (1 << min(idle, 4))))
             return event.wait(max(0.0, deadline - time.monotonic()))
+
+    @contextlib.contextmanager
+    def _waiting(self):
+        """Count the calling thread as one that drives MPI for itself while inside (the
+        progress thread then polls less often)."""
+        with self._lock:
+            self._waiting_threads += 1
+        try:
+            yield
         finally:
             with self._lock:
                 self._waiting_threads -= 1

@@ -34,7 +34,7 @@ by group rank, on the stream ``COLLECTIVE_TAG``. It adds what the contract lacks
   (net_recursive_doubling.py, net_rabenseifner.py, net_halving.py, net_bruck.py,
   net_binomial.py, net_dissemination.py) post with ``send`` / ``recv``, combine with
   ``reduce`` and ``yield`` where they need everything posted so far to be complete:
-  ``run`` waits there. The simulator (neuron_dist/bench/netsim.py) drives the same
+  ``run`` waits there. The simulator (bench/netsim.py) drives the same
   generators for thousands of ranks in one process.
 
 ``as_bytes`` is how a tensor's memory is handed to a transport (send/recv use it too).

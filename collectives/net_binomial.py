@@ -14,7 +14,7 @@ ceil(log2 P); the root sends (or receives) ceil(log2 P) messages where a flat tr
 send P - 1.
 
 Written as generators over a ``NetCall`` (net.py: each ``yield`` waits for everything
-posted), so the simulator (neuron_dist/bench/netsim.py) runs the same code.
+posted), so the simulator (bench/netsim.py) runs the same code.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ bytes as a direct exchange or a ring, in far fewer messages), plus one copy of t
 result. Blocks are copied, never combined: every rank gets the same bits.
 
 Written as a generator over a ``NetCall`` (net.py: each ``yield`` waits for everything
-posted), so the simulator (neuron_dist/bench/netsim.py) runs the same code.
+posted), so the simulator (bench/netsim.py) runs the same code.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ How it works
 Each algorithm's critical path is counted from its code (``shape``): the dependent rounds,
 the messages the busiest rank sends and receives, the bytes through its link in one
 direction, the bytes it reduces and the bytes it copies. The simulator
-(neuron_dist/bench/netsim.py) runs the algorithms' own code and its tests check these
+(bench/netsim.py) runs the algorithms' own code and its tests check these
 counts against what the code did, for 2 to 1024 ranks. A ``Link`` prices them::
 
     time = rounds x lat + (sent + received) x alpha + bytes x beta + (reduced + copied) x gamma
@@ -19,7 +19,7 @@ above ``PIGGYBACK_BYTES`` to a new peer of the call has its call descriptor sent
 
 The link's figures (``MEASURED``) come from the benchmark, measured offline over a veth
 link between two network namespaces and fitted by the lab's cost model
-(``python -m neuron_dist.bench.costmodel``, results/costmodel.json,
+(``python -m bench.costmodel``, results/costmodel.json,
 ``parameters_used``): alpha = its per-message cost (50.0 us), beta its per-byte cost
 (0.485 ns/B, 2.06 GB/s), gamma the reduction speed on one node (0.039 ns/B, 25.6 GB/s).
 Its ``lat`` (112.6 us) was calibrated on 2-node all_reduce points with one message sent

@@ -8,7 +8,7 @@ some chain, from every other: no rank leaves before all have arrived. Any P; one
 per rank and round, where an exchange among all sends P - 1.
 
 Written as a generator over a ``NetCall`` (net.py: each ``yield`` waits for everything
-posted), so the simulator (neuron_dist/bench/netsim.py) runs the same code.
+posted), so the simulator (bench/netsim.py) runs the same code.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ so every rank that receives it gets the same bits. The order of the additions is
 not rank order; float16/bfloat16 round once per level.
 
 Written as generators over a ``NetCall`` (net.py: each ``yield`` waits for everything
-posted), so the simulator (neuron_dist/bench/netsim.py) runs the same code.
+posted), so the simulator (bench/netsim.py) runs the same code.
 """
 
 from __future__ import annotations

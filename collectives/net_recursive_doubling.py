@@ -26,7 +26,7 @@ through some chain, from every other.
 
 Written as generators over a ``NetCall`` (net.py: ``send``, ``recv``, ``reduce``,
 ``buffer``; each ``yield`` waits for everything posted), so the simulator
-(neuron_dist/bench/netsim.py) runs the same code for thousands of ranks in one process.
+(bench/netsim.py) runs the same code for thousands of ranks in one process.
 """
 
 from __future__ import annotations

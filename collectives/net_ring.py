@@ -11,7 +11,7 @@ steps: what gloo runs. Each chunk is reduced along the ring once and then copied
 everywhere, so every rank gets the same bits.
 
 Written as a generator over a ``NetCall`` (net.py: each ``yield`` waits for everything
-posted), so the simulator (neuron_dist/bench/netsim.py) runs the same code.
+posted), so the simulator (bench/netsim.py) runs the same code.
 """
 
 from __future__ import annotations

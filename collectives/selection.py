@@ -7,7 +7,7 @@ returns the algorithm of the first row whose condition holds for the call *and* 
 run in it (``RUNS``: e.g. single copy needs cross-memory attach and the call's first step);
 every table ends with a row that always holds and always runs. The algorithm modules ask
 (``ctx.selection.select("all_reduce", ...)``) instead of comparing thresholds themselves,
-and ``neuron_dist/bench/costmodel.py`` asks the same tables for the algorithm it models.
+and ``bench/costmodel.py`` asks the same tables for the algorithm it models.
 
 A collective has one table per stage it goes through:
 

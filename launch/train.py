@@ -982,7 +982,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=None,
                    help="default: 2 if the world size is even, else 1")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--backend", default=d.backend)
+    p.add_argument("--backend", default=d.backend,
+                   help="any registered torch.distributed backend (neuron, gloo, ...)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch.set_num_threads per rank")
     p.add_argument("--no-rope", dest="rope", action="store_false")
@@ -1039,12 +1040,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = parse_config(argv)
     torch.set_num_threads(cfg.threads)
     ensure_rendezvous_env()
-    if cfg.backend == "null":  # collectives that do nothing: compute alone (bench.mainjob)
-        from neuron_dist.bench import null_pg
-        null_pg.register()
-    elif cfg.backend in ("floor", "floor_inside", "floor_between"):  # bench.mainjob's floors
-        from neuron_dist.bench import job_floor_pg
-        job_floor_pg.register()
     dist.init_process_group(cfg.backend)
     try:
         train(cfg)

@@ -254,6 +254,27 @@ class ExpressLane:
         dsts = [dst + k * block for k in range(n)]
         return self._run(entry, [out], seconds, dsts, srcs, inp.element_size())
 
+    def planned(self, op: str, t) -> tuple:
+        """A hook for the lab's layer-by-layer timing (bench/layers.py): ``(entry, args)``,
+        the lane's prepared entry for ``dist.all_reduce(t)`` (SUM) or ``dist.broadcast(t,
+        0)`` (``op``: "all_reduce" or "broadcast") and the arguments its plan's ``run``
+        takes after the context, as ``all_reduce`` / ``broadcast`` would hand them over.
+        Nothing runs. Raises LookupError when the lane does not serve that call."""
+        if op == "all_reduce":
+            key = ("all_reduce", t.dtype, t.shape)
+            make = lambda: self._all_reduce_entry(t, _SUM)  # noqa: E731
+        elif op == "broadcast":
+            key = ("broadcast", t.dtype, t.shape, 0)
+            make = lambda: self._broadcast_entry(t, 0)  # noqa: E731
+        else:
+            raise ValueError(f"planned: no {op!r} (all_reduce, broadcast)")
+        entry = self._entries.get(key, _MISSING)
+        if entry is _MISSING:
+            entry = self._remember(key, make())
+        if entry is None or not self._usable(t):
+            raise LookupError(f"the express lane does not serve this {op}")
+        return entry, ((t, t, entry.spec) if op == "all_reduce" else (t,))
+
     def _run(self, entry: _Entry, outputs: list, seconds: float, *args):
         """Run ``entry.plan.run(ctx, *args)`` as the group's next collective now, or
         return None."""

@@ -1,4 +1,4 @@
-"""The collectives benchmark (``python -m neuron_dist.bench``) runs end to end on a tiny sweep.
+"""The collectives benchmark (``python -m bench``) runs end to end on a tiny sweep.
 
 One run of the real command line (-b 8 -e 64K -f 8, 2 ranks, 3 iterations, --check) over
 neuron, gloo and null (the do-nothing group: the dispatch floor), plus MPI when mpi4py and
@@ -20,8 +20,8 @@ import sys
 
 import pytest
 
-from neuron_dist.bench import mpi_runner
-from neuron_dist.bench.sweep import (OPS, bandwidths, combine_rounds, element_count,
+from bench import mpi_runner
+from bench.sweep import (OPS, bandwidths, combine_rounds, element_count,
                                      make_row, ops_per_sample, parse_size, plan, size_range,
                                      time_iterations)
 
@@ -64,7 +64,7 @@ def bench_run(tmp_path_factory):
     if mpi_runner.unavailable_reason() is None:
         backends.append("mpi")
     files = {k: tmp_path / f"bench.{k}" for k in ("json", "csv", "png")}
-    cmd = [sys.executable, "-m", "neuron_dist.bench", "-b", "8", "-e", "64K", "-f", "8",
+    cmd = [sys.executable, "-m", "bench", "-b", "8", "-e", "64K", "-f", "8",
            "-n", "2", "--iters", "3", "--warmup", "1", "--check", "--ops", ",".join(OP_NAMES),
            "--backends", ",".join(backends), "--json", str(files["json"]),
            "--csv", str(files["csv"]), "--plot", str(files["png"]),
@@ -108,7 +108,7 @@ def test_bench_tiny_sweep(bench_run):
     assert all(r["check"] == ("-" if r["backend"] == "null" else "OK") for r in csv_rows)
     assert all(r["x_null"] for r in csv_rows if r["backend"] == "neuron")
 
-    from neuron_dist.bench.summary import summarise
+    from bench.summary import summarise
     text = summarise([("bench.json", doc)])
     assert "smallest: neuron over the null floor" in text
     line = next(ln for ln in text.splitlines() if ln.startswith("| all_reduce | 2 |"))
@@ -142,7 +142,7 @@ def test_rounds_combine_into_the_median_of_their_medians():
     assert ours["rounds_us"] == [10.0, 30.0, 20.0] and ours["spread"] == 3.0
     assert ours["busbw_gbs"] == pytest.approx(bandwidths("all_reduce", 1024, 20e-6, 2)[1])
     assert mpi["time_us"] == 70.0 and mpi["check"] == "-" and mpi["spread"] == 2.0
-    from neuron_dist.bench import report
+    from bench import report
     report.add_ratios(list(rows.values()))
     assert ours["vs_mpi"] == 3.5 and mpi["vs_mpi"] is None
     assert " vs mpi " in report.table([ours, mpi]) and "spread" in report.table([ours])
@@ -166,7 +166,7 @@ def test_bench_rounds_alternate_who_goes_first(tmp_path):
         pytest.skip(f"MPI: {mpi_runner.unavailable_reason()}")
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "neuron_dist.bench", "-b", "8", "-e", "64", "-f", "8", "-n", "2",
+        [sys.executable, "-m", "bench", "-b", "8", "-e", "64", "-f", "8", "-n", "2",
          "--iters", "2", "--warmup", "1", "--ops", "all_reduce,send_recv", "--rounds", "2",
          "--backends", "neuron,mpi", "--json", str(out), "--timeout", "90",
          "--stall-timeout", "60", "--pg-timeout", "30"],
@@ -184,7 +184,7 @@ def test_bench_rounds_alternate_who_goes_first(tmp_path):
         assert r["time_us"] == pytest.approx(sum(r["rounds_us"]) / 2, rel=1e-3)
         assert (r["vs_mpi"] is None) == (r["backend"] == "mpi"), r
     assert " spread " in proc.stdout and " vs mpi " in proc.stdout
-    from neuron_dist.bench.summary import summarise
+    from bench.summary import summarise
     text = summarise([("r.json", doc)])
     assert "Neuron against MPI from 64 KiB" not in text  # (no size reaches 64 KiB here)
 
@@ -205,8 +205,8 @@ def test_summary_against_mpi_from_64k():
     """The summary's MPI table: neuron's ratio to MPI at every size from 64 KiB, with the
     rounds' spread, the floor's ratio where it ran, how many points are at MPI's level, and
     which reach MPI's fastest round."""
-    from neuron_dist.bench import report
-    from neuron_dist.bench.summary import summarise
+    from bench import report
+    from bench.summary import summarise
     rows = []
     for nbytes, ours, theirs, floor, best in ((32 << 10, 50.0, 10.0, 5.0, 9.0),
                                               (64 << 10, 40.0, 20.0, 25.0, 15.0),
@@ -232,10 +232,10 @@ def test_layers_times_every_layer_of_the_express_lane(tmp_path):
     """``bench.layers`` times each layer of the small-collective path, and ``null`` beside
     them, for both ops; the layers nest (each loop calls the one below), so the whole
     call takes longer than its step alone, and the report lists every layer."""
-    from neuron_dist.bench.layers import LAYERS, report
+    from bench.layers import LAYERS, report
     for world in (1, 2):
         path = tmp_path / f"layers{world}.json"
-        out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.layers", "-n",
+        out = subprocess.run([sys.executable, "-m", "bench.layers", "-n",
                               str(world), "--calls", "300", "--rounds", "2", "--json",
                               str(path)], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -250,7 +250,7 @@ def test_layers_times_every_layer_of_the_express_lane(tmp_path):
 
 def test_hotloop_runs_and_summarises(tmp_path):
     for nodes in (1, 2):  # 2: virtual nodes, so the inter-node transport on loopback
-        out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",
+        out = subprocess.run([sys.executable, "-m", "bench.hotloop", "-n", "2",
                               "--nodes", str(nodes), "--seconds", "0.3", "--thread-cpu"],
                              capture_output=True, text=True, timeout=100)
         assert out.returncode == 0, out.stderr
@@ -265,20 +265,20 @@ def test_hotloop_runs_and_summarises(tmp_path):
             if nodes == 2:  # the waiting thread reads the rails itself: no reader threads
                 assert "neuron-rdm-r" not in line, line
     # --threads 0: torch's default thread count, as a script that sets nothing gets
-    out = subprocess.run([sys.executable, "-m", "neuron_dist.bench.hotloop", "-n", "2",
+    out = subprocess.run([sys.executable, "-m", "bench.hotloop", "-n", "2",
                           "--threads", "0", "--bytes", "262144", "--seconds", "0.3"],
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert "neuron all_reduce 262144 B, 2 rank(s) on 1 node(s):" in out.stdout
-    from neuron_dist.bench.hotloop import _cpu_line, thread_cpu
+    from bench.hotloop import _cpu_line, thread_cpu
     assert "MainThread" in thread_cpu()
     line = _cpu_line(3, {"a": (1.0, 0.5)}, {"a": (1.2, 0.6), "b": (0.0, 0.1), "c": (0, 0)}, 1000)
     assert line == "rank 3 CPU per operation, user+system us by thread: a 200+100, b 0+100"
     raw = tmp_path / "prof.txt"
-    raw.write_text("main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);f (a.py:3) 3\n"
-                   "main (x.py:1);_rank (neuron_dist/bench/hotloop.py:62);g (b.py:4) 1\n"
+    raw.write_text("main (x.py:1);_rank (bench/hotloop.py:62);f (a.py:3) 3\n"
+                   "main (x.py:1);_rank (bench/hotloop.py:62);g (b.py:4) 1\n"
                    "main (x.py:1);import (z.py:9) 5\n")  # outside the loop: not counted
-    from neuron_dist.bench.hotloop import summarise
+    from bench.hotloop import summarise
     text = summarise(str(raw))
     assert text.startswith("4 samples in the loop")
     assert " 75.0%  f (a.py:3)" in text and " 25.0%  g (b.py:4)" in text
@@ -287,8 +287,8 @@ def test_hotloop_runs_and_summarises(tmp_path):
 def test_null_floor_ratios_and_summary_without_null():
     """x_null is a row's time over null's for the same (op, world, bytes); a run without
     null (the committed results) summarises as before, with no floor column."""
-    from neuron_dist.bench import report
-    from neuron_dist.bench.summary import summarise
+    from bench import report
+    from bench.summary import summarise
 
     def row(backend, t):
         return {"op": "all_reduce", "world": 2, "bytes": 8, "backend": backend, "status": "ok",
@@ -309,10 +309,10 @@ def test_summary_into_docs_performance_matches_results(tmp_path):
     results (the command that file quotes), and a file without the markers is refused."""
     from pathlib import Path
 
-    from neuron_dist.bench import summary
+    from bench import summary
     root = Path(__file__).resolve().parents[2]
     doc = root / "docs" / "performance.md"
-    command = ("python -m neuron_dist.bench.summary --into docs/performance.md "
+    command = ("python -m bench.summary --into docs/performance.md "
                "results/bench-n2.json results/bench-n4.json")
     assert command in doc.read_text(), "docs/performance.md no longer quotes its command"
     copy = tmp_path / "performance.md"
@@ -334,7 +334,7 @@ def _shm_floor_checks(rank, world, slot_bytes):
     import torch
     import torch.distributed as dist
 
-    from neuron_dist.bench import shm_floor_pg
+    from bench import shm_floor_pg
     shm_floor_pg.SLOT_BYTES = slot_bytes  # (small: the single-copy paths from 4 KiB on)
     shm_floor_pg.register()
     g = dist.new_group(backend=shm_floor_pg.BACKEND_NAME)
@@ -414,7 +414,7 @@ def test_the_shared_memory_floor_moves_the_right_bytes(world, slot_bytes):
 
 
 def test_mainjob_names_why_a_run_failed():
-    from neuron_dist.bench.mainjob import failure_reason
+    from bench.mainjob import failure_reason
     torchrun = ["[vnode1] Root Cause (first observed failure):", "[vnode1] [0]:",
                 "[vnode1]   exitcode  : -6 (pid: 9031)  (SIGABRT)",
                 "[vnodes] vnode1 failed first; exit codes: vnode0=-9, vnode1=1"]
@@ -430,7 +430,7 @@ def _job_floor_checks(rank, world):
     import torch
     import torch.distributed as dist
 
-    from neuron_dist.bench import job_floor_pg
+    from bench import job_floor_pg
     job_floor_pg.register()
     # ranks 0, 1 on node "a", rank 2 on "b": [0, 1] is a shared-memory group, the others TCP
     whole = dist.new_group(backend=job_floor_pg.BACKEND_NAME)
@@ -495,7 +495,7 @@ def _job_floor_halves(rank, world):
     import torch
     import torch.distributed as dist
 
-    from neuron_dist.bench import job_floor_pg
+    from bench import job_floor_pg
     job_floor_pg.register()
     got = {}
     for backend in (job_floor_pg.INSIDE, job_floor_pg.BETWEEN):

@@ -1,4 +1,4 @@
-"""The instruction-count benchmark (``python -m neuron_dist.bench.instructions``) runs for real.
+"""The instruction-count benchmark (``python -m bench.instructions``) runs for real.
 
 One tiny run of the command line (null and neuron on one node, loops of 20 and 60
 all_reduces, 2 rounds) under valgrind: its table and JSON must hold both rows with positive
@@ -15,18 +15,18 @@ import sys
 
 import pytest
 
-from neuron_dist.bench.instructions import parse_dump, per_op, plan, read_dumps
+from bench.instructions import parse_dump, per_op, plan, read_dumps
 
 
 @pytest.mark.timeout(260)
 def test_instructions_tiny_run(tmp_path):
     out = tmp_path / "instr.json"
-    cmd = [sys.executable, "-m", "neuron_dist.bench.instructions", "--run", "1:null,neuron",
+    cmd = [sys.executable, "-m", "bench.instructions", "--run", "1:null,neuron",
            "--ops", "all_reduce", "--counts", "20,60", "--rounds", "2", "--timeout", "200",
            "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert proc.stdout.startswith("# python -m neuron_dist.bench.instructions --run 1:null,neuron")
+    assert proc.stdout.startswith("# python -m bench.instructions --run 1:null,neuron")
     doc = json.loads(out.read_text())
     assert doc["meta"]["command"] == proc.stdout.splitlines()[0][2:]
     assert doc["meta"]["counts"] == [20, 60] and doc["meta"]["valgrind"].startswith("valgrind")

@@ -1,4 +1,4 @@
-"""The inter-node benchmark (``python -m neuron_dist.bench.internode``) runs end to end, tiny.
+"""The inter-node benchmark (``python -m bench.internode``) runs end to end, tiny.
 
 Two network-namespace virtual nodes (root needed, else skipped), 2 sizes per op, one
 iteration: every (op, size, backend) cell - neuron 1 rail, neuron 4 rails, gloo and the
@@ -46,7 +46,7 @@ def test_internode_tiny(tmp_path):
     tag = f"internodetest-{uuid.uuid4().hex[:10]}"
     out = tmp_path / "internode.json"
     files_before = _progress_files()
-    cmd = [sys.executable, "-m", "neuron_dist.bench.internode",
+    cmd = [sys.executable, "-m", "bench.internode",
            "--p2p-min", "64K", "--p2p-max", "256K", "--ar-min", "8", "--ar-max", "128K",
            "-f", "4096", "--iters", "1", "--min-iters", "1", "--warmup", "1",
            "--timeout", "90", "--pg-timeout", "30", "--tag", tag,
@@ -106,7 +106,7 @@ def test_internode_tiny(tmp_path):
     assert "all_reduce: CPU us per operation" in stdout
     for label in ("4r/gloo", "4r/1r", "floor/gloo", "4r/floor"):
         assert label in stdout, label
-    assert stdout.startswith("# python -m neuron_dist.bench.internode ")
+    assert stdout.startswith("# python -m bench.internode ")
     for op in ("p2p", "all_reduce"):
         assert op in doc["summary"], doc["summary"]
     # progress went to stderr while the run went

@@ -1,4 +1,4 @@
-"""The link benchmark (``python -m neuron_dist.bench.link``) runs end to end on tiny sizes.
+"""The link benchmark (``python -m bench.link``) runs end to end on tiny sizes.
 
 A loopback run and a veth run (two network namespaces; root and iproute2 needed, else
 skipped) of 8 MiB per run, tcp and zmq, 1 and 2 streams, one repetition: every cell must
@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from neuron_dist.bench.link import VARIANTS
+from bench.link import VARIANTS
 
-CMD = [sys.executable, "-m", "neuron_dist.bench.link"]
+CMD = [sys.executable, "-m", "bench.link"]
 TINY = ["--bytes", "8M", "--modes", "tcp,zmq", "--streams", "1,2", "--reps", "1", "--timeout", "45"]
 
 

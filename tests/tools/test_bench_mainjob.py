@@ -1,4 +1,4 @@
-"""The main-job benchmark (``python -m neuron_dist.bench.mainjob``): its arithmetic, and one
+"""The main-job benchmark (``python -m bench.mainjob``): its arithmetic, and one
 tiny real run (network namespaces: root needed, else skipped; required in CI)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from neuron_dist.bench import mainjob
+from bench import mainjob
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
 import vnodes  # noqa: E402

@@ -1,4 +1,4 @@
-"""The all_reduce cost model (``python -m neuron_dist.bench.costmodel``): fits, formulas, CLI.
+"""The all_reduce cost model (``python -m bench.costmodel``): fits, formulas, CLI.
 
 Fast and pure: the fits must recover known parameters from synthetic data, the models must
 follow their documented formulas and behave sanely (monotone in size and in nodes, node
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from neuron_dist.bench import costmodel as cm
+from bench import costmodel as cm
 from neuron_dist.collectives import allreduce_net
 from neuron_dist.collectives.selection import (DEFAULT, HALVES_BYTES, Selection,
                                               parse_overrides)
@@ -332,7 +332,7 @@ def _run_main(capsys, *argv):
 def test_cli_on_committed_results(tmp_path, capsys):
     out_json = tmp_path / "cm.json"
     text = _run_main(capsys, "--results-dir", RESULTS, "--json", str(out_json))
-    assert text.startswith("# python -m neuron_dist.bench.costmodel --results-dir ")
+    assert text.startswith("# python -m bench.costmodel --results-dir ")
     for section in ("== 1. fitted parameters", "== 2. check", "== 3. predictions",
                     "== 4. assumptions", "who wins (P ranges):", "2g. check summary",
                     "where the model is poor:", "ring among nodes vs direct exchange"):
@@ -394,7 +394,7 @@ def test_cli_fails_clearly_without_results(tmp_path, capsys):
 @needs_results
 @pytest.mark.timeout(60)
 def test_module_runs_as_a_command(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "neuron_dist.bench.costmodel", "--results-dir",
+    r = subprocess.run([sys.executable, "-m", "bench.costmodel", "--results-dir",
                         RESULTS, "--sizes", "64M", "--ranks", "8,1024"],
                        capture_output=True, text=True, timeout=55)
     assert r.returncode == 0, r.stderr

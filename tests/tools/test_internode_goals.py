@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from neuron_dist.bench import internode_goals
+from bench import internode_goals
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -82,5 +82,5 @@ def test_the_committed_table_comes_from_the_committed_run():
         docs = f.read()
     section = docs[docs.index(internode_goals.START):docs.index(internode_goals.END)]
     assert body in section, ("docs/performance.md's goals table is not the committed run's: "
-                             "python -m neuron_dist.bench.internode_goals --into "
+                             "python -m bench.internode_goals --into "
                              "docs/performance.md results/internode-veth.json")

@@ -1,4 +1,4 @@
-"""The scale plan (neuron_dist/bench/scaleplan.py): the table's all_reduce among P nodes,
+"""The scale plan (bench/scaleplan.py): the table's all_reduce among P nodes,
 simulated, against a ring and a tree."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from neuron_dist.bench import scaleplan
+from bench import scaleplan
 
 
 @pytest.mark.timeout(120)

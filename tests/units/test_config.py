@@ -10,7 +10,7 @@ Checked statically with ``ast`` (nothing is imported or executed), like test_lay
   config.py's default.
 
 Two files are left out of the first check on purpose: ``launch/vnodes.py`` (stdlib only, it
-must not import neuron_dist) and ``neuron_dist/bench/link.py`` (runs standalone inside
+must not import neuron_dist) and ``bench/link.py`` (runs standalone inside
 network namespaces, no package imports).
 """
 
@@ -26,9 +26,9 @@ import pytest
 from neuron_dist.config import Settings
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = ("neuron_dist", "collectives", "transport", "launch")
+FOLDERS = ("neuron_dist", "collectives", "transport", "launch", "bench")
 CONFIG = REPO / "neuron_dist" / "config.py"
-EXEMPT = {REPO / "launch" / "vnodes.py", REPO / "neuron_dist" / "bench" / "link.py"}
+EXEMPT = {REPO / "launch" / "vnodes.py", REPO / "bench" / "link.py"}
 PREFIX = "NEURON_DIST_"
 _READ_METHODS = ("get", "pop", "setdefault", "items", "keys", "values", "copy")
 

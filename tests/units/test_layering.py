@@ -7,6 +7,10 @@
                                                                    no c10d layer
     transport/     how bytes move                                 no torch.distributed,
                                                                    no c10d layer, no collectives
+    launch/        launchers installed with it (train, vnodes)    the backend, not the lab
+    bench/         the lab: benchmarks, stand-in backends, the    anything; it is not
+                   cost model and simulator (not installed)        installed, and nothing
+                                                                   installed imports it
 
 Inside collectives/, ``x.py`` runs collective x on one node and ``x_net.py`` beside it runs
 it in a group that spans nodes, with the same signatures; every one of them says how it
@@ -30,7 +34,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # repository folder -> installed package (pyproject's package-dir mapping)
 LAYERS = {"neuron_dist": "neuron_dist", "collectives": "neuron_dist.collectives",
-          "transport": "neuron_dist.transport"}
+          "transport": "neuron_dist.transport", "launch": "neuron_dist.launch"}
+LAB = {"bench": "bench"}  # runs from the repository only: not a package pyproject installs
 TOP_LEVEL_ALIASES = {"collectives": "neuron_dist.collectives", "transport": "neuron_dist.transport"}
 
 
@@ -45,7 +50,7 @@ def module_name(path: Path) -> tuple[str, bool]:
     is_pkg = parts[-1] == "__init__"
     if is_pkg:
         parts = parts[:-1]
-    base = LAYERS[parts[0]]
+    base = {**LAYERS, **LAB}[parts[0]]
     return ".".join([base, *parts[1:]]), is_pkg
 
 
@@ -114,19 +119,30 @@ def _c10d(name: str) -> bool:
         and not _under(name, "neuron_dist.collectives")
 
 
+def _lab(name: str) -> bool:
+    return _under(name, "bench")
+
+
+NO_LAB = (_lab, "the installed backend must not import the lab (bench/ is not installed)")
+
 RULES = {
-    # layer package -> [(predicate on an imported name, why it is forbidden)]
+    # layer package -> [(predicate on an imported name, why it is forbidden)]; a module
+    # obeys the first layer it is under (so neuron_dist, the c10d face, comes last)
     "neuron_dist.collectives": [
+        NO_LAB,
         (_concrete_transport,
          "collectives must not import a concrete transport (only transport.base / transport.errors)"),
         (lambda n: _under(n, "torch.distributed"), "collectives must not import torch.distributed"),
         (_c10d, "collectives must not import the c10d layer (neuron_dist.*)"),
     ],
     "neuron_dist.transport": [
+        NO_LAB,
         (lambda n: _under(n, "torch.distributed"), "transport must not import torch.distributed"),
         (lambda n: _under(n, "neuron_dist.collectives"), "transport must not import collectives"),
         (_c10d, "transport must not import the c10d layer (neuron_dist.*)"),
     ],
+    "neuron_dist.launch": [NO_LAB],
+    "neuron_dist": [NO_LAB],
 }
 
 
@@ -154,14 +170,14 @@ def _files(folder: str) -> list[Path]:
     return files
 
 
-ALL_FILES = [p for folder in LAYERS for p in _files(folder)]
+ALL_FILES = [p for folder in {**LAYERS, **LAB} for p in _files(folder)]
 
 
 def _rel(p: Path) -> str:
     return str(p.relative_to(REPO))
 
 
-@pytest.mark.parametrize("folder", ["collectives", "transport"])
+@pytest.mark.parametrize("folder", sorted(LAYERS))
 def test_layer_imports_only_downwards(folder):
     found = []
     for path in _files(folder):
@@ -185,6 +201,9 @@ def test_layers_are_the_installed_packages():
     text = (REPO / "pyproject.toml").read_text()
     for folder, pkg in LAYERS.items():
         assert f'"{pkg}" = "{folder}"' in text, f"pyproject maps {pkg} elsewhere than {folder}/"
+    for folder in LAB:
+        assert f'"{folder}' not in text, \
+            f"pyproject names the lab's package {folder}: the lab is not installed"
 
 
 # ------------------------------------------------------- the checker catches what it should
@@ -216,6 +235,11 @@ BAD = [
     ("neuron_dist.transport.x", "from ..collectives.descriptor import Call"),
     ("neuron_dist.transport.x", "import collectives.context"),
     ("neuron_dist.transport.x", "__import__('neuron_dist.work')"),
+    ("neuron_dist.launch.train", "from bench import null_pg"),
+    ("neuron_dist.launch.train", "def main():\n    import bench.job_floor_pg\n"),
+    ("neuron_dist.process_group", "from bench.netsim import SimNet"),
+    ("neuron_dist.collectives.x", "import bench"),
+    ("neuron_dist.transport.rdm.x", "importlib.import_module('bench.link')"),
 ]
 
 GOOD = [
@@ -224,6 +248,9 @@ GOOD = [
     ("neuron_dist.transport.shm.x", "from ..errors import PeerDied\nfrom . import layout as L\nimport torch"),
     ("neuron_dist.transport.shm.x", "from .segment import Segment\nimport os, mmap"),
     ("neuron_dist.transport.x", "from typing import Protocol"),
+    ("bench.scale", "from neuron_dist.launch import vnodes\nfrom bench import null_pg\n"
+                    "import torch.distributed as dist"),
+    ("neuron_dist.launch.train", "import torch.distributed as dist\nfrom neuron_dist import config"),
 ]
 
 
@@ -281,6 +308,7 @@ def test_module_names_resolve_like_the_installed_packages():
     assert module_name(REPO / "collectives" / "allreduce.py") == ("neuron_dist.collectives.allreduce", False)
     assert module_name(REPO / "transport" / "shm" / "__init__.py") == ("neuron_dist.transport.shm", True)
     assert module_name(REPO / "neuron_dist" / "engine.py") == ("neuron_dist.engine", False)
+    assert module_name(REPO / "bench" / "scale.py") == ("bench.scale", False)
     # `from .. import errors` inside transport/shm/channel.py is transport.errors, allowed
     names = [n for _, n, _, _ in imported_names("from ..errors import PeerDied", "neuron_dist.transport.shm.channel", False)]
     assert "neuron_dist.transport.errors.PeerDied" in names, names

@@ -1,7 +1,7 @@
 """The log-depth algorithms between nodes, run for 2 to 1024 ranks over the simulated network.
 
 Every algorithm of collectives/net_*.py is a generator over a ``NetCall``; the simulator
-(neuron_dist/bench/netsim.py) runs the same code for every rank in this process and fails
+(bench/netsim.py) runs the same code for every rank in this process and fails
 on a deadlock, a size mismatch, a message nobody receives or a call that returns with
 something still posted. Checked here: results equal the exact references of
 helpers/cases.py (small integers: exact in every order) for every dtype and every op the
@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from neuron_dist.bench.netsim import SimError, Simulation
+from bench.netsim import SimError, Simulation
 from neuron_dist.collectives import (net_binomial, net_bruck, net_cost, net_dissemination,
                                      net_halving, net_rabenseifner, net_recursive_doubling,
                                      net_ring)

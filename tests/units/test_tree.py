@@ -24,7 +24,7 @@ LAYERS = {"units", "one_node", "across_nodes", "stack", "tools"}
 SHARED = "helpers"
 NOT_IN_UNITS = {"subprocess", "multiprocessing", "socket", "helpers.harness"}
 REPO = TESTS.parent
-NAMING = ["README.md", "pyproject.toml", ".ci/run", "docs", "scripts", "launch", "neuron_dist",
+NAMING = ["README.md", "pyproject.toml", ".ci/run", "docs", "scripts", "launch", "neuron_dist", "bench",
           "collectives", "transport", "tests"]
 
 

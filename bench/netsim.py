@@ -25,7 +25,7 @@ unreceived at the end, a size that differs between sender and receiver, or a gen
 that returns with something still posted.
 
 Used by tests/units/test_net_algorithms.py (every algorithm, 2 to 1024 ranks) and
-``python -m neuron_dist.bench.scaleplan`` (docs/performance.md's table to 4096 ranks).
+``python -m bench.scaleplan`` (docs/performance.md's table to 4096 ranks).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..collectives.net import PIGGYBACK_BYTES, as_bytes
-from ..collectives.net_cost import MEASURED, Link
-from ..collectives.reduce_ops import Scratch, reduce_into
+from neuron_dist.collectives.net import PIGGYBACK_BYTES, as_bytes
+from neuron_dist.collectives.net_cost import MEASURED, Link
+from neuron_dist.collectives.reduce_ops import Scratch, reduce_into
 
 
 class SimError(AssertionError):

@@ -1,4 +1,4 @@
-"""Command line of the collectives benchmark: ``python -m neuron_dist.bench`` / ``neuron-dist-bench``.
+"""Command line of the collectives benchmark: ``python -m bench``.
 
 Parses nccl-tests-style flags, then for each world size (``-n 2,4``) runs the torch ranks
 (neuron, gloo, null and shmfloor interleaved, see ``torch_runner``; null is a group that
@@ -42,9 +42,9 @@ runs after them for each world size (with --rounds, before them every other roun
 x null = time / null's time (how many dispatch floors); vs mpi = MPI's time / time.
 
 examples:
-  python -m neuron_dist.bench -b 8 -e 256M -f 2 -n 2,4 --check --json r.json --plot r.png
-  python -m neuron_dist.bench -b 1M -e 1M --ops all_reduce --overlap --report-shm
-  python -m neuron_dist.bench -b 64K -e 32M -f 4 --rounds 5 --backends neuron,mpi
+  python -m bench -b 8 -e 256M -f 2 -n 2,4 --check --json r.json --plot r.png
+  python -m bench -b 1M -e 1M --ops all_reduce --overlap --report-shm
+  python -m bench -b 64K -e 32M -f 4 --rounds 5 --backends neuron,mpi
 """
 
 
@@ -82,7 +82,7 @@ def _size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="neuron-dist-bench",
+        prog="python -m bench",
         description="Collectives benchmark for the neuron backend, against gloo and MPI "
                     "(in the spirit of nccl-tests). Sizes are total message bytes per rank "
                     "as nccl-tests defines them per op.",
@@ -140,11 +140,11 @@ def _cores() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``neuron-dist-bench`` entry point; returns the exit status."""
+    """The entry point of ``python -m bench``; returns the exit status."""
     try:
         return _run(argv)
     except KeyboardInterrupt:  # ranks and mpiexec were killed on the way out
-        print("neuron-dist-bench: interrupted", file=sys.stderr)
+        print("bench: interrupted", file=sys.stderr)
         return 130
 
 
@@ -154,10 +154,10 @@ def _run(argv: list[str] | None) -> int:
     try:
         sizes = size_range(args.minbytes, args.maxbytes, args.stepfactor)
     except ValueError as exc:
-        print(f"neuron-dist-bench: {exc}", file=err)
+        print(f"bench: {exc}", file=err)
         return 2
     if args.iters < 1 or args.warmup < 0 or args.batch < 1 or args.rounds < 1:
-        print("neuron-dist-bench: need --iters >= 1, --batch >= 1, --rounds >= 1 and "
+        print("bench: need --iters >= 1, --batch >= 1, --rounds >= 1 and "
               "--warmup >= 0", file=err)
         return 2
 
@@ -224,7 +224,7 @@ def _run(argv: list[str] | None) -> int:
         print("\n# overlap: async all_reduce issued before a matmul loop, then waited. balanced: every"
               "\n# rank computes; late: the last rank sleeps as long as the loop, then joins (times of"
               "\n# the others). overlap = (serial - overlapped) / min(compute, comm): 1 = the shorter is"
-              "\n# fully hidden, 0 = none. Details: neuron_dist/bench/overlap.py")
+              "\n# fully hidden, 0 = none. Details: bench/overlap.py")
         print(report.overlap_table(overlap_rows))
     if shm:
         print("\n# neuron shared memory per group")
@@ -289,7 +289,7 @@ def _meta(args, argv, sizes, cores, threads, started, mpi_meta) -> dict:
     from neuron_dist.config import environment
 
     return {
-        "command": "neuron-dist-bench " + " ".join(shlex.quote(a) for a in
+        "command": "python -m bench " + " ".join(shlex.quote(a) for a in
                                                     (sys.argv[1:] if argv is None else argv)),
         "started": started.isoformat(timespec="seconds"),
         "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),

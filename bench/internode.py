@@ -1,4 +1,4 @@
-"""Inter-node benchmark: ``python -m neuron_dist.bench.internode [--json FILE]``.
+"""Inter-node benchmark: ``python -m bench.internode [--json FILE]``.
 
 Two virtual nodes with one rank each, every node in its own network namespace
 (``launch/vnodes.py --netns``: 10.x addresses on a bridge, ``eth0`` inside, private
@@ -48,7 +48,7 @@ import threading
 
 from .sweep import human_size, parse_size
 
-WORKER = "neuron_dist.bench.internode_worker"
+WORKER = "bench.internode_worker"
 TAG = "INTERNODE "
 OPS = ("pingpong", "p2p", "all_reduce", "all_gather", "reduce_scatter")
 
@@ -64,8 +64,8 @@ Both: median over iterations; iterations per size = clamp(--iter-bytes / size, -
 --iters). Backends take turns in a rotating order per size, in the same processes.
 
 examples:
-  python -m neuron_dist.bench.internode --json results/internode-veth.json
-  python -m neuron_dist.bench.internode --p2p-max 16M --ar-max 16M --iters 5
+  python -m bench.internode --json results/internode-veth.json
+  python -m bench.internode --p2p-max 16M --ar-max 16M --iters 5
 """
 
 
@@ -92,7 +92,7 @@ def _rails(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m neuron_dist.bench.internode",
+        prog="python -m bench.internode",
         description="Inter-node p2p bandwidth and all_reduce over a veth link between two "
                     "network-namespace virtual nodes: neuron (1 and 4 rails) vs gloo.",
         epilog=EPILOG, formatter_class=_Formatter)
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import neuron_dist
 
-    cmd = "python -m neuron_dist.bench.internode" + "".join(
+    cmd = "python -m bench.internode" + "".join(
         " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     started = _dt.datetime.now().astimezone()
     load_before = _loadavg()

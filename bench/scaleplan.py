@@ -1,4 +1,4 @@
-"""All-reduce between nodes from 8 to 4096 nodes, simulated: ``python -m neuron_dist.bench.scaleplan``.
+"""All-reduce between nodes from 8 to 4096 nodes, simulated: ``python -m bench.scaleplan``.
 
 How it works
 ------------
@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from ..collectives import net_binomial, net_cost, net_ring
-from ..collectives import net_rabenseifner, net_recursive_doubling
-from ..collectives.reduce_ops import ReduceSpec
-from ..collectives.selection import DEFAULT
+from neuron_dist.collectives import net_binomial, net_cost, net_ring
+from neuron_dist.collectives import net_rabenseifner, net_recursive_doubling
+from neuron_dist.collectives.reduce_ops import ReduceSpec
+from neuron_dist.collectives.selection import DEFAULT
 from .netsim import Simulation
 from .sweep import human_size, parse_size
 
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     nodes = [int(x) for x in args.nodes.split(",")]
     sizes = [parse_size(x) for x in args.sizes.split(",")]
     rows = []
-    print(f"# python -m neuron_dist.bench.scaleplan --nodes {args.nodes} --sizes {args.sizes}")
+    print(f"# python -m bench.scaleplan --nodes {args.nodes} --sizes {args.sizes}")
     print(f"# link: {net_cost.MEASURED.describe()} (collectives/net_cost.py MEASURED); float32;"
           f" one rank per node; per rank: messages sent, bytes through its link, peers")
     print(f"{'size':>6} {'nodes':>5} | {'neuron':>18} {'msgs':>5} {'MiB':>7} {'hops':>5} "
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         plot(args.plot, rows, net_cost.MEASURED.describe())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python -m neuron_dist.bench.scaleplan " + " ".join(
+            json.dump({"command": "python -m bench.scaleplan " + " ".join(
                 argv if argv is not None else sys.argv[1:]),
                 "link": net_cost.MEASURED.describe(), "rows": rows}, f, indent=1)
     return 0

@@ -1,6 +1,6 @@
 """The MPI baseline: an mpi4py worker started by ``mpiexec``, and the launcher that starts it.
 
-The parent runs ``mpiexec -n N python -m neuron_dist.bench.mpi_runner CONFIG_JSON`` in a
+The parent runs ``mpiexec -n N python -m bench.mpi_runner CONFIG_JSON`` in a
 new session (so a timeout can kill mpiexec, its proxies and all ranks as one process group),
 after the torch ranks of the same world size are gone. The worker measures the same ops,
 sizes, patterns and timing rules as the torch ranks (see ``sweep`` and ``patterns``) with
@@ -66,7 +66,7 @@ def run_world(world: int, cfg: dict, on_rows, log, timeout: float, stall_timeout
     """Run the MPI sweep on ``world`` ranks; same return shape as ``torch_runner.run_world``."""
     out = {"results": [], "overlap": [], "shm": [], "errors": [], "meta": {}}
     exe = find_mpiexec(mpiexec)
-    cmd = [exe, "-n", str(world), sys.executable, "-m", "neuron_dist.bench.mpi_runner",
+    cmd = [exe, "-n", str(world), sys.executable, "-m", "bench.mpi_runner",
            json.dumps(dict(cfg, world=world))]
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,

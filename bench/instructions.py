@@ -1,6 +1,6 @@
 """Instructions per small operation on a rank's calling thread, counted by callgrind.
 
-``python -m neuron_dist.bench.instructions [--run NODES:BACKENDS ...] [--json FILE]``
+``python -m bench.instructions [--run NODES:BACKENDS ...] [--json FILE]``
 
 How it works
 ------------
@@ -224,7 +224,7 @@ def _measure(nodes: int, backends: list, args, workdir: str) -> list:
     prefix = os.path.join(workdir, f"callgrind.nodes{nodes}")
     for old in glob.glob(glob.escape(prefix) + "*"):  # (a --keep directory used before)
         os.remove(old)
-    worker = ["-m", "neuron_dist.bench.instructions", "--worker", "--port", str(port),
+    worker = ["-m", "bench.instructions", "--worker", "--port", str(port),
               "--nodes", str(nodes), "--backends", ",".join(backends), "--ops", ",".join(args.ops),
               "--counts", ",".join(map(str, args.counts)), "--rounds", str(args.rounds),
               "--bytes", str(args.bytes), "--timeout", str(args.timeout)]
@@ -323,7 +323,7 @@ def _run_spec(s: str) -> tuple:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m neuron_dist.bench.instructions",
+    p = argparse.ArgumentParser(prog="python -m bench.instructions",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="append", type=_run_spec, metavar="NODES:BACKENDS",
@@ -374,7 +374,7 @@ def main(argv=None) -> int:
             except RuntimeError as exc:
                 print(exc, file=sys.stderr)
                 return 1
-    meta = {"command": " ".join(["python -m neuron_dist.bench.instructions", *argv]),
+    meta = {"command": " ".join(["python -m bench.instructions", *argv]),
             "started": started.isoformat(timespec="seconds"),
             "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "host": platform.node(), "cores": len(os.sched_getaffinity(0)),

@@ -1,6 +1,6 @@
 """Issue 13's between-nodes goals, checked cell by cell against a ``bench.internode`` run.
 
-``python -m neuron_dist.bench.internode_goals [--into FILE] [--backend NAME] results/internode-veth.json``
+``python -m bench.internode_goals [--into FILE] [--backend NAME] results/internode-veth.json``
 
 How it works
 ------------

@@ -15,7 +15,7 @@ the machine. ``--into FILE`` replaces the text between the ``<!-- perf:start -->
 docs/performance.md always come from committed result files; without it the summary is
 printed:
 
-    python -m neuron_dist.bench.summary --into docs/performance.md results/bench-n2.json results/bench-n4.json
+    python -m bench.summary --into docs/performance.md results/bench-n2.json results/bench-n4.json
 """
 
 from __future__ import annotations

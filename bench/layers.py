@@ -1,6 +1,6 @@
 """Where a small collective's time goes, layer by layer down the express lane.
 
-``python -m neuron_dist.bench.layers [-n 2] [--ops broadcast,all_reduce] [--calls N]
+``python -m bench.layers [-n 2] [--ops broadcast,all_reduce] [--calls N]
 [--rounds R] [--json FILE]``
 
 How it works
@@ -58,20 +58,9 @@ LAYERS = ("whole", "lane", "run", "engine", "call", "plan", "step", "channel")
 def _loops(op: str, t, group, pg) -> dict:
     """Layer name -> a callable making one call at that layer (see the module docstring)."""
     lane, engine = pg._express, pg._engine
-    seen = {}
-
-    def capture(entry, outputs, seconds, *args):  # what the lane hands its plan
-        seen.update(entry=entry, outputs=outputs, seconds=seconds, args=args)
-        return type(lane)._run(lane, entry, outputs, seconds, *args)
-
-    lane._run = capture
-    try:
-        (dist.broadcast(t, 0) if op == "broadcast" else dist.all_reduce(t))
-    finally:
-        del lane._run
-    if "entry" not in seen:
-        raise RuntimeError(f"the express lane did not serve an 8-byte {op}")
-    entry, outputs, seconds, args = seen["entry"], seen["outputs"], seen["seconds"], seen["args"]
+    (dist.broadcast(t, 0) if op == "broadcast" else dist.all_reduce(t))  # (prepares the plan)
+    entry, args = lane.planned(op, t)  # what the lane hands its plan (ExpressLane.planned)
+    outputs, seconds = [t], 300.0  # (each timed call's deadline)
     ctx, plan_run, name = lane._ctx, entry.plan.run, entry.name
     if op == "broadcast":
         opts, lane_call = dist.BroadcastOptions(), lane.broadcast
@@ -128,7 +117,7 @@ def _time(loop, calls: int) -> float:
 
 def _rank(rank: int, world: int, port: int, args, out) -> None:
     import neuron_dist  # noqa: F401 - registers the backend in spawned processes
-    from neuron_dist.bench import null_pg
+    from bench import null_pg
     null_pg.register()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
@@ -178,7 +167,7 @@ def report(result: dict, world: int) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m neuron_dist.bench.layers", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.layers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--nprocs", type=int, default=2, choices=(1, 2, 3, 4))
     p.add_argument("--ops", default=",".join(OPS), help="comma list of " + ",".join(OPS))
@@ -198,7 +187,7 @@ def main(argv=None) -> None:
     mp.start_processes(_rank, args=(args.nprocs, port, args, out), nprocs=args.nprocs,
                        start_method="spawn")
     result = out.get(timeout=10)
-    command = "python -m neuron_dist.bench.layers " + " ".join(argv if argv is not None
+    command = "python -m bench.layers " + " ".join(argv if argv is not None
                                                                  else sys.argv[1:])
     print(f"# {command.strip()}")
     print(f"# load {[round(x, 2) for x in os.getloadavg()]} at end, torch {torch.__version__}")

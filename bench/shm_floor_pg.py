@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..transport.shm import cma
+from neuron_dist.transport.shm import cma
 from .null_pg import CompletedWork, Named
 
 BACKEND_NAME = "neuron_shm_floor"

@@ -1,5 +1,5 @@
 # Link benchmark: one-directional bulk throughput between two processes.
-# ``python -m neuron_dist.bench.link --where loopback|veth [--bytes 1G] [--json FILE]``
+# ``python -m bench.link --where loopback|veth [--bytes 1G] [--json FILE]``
 #
 # Why: to choose the driver of the inter-node transport (raw sockets or pyzmq) and to
 # fix the baseline it has to reach (goal: >= 90% of several parallel raw TCP streams).
@@ -59,7 +59,7 @@
 #       is dropped (an upper bound no real receiver reaches). One zmq context per side and
 #       run, io_threads = S unless --zmq-io-threads; SNDHWM/RCVHWM = --zmq-hwm.
 
-"""Link benchmark (raw TCP streams vs pyzmq): ``python -m neuron_dist.bench.link``.
+"""Link benchmark (raw TCP streams vs pyzmq): ``python -m bench.link``.
 
 See the comment block above for the method. Exit status: 0 when every run worked, 1 when
 a run failed or the time limit passed, 2 for bad arguments or a failed namespace set-up,
@@ -820,7 +820,7 @@ def _orchestrate(args) -> int:
     if args.json:
         doc = {
             "meta": {
-                "command": shlex.join([sys.executable, "-m", "neuron_dist.bench.link", *args.argv]),
+                "command": shlex.join([sys.executable, "-m", "bench.link", *args.argv]),
                 "where": args.where, "env": env.info, "bytes": args.total_bytes,
                 "chunk": args.chunk_bytes, "window": args.window_bytes, "reps": args.reps,
                 "streams": args.stream_list, "variants": {v: VARIANTS[v][2] for v in args.variant_list},
@@ -861,10 +861,10 @@ variants (--variants, default: all of the chosen --modes):
 """ + "\n".join(f"  {k:<18} {v[2]}" for k, v in VARIANTS.items()) + """
 
 examples:
-  python -m neuron_dist.bench.link --where loopback --bytes 1G --json results/link-loopback.json
-  python -m neuron_dist.bench.link --where veth --bytes 1G --json results/link-veth.json
-  python -m neuron_dist.bench.link --where veth --mtu 9001 --qdisc 'tbf rate 10gbit burst 4mb latency 50ms'
-  python -m neuron_dist.bench.link --modes tcp --streams 1,4 --bytes 256M --reps 1
+  python -m bench.link --where loopback --bytes 1G --json results/link-loopback.json
+  python -m bench.link --where veth --bytes 1G --json results/link-veth.json
+  python -m bench.link --where veth --mtu 9001 --qdisc 'tbf rate 10gbit burst 4mb latency 50ms'
+  python -m bench.link --modes tcp --streams 1,4 --bytes 256M --reps 1
 (--where veth needs root and iproute2; it creates and always deletes two network namespaces)
 """
 
@@ -874,7 +874,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m neuron_dist.bench.link", formatter_class=_Formatter,
+    p = argparse.ArgumentParser(prog="python -m bench.link", formatter_class=_Formatter,
                                 description="One-directional bulk throughput between two processes: "
                                             "S raw TCP streams vs pyzmq.", epilog=EPILOG)
     p.add_argument("--where", choices=("loopback", "veth"), default="loopback")

@@ -1,4 +1,4 @@
-"""Scale benchmark: ``python -m neuron_dist.bench.scale --nodes N --nproc-per-node L``.
+"""Scale benchmark: ``python -m bench.scale --nodes N --nproc-per-node L``.
 
 N virtual nodes of L ranks each, every node in its own network namespace
 (``launch/vnodes.py --netns``: 10.x addresses on a bridge, ``eth0`` inside, a private
@@ -87,7 +87,7 @@ import time
 
 from .sweep import human_size
 
-WORKER = "neuron_dist.bench.scale_worker"
+WORKER = "bench.scale_worker"
 BACKENDS = ("neuron", "gloo", "mpich", "floor", "neuron-mpi")
 MPIEXEC_BACKENDS = ("mpich", "neuron-mpi")  # started by hydra's mpiexec, not torchrun
 OPS = (("all_reduce", 8), ("all_reduce", 64 << 10), ("all_reduce", 1 << 20),
@@ -102,8 +102,8 @@ max over ranks. Ratios: other / neuron time (> 1 = neuron faster).
 all_gather: 1 MiB = the gathered output; reduce_scatter: 1 MiB = the input.
 
 examples:
-  python -m neuron_dist.bench.scale --nodes 4 --nproc-per-node 2 --json scale-4x2.json
-  python -m neuron_dist.bench.scale --nodes 16 --nproc-per-node 1 --backends neuron,gloo
+  python -m bench.scale --nodes 4 --nproc-per-node 2 --json scale-4x2.json
+  python -m bench.scale --nodes 16 --nproc-per-node 1 --backends neuron,gloo
 """
 
 
@@ -121,7 +121,7 @@ def _backends(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m neuron_dist.bench.scale",
+        prog="python -m bench.scale",
         description="Small collectives, barrier and per-rank resources at N network-namespace "
                     "virtual nodes x L ranks: neuron vs gloo vs MPICH (and the floor).",
         epilog=EPILOG, formatter_class=_Formatter)
@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     import neuron_dist
 
     world = args.nodes * args.nproc_per_node
-    cmd = "python -m neuron_dist.bench.scale" + "".join(
+    cmd = "python -m bench.scale" + "".join(
         " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(neuron_dist.__file__)))
     started = _dt.datetime.now().astimezone()

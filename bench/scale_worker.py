@@ -1,4 +1,4 @@
-"""Rank side of the scale benchmark (``neuron_dist.bench.scale``): one backend per process.
+"""Rank side of the scale benchmark (``bench.scale``): one backend per process.
 
 Started once per backend and rank: under torchrun by ``launch/vnodes.py`` for the torch
 backends (``--backend neuron|gloo|floor``; torchrun's env:// variables ``RANK``,
@@ -75,7 +75,7 @@ from datetime import timedelta
 
 import torch
 
-from ..config import Settings
+from neuron_dist.config import Settings
 from .sweep import ops_per_sample
 
 #: (op, bytes) in the order they run; bytes = buffer (all_reduce, broadcast), gathered

@@ -1,14 +1,14 @@
-"""All-reduce cost model: ``python -m neuron_dist.bench.costmodel [--json OUT] [--results-dir results]``.
+"""All-reduce cost model: ``python -m bench.costmodel [--json OUT] [--results-dir results]``.
 
 An alpha-beta(-gamma) model of every all_reduce algorithm neuron has (and two it has not),
 fitted by least squares to the committed measurements, checked against them, and used to
 predict all_reduce time from 8 to 1024 ranks across nodes.
 
 Inputs (in ``--results-dir``)
-    bench-n2.json, bench-n4.json  single node, 2 and 4 ranks (``python -m neuron_dist.bench``):
+    bench-n2.json, bench-n4.json  single node, 2 and 4 ranks (``python -m bench``):
                                   neuron / gloo / MPICH per op and size, median and min time.
     internode-veth.json           2 virtual nodes x 1 rank over a veth link
-                                  (``python -m neuron_dist.bench.internode``): p2p (one
+                                  (``python -m bench.internode``): p2p (one
                                   direction, windowed) and all_reduce for neuron 1 rail,
                                   neuron 4 rails and gloo.
     link-veth.json (optional)     raw TCP streams over a veth pair (``bench.link``): shown
@@ -125,12 +125,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from ..collectives.context import ALIGN_BYTES
-from ..collectives import net_cost
-from ..collectives.selection import (DEFAULT, HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
+from neuron_dist.collectives.context import ALIGN_BYTES
+from neuron_dist.collectives import net_cost
+from neuron_dist.collectives.selection import (DEFAULT, HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
                                      Selection)
-from ..collectives.net import PIGGYBACK_BYTES
-from ..config import Settings
+from neuron_dist.collectives.net import PIGGYBACK_BYTES
+from neuron_dist.config import Settings
 from .sweep import human_size, parse_size
 
 # The settings the measurements ran with: the defaults (neuron_dist/config.py).
@@ -734,7 +734,7 @@ def _assumptions_text() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m neuron_dist.bench.costmodel",
+        prog="python -m bench.costmodel",
         description="Fit an alpha-beta-gamma model of every all_reduce algorithm to the "
                     "committed measurements, check it, and predict 8..1024 ranks.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -940,7 +940,7 @@ def _link_line(r: _Run) -> str:
     link = r.link
     if not (link and link.get("streams")):
         return (f"raw TCP reference: {r.paths['link']} not present (python -m "
-                f"neuron_dist.bench.link --where veth --json {r.paths['link']})")
+                f"bench.link --where veth --json {r.paths['link']})")
     best = max(link["streams"].items(), key=lambda kv: kv[1]["gbps"])
     line = "raw TCP over a veth pair (link-veth.json), one direction: " + ", ".join(
         f"{s} stream{'s' if s != 1 else ''} {c['gbps']:.2f} GB/s"
@@ -1388,7 +1388,7 @@ def _where_poor(groups: dict, eff: dict, cores: int, net_fits: dict | None = Non
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.command = shlex.join(["python", "-m", "neuron_dist.bench.costmodel", *argv])
+    args.command = shlex.join(["python", "-m", "bench.costmodel", *argv])
     text, js = run(args)
     sys.stdout.write(text)
     sys.stdout.flush()

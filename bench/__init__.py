@@ -1,4 +1,4 @@
-"""neuron-dist's collectives benchmark, in the spirit of nccl-tests: ``python -m neuron_dist.bench``.
+"""neuron-dist's collectives benchmark, in the spirit of nccl-tests: ``python -m bench``.
 
 It sweeps message sizes (``-b/-e/-f``) over world sizes (``-n 2,4``) for all_reduce,
 all_gather, reduce_scatter, broadcast, all_to_all and send_recv, and compares the neuron
@@ -12,12 +12,18 @@ Modules, one concern each: ``sweep`` (sizes, op catalogue, timing loop, bandwidt
 ``patterns`` (buffer contents and --check expectations), ``torch_runner`` (neuron, gloo and
 null ranks), ``null_pg`` (the do-nothing group: the dispatch floor), ``mpi_runner`` (mpiexec launcher and mpi4py worker), ``overlap`` (--overlap),
 ``report`` (table, JSON, CSV), ``plot`` (matplotlib PNG), ``__main__`` (the command line).
-Nothing heavy is imported here, so ``python -m neuron_dist.bench.mpi_runner`` stays light.
+Nothing heavy is imported here, so ``python -m bench.mpi_runner`` stays light.
+
+The lab is not installed with the backend: it runs from the repository (``python -m
+bench.X`` in its root) over the installed ``neuron_dist``. Importing it puts the
+repository's root on ``PYTHONPATH``, so the rank processes it starts (``python -m
+bench.scale_worker`` under torchrun, mpiexec or a virtual node) import it the same way,
+wherever their working directory is.
 """
 
+import os
 
-def main(argv=None) -> int:
-    """Run the command line (``neuron-dist-bench``) and return its exit status."""
-    from .__main__ import main as _main
-
-    return _main(argv)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_path = os.environ.get("PYTHONPATH", "")
+if ROOT not in _path.split(os.pathsep):
+    os.environ["PYTHONPATH"] = ROOT + (os.pathsep + _path if _path else "")

@@ -1,4 +1,4 @@
-"""Rank side of the inter-node benchmark (``neuron_dist.bench.internode``); runs under torchrun.
+"""Rank side of the inter-node benchmark (``bench.internode``); runs under torchrun.
 
 Launched by ``launch/vnodes.py`` (one torchrun agent per virtual node), so every rank reads
 torchrun's env:// variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
@@ -67,7 +67,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..config import environment
+from neuron_dist.config import environment
 from . import floor_pg
 from .sweep import ops_per_sample, time_iterations
 

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..config import Settings
-from ..topology import choose_addresses
+from neuron_dist.config import Settings
+from neuron_dist.topology import choose_addresses
 from .null_pg import CompletedWork
 
 BACKEND_NAME = "neuron_floor"

@@ -1,6 +1,6 @@
 """Main job per backend, in one run: tokens/s, and CPU per training step against its floor.
 
-``python -m neuron_dist.bench.mainjob [--backends neuron,gloo,floor,null] [--steps 6,30] [--json FILE]``
+``python -m bench.mainjob [--backends neuron,gloo,floor,null] [--steps 6,30] [--json FILE]``
 
 How it works
 ------------
@@ -48,6 +48,8 @@ import subprocess
 import sys
 import time
 
+from bench import ROOT
+
 _SUMMARY = re.compile(r"summary: .*mean tokens/s (\d+)")
 _RESOURCES = re.compile(r"resources of rank 0 after the last step: (\d+) threads, (\d+) sockets")
 
@@ -59,10 +61,10 @@ def _children_cpu() -> float:
 
 def run_once(backend: str, steps: int, args) -> dict:
     """One main-job run: its tokens/s, CPU seconds (all processes) and wall seconds."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = ROOT
     cmd = [sys.executable, os.path.join(repo, "launch", "vnodes.py"), "--nodes", str(args.nodes),
            "--nproc-per-node", str(args.nproc_per_node), "--netns", "--timeout",
-           str(args.timeout), "--", os.path.join(repo, "launch", "train.py"), "--backend",
+           str(args.timeout), "--", os.path.join(repo, "bench", "standin_train.py"), "--backend",
            backend, "--steps", str(steps), *args.train_args.split()]
     cpu0, t0 = _children_cpu(), time.monotonic()
     res = subprocess.run(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -141,7 +143,7 @@ def measure(args) -> dict:
 def report(res: dict, args) -> str:
     cores = len(os.sched_getaffinity(0))
     ranks = args.nodes * args.nproc_per_node
-    lines = [f"# python -m neuron_dist.bench.mainjob {' '.join(args.argv)}".rstrip(),
+    lines = [f"# python -m bench.mainjob {' '.join(args.argv)}".rstrip(),
              f"# {args.nodes} netns vnodes x {args.nproc_per_node} ranks on {cores} cores; "
              f"launch/train.py --steps {args.steps[0]} and {args.steps[1]} "
              f"{args.train_args}; {args.reps} round(s), medians; load {os.getloadavg()[0]:.2f}",

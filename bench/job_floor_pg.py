@@ -44,9 +44,9 @@ import select
 import torch
 import torch.distributed as dist
 
-from .. import backend as neuron_backend
-from ..config import Settings
-from ..topology import node_identity
+from neuron_dist import backend as neuron_backend
+from neuron_dist.config import Settings
+from neuron_dist.topology import node_identity
 from . import floor_pg, shm_floor_pg
 from .null_pg import Named
 from .shm_floor_pg import ShmFloorProcessGroup

@@ -1,4 +1,4 @@
-"""Cost of authenticated frames: ``python -m neuron_dist.bench.frame_auth [--json FILE]``.
+"""Cost of authenticated frames: ``python -m bench.frame_auth [--json FILE]``.
 
 Two processes on loopback, each holding three rdm transports (three groups) to the other:
 
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..transport.rdm.driver import RdmTransport
+from neuron_dist.transport.rdm.driver import RdmTransport
 
 MODES = {"off": {}, "headers": {"frame_mac": True},
          "payload": {"frame_mac": True, "payload_mac": True}}
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    print(f"# python -m neuron_dist.bench.frame_auth {' '.join(argv or sys.argv[1:])}")
+    print(f"# python -m bench.frame_auth {' '.join(argv or sys.argv[1:])}")
     print(f"# loopback, 2 processes, {a.rails} rail(s), medians of {a.reps} interleaved "
           f"repetitions; ratio = mode / off of this run ({os.cpu_count()} CPUs)")
     print(f"{'op':<9} {'bytes':>10} {'mode':<8} {'value':>12} {'ratio':>7}")

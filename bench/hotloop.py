@@ -1,15 +1,15 @@
 """A back-to-back loop of one small operation, for latency and for profiling.
 
-The sweep (``python -m neuron_dist.bench``) puts a barrier before every timed sample of up
+The sweep (``python -m bench``) puts a barrier before every timed sample of up
 to 16 operations, so its small-message times still carry a share of how unevenly ranks
 leave that barrier. This loop issues the operation back to back for a fixed time, with no
 barrier at all, and prints the mean time per operation. Run it under a sampling profiler
 to see where a small collective's time goes, e.g.::
 
-    py-spy record -r 300 -f raw -o prof.txt -- python -m neuron_dist.bench.hotloop -n 1
-    python -m neuron_dist.bench.hotloop --summarise prof.txt   # share of time per frame
-    python -m neuron_dist.bench.hotloop -n 2 --backend gloo
-    python -m neuron_dist.bench.hotloop -n 2 --nodes 2   # virtual nodes on loopback
+    py-spy record -r 300 -f raw -o prof.txt -- python -m bench.hotloop -n 1
+    python -m bench.hotloop --summarise prof.txt   # share of time per frame
+    python -m bench.hotloop -n 2 --backend gloo
+    python -m bench.hotloop -n 2 --nodes 2   # virtual nodes on loopback
 
 ``--nodes K`` splits the ranks into K virtual nodes (``NEURON_DIST_NODE_NAME``), so neuron
 goes over its inter-node transport on loopback (for a real link use ``bench.internode``).
@@ -18,7 +18,7 @@ system, from /proc; resolution one clock tick over the whole loop): a sampling p
 shows where Python spends its time, this shows which thread is busy and how much of it
 is the kernel (copies, wake-ups), e.g. for a 2 MiB all_reduce between two nodes::
 
-    python -m neuron_dist.bench.hotloop -n 2 --nodes 2 --bytes 2097152 --thread-cpu
+    python -m bench.hotloop -n 2 --nodes 2 --bytes 2097152 --thread-cpu
 
 ``send_recv`` is a round trip between ranks 0 and 1 (the others idle): with ``-n 4 --nodes
 2`` the two share a node in a group that spans nodes.
@@ -98,7 +98,7 @@ def _say(line: str) -> None:
 def _rank(rank: int, world: int, port: int, args) -> None:
     os.environ["NEURON_DIST_NODE_NAME"] = f"hotloop-node{rank * args.nodes // world}"
     import neuron_dist  # noqa: F401 - registers the backend in spawned processes
-    from neuron_dist.bench import job_floor_pg, null_pg, shm_floor_pg
+    from bench import job_floor_pg, null_pg, shm_floor_pg
     null_pg.register()  # --backend null: the dispatch floor (its ranks never synchronise)
     shm_floor_pg.register()  # --backend neuron_shm_floor: shared memory and nothing else
     job_floor_pg.register()  # --backend floor: that inside a node, plain TCP between nodes
@@ -158,7 +158,7 @@ def summarise(path: str, top: int = 30) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m neuron_dist.bench.hotloop", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.hotloop", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--nprocs", type=int, default=2)
     p.add_argument("--backend", default="neuron")

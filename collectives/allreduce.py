@@ -81,10 +81,8 @@ class OneSlot(SlotViews):
 def _own_in_place(views: list, out, rank: int, spec) -> list:
     """The inputs of the reduction: every rank's staged slot, except that rank 0 or 1 of an
     in-place call reads its own contribution from ``out`` itself (the same bits as its slot,
-    still in rank order), so the reduction reads and writes two buffers instead of three.
-    Two ranks, in place, interleaved in one run (a flag switching every 50 calls): 512 KiB
-    138-146 -> 78-79 µs per call, 128 KiB 66-70 -> 57-60 (one process, a 512 KiB torch
-    add out of place took 12-15 µs, in place 8-10)."""
+    still in rank order), so the reduction reads and writes two buffers instead of three,
+    which keeps them in cache (docs/design.md, "Thresholds and why")."""
     if rank > 1 or spec.kind == PREMUL_SUM:
         return views  # (reduce_into's output may alias only its first two inputs)
     mine = list(views)

@@ -55,14 +55,10 @@ COLLECTIVE_TAG = 1
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
 DESCRIPTOR_BYTES = _DESC.size
 # Data up to this size travels in one message with the descriptor: one message less per
-# peer and call, for one copy more at each end (copies of 256 KiB take about 6 µs here,
-# a message some 30 µs of Python at each end). The limit keeps descriptor and data within
-# the rdm transport's eager size (transport/rdm/driver.py ``EAGER_BYTES``, 256 KiB), so the
-# send still completes at once; with 256 KiB of data the one message waited for its ack
-# and lost (all_gather of 2 x 256 KiB 564 µs against 384 with the descriptor apart).
-# Against the 128 KiB of before, over veth, 3 pairs in turns: all_reduce of 192 KiB
-# 172-177 µs against 338-446, all_gather of 2 x 192 KiB 196-204 against 370-382 (more,
-# and the steps before: docs/design.md, "Call descriptors riding in the data's message").
+# peer and call (some 30 µs of Python at each end) for one copy more at each end (a few µs).
+# The limit keeps descriptor and data within the rdm transport's eager size
+# (transport/rdm/driver.py ``EAGER_BYTES``), so the send still completes at once; a larger
+# one message would wait for its ack and lose (docs/design.md, "Thresholds and why").
 PIGGYBACK_BYTES = (256 << 10) - _DESC.size
 _BOX_REUSE_BYTES = 4 << 10  # receive boxes from this size are reused across calls ...
 _BOXES_KEPT = 4  # ... this many per size (a fresh one is zero-filled memory, maybe new pages)

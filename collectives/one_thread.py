@@ -7,11 +7,9 @@ training step. torch hands any op on more than 32768 elements (a 32 KiB byte cop
 OpenMP pool, whose threads wake for it and then spin, waiting for more work. When threads
 outnumber cores, which torch's default of one thread per core gives as soon as two ranks
 share a machine, or a rank's engine thread runs a collective while its main thread
-computes, the spinning threads take the cores that the peer ranks need in order to answer.
-Measured with two ranks on one 2-core machine and torch's default thread count, a
-256 KiB all_reduce took about 12 ms, against 0.07 ms with one thread per rank (gloo:
-2.5 ms); between two virtual nodes, an all_gather of 4 x 64 KiB took 20 ms against
-2.3 ms. gloo and MPI copy and reduce on one thread too.
+computes, the spinning threads take the cores that the peer ranks need in order to answer,
+and a small collective takes many times as long (docs/performance.md, "Torch's default
+thread count"). gloo and MPI copy and reduce on one thread too.
 
 How
 ---

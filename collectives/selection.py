@@ -49,25 +49,21 @@ from dataclasses import dataclass
 from . import net_cost, net_mpi
 
 # ------------------------------------------------------------------------ thresholds
-# Single copy (single_copy.py) from this block size: process_vm_readv pins the peer's pages
-# one by one and copied 1.3-2 GB/s here, against 4-12 GB/s for memmove through a
-# cache-resident slot; at 512 KiB blocks the slot path was 1.2-1.8x faster
-# (reduce_scatter, all_reduce), from 2 MiB on single copy is as fast or faster. (Measured
-# again 2026-12-03 with the peer idle: 10.9-11.8 GB/s up to 4 MiB, 5.1 GB/s at 16 MiB.)
+# Single copy (single_copy.py) from this block size: below it, memmove through a slot that
+# stays in cache is faster than process_vm_readv, which pins the peer's pages one by one
+# (docs/design.md, "Thresholds and why").
 SINGLE_COPY_BYTES = 1 << 20
 MAX_ADDRESSES = 8  # single copy: the spare words of a call descriptor hold this many addresses
 # all_reduce across nodes of equal size is hierarchical from this many elements per local rank
 HIERARCHICAL_MIN_ELEMENTS = 64
 # all_reduce inside a node: one step (every rank reads every peer's whole slot) as long as a
 # rank reads at most this much of its peers' slots; two steps read about 2/N as much but
-# synchronise twice. Measured (2 cores, 2 and 4 ranks, one- and two-step interleaved in
-# one run): one step was 1.4-2.5x faster from 64 KiB up to a whole 1 MiB slot at both.
+# synchronise twice, which costs more while each peer's part fits its slot (docs/design.md,
+# "Thresholds and why").
 ONE_STEP_PEER_BYTES = 3 << 20
 # Network all-reduce between two peers: halves from here, else direct. Halves does half the
-# additions in two dependent phases; direct one phase. Two netns nodes over veth, a group per
-# algorithm taking turns block by block in one run (three runs, direct / halves): 1 MiB
-# 1.08, 2 MiB 0.85-0.88, 3 MiB 0.93, 4 MiB 0.88-0.99, 5 MiB 1.01, 6 MiB 1.10, 8 MiB
-# 1.06-1.14 (from 2 MiB, as before, the 2 MiB cell of bench.internode was its slowest).
+# additions in two dependent phases, direct one phase; halves pays only once the additions
+# outweigh the second phase (docs/design.md, "Thresholds and why").
 HALVES_BYTES = 5 << 20
 
 
@@ -177,8 +173,8 @@ TABLES: dict[str, tuple] = {
     ),
     "broadcast/network": (
         # only data that rides in the descriptor gather: beyond it the gather plus MPI's
-        # Ibcast took 2-3x the binomial tree over MPI's messages (8 and 16 netns nodes,
-        # results/scale-mpi-*x1.txt)
+        # Ibcast take 2-3x the binomial tree over MPI's messages (docs/design.md,
+        # "Thresholds and why")
         ("mpi", lambda s: s.nbytes <= net_mpi.SLOT_DATA),
         ("binomial", _always),
     ),

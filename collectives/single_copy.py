@@ -28,11 +28,8 @@ from __future__ import annotations
 from .context import ALIGN_BYTES, Context, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, reduce_into
 
-# Reduce this much at a time (read from each peer into scratch, then one torch call). Fewer,
-# larger reads won over cache-sized ones: 2 ranks, interleaved in one run (the chunk
-# switched every 20 calls), reduce_scatter of 2 / 8 / 32 MiB took 382 -> 297, 1406 -> 1046
-# and 5538 -> 4636 µs with 1 MiB chunks instead of 256 KiB, all_reduce of 8 / 32 MiB
-# 1682 -> 1449 and 7702 -> 6757 (2 MiB: 342 / 333); 4 MiB chunks gained less at 8 MiB.
+# Reduce this much at a time (read from each peer into scratch, then one torch call): fewer,
+# larger reads cost less than cache-sized ones (docs/design.md, "Thresholds and why").
 CHUNK_BYTES = 1 << 20
 
 
@@ -65,10 +62,9 @@ def _reduce_block(ctx: Context, out, mine, remote: list, spec: ReduceSpec) -> No
     ``remote[k]`` the address of peer k's. ``out`` may alias ``mine``.
 
     Unless it aliases ``mine``, ``out`` receives the lowest-ranked peer's chunk itself, and
-    the reduction then reads and writes two buffers instead of three: a 1 MiB
-    ``torch.add(a, b, out=c)`` took 100 µs here where ``a.add_(b)`` took 48 (a core's
-    2 MiB L2 holds two such buffers, not three); 2 ranks, reduce_scatter of 2 MiB
-    in one run, blocks of calls taking turns: see ``docs/performance.md``."""
+    the reduction then reads and writes two buffers instead of three: a core's 2 MiB L2 holds
+    two 1 MiB chunks, not three (``docs/performance.md``, "Single copy reduces into the output
+    from the first peer's chunk")."""
     n, es, r = out.numel(), out.element_size(), ctx.rank
     chunk = max(1, CHUNK_BYTES // es)
     premul = spec.kind == PREMUL_SUM

@@ -25,11 +25,11 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   runs when someone looks: ``Work.wait`` runs it in the waiting thread, ``is_completed``
   once the peers have published, a future or hook (and any later collective of the
   group) wakes the engine thread to run it. Any other call wakes the engine thread at
-  once, as before: its peers need its next steps. Running the rest means running the
+  once: its peers need its next steps. Running the rest means running the
   call again: its staging writes the same bytes to this rank's slot (a one-step plan skips
   it: ``StepChannel.staged``), and the step is not published twice. An async collective that is waited for soon after (funcol, DTensor)
   so costs no thread hand-off (each costs 25-55 µs and a GIL hand-over, several per
-  collective); one that is not waited for overlaps as before, since the peers progress on
+  collective); one that is not waited for still overlaps, since the peers progress on
   what was published.
 * async_op=True with no core spare for the engine thread (``hold``: a one-node group of
   as many ranks as cores or more, rendezvous.py ``_hold``): the task is *held*: queued,
@@ -40,10 +40,8 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   (whichever comes first) has the engine thread start it. On a machine whose cores all
   compute, the engine thread could only take turns with the caller's compute on the same
   cores, and every step of a collective would wait for the peers' engine threads to be
-  scheduled. With 2 ranks on 2 cores (``bench --overlap``, an async 4 MiB all_reduce
-  before ~1 ms of matmuls, overlapped and serial samples taking turns, three runs each):
-  started at once, overlapped took 4-5% longer than the two one after the other and hid
-  2-100% of a late peer's wait; held, 3% less to 0.2% more, and all of it. The time limit
+  scheduled; held, the overlap costs nothing and hides all of a late peer's wait
+  (docs/performance.md, "Overlap"; docs/design.md, "Thresholds and why"). The time limit
   keeps a program whose ranks wait for each other by other means (another group, a store)
   from stalling: the held collective starts on its own.
 * A waiter on a queued collective runs the queue head itself when the engine thread has

@@ -5,8 +5,7 @@ critical path), and a background thread while requests are pending and nobody wa
 ``isend`` proceeds while the caller computes). Both call ``P2P.progress`` under one lock.
 
 Waking the background thread costs more than a small message (it wants the GIL the caller
-holds: measured, ~70 µs per receive in a send/recv ping-pong), and a 2 MiB receive lost
-50-70 µs of its 220-320 to it (one way, after a barrier). So only a send that did not fit
+holds; docs/design.md, "Thresholds and why"). So only a send that did not fit
 into the mailbox at once wakes the thread: its owner may go on computing (``isend``) while
 the receiver waits for the rest. A receive does not: whoever posts one wants its data and
 waits soon, and its sender needs no help until the mailbox is full (4 MiB by default).
@@ -18,11 +17,9 @@ only every IDLE_PERIOD (a post wakes it at once). It starts with the group's fir
 receive and also drains inbound rings nobody asked for yet once they are half full, so a
 sender that fills one is not stuck while this rank waits in a collective. Below that, whole
 messages wait in the ring for their receive, which reads them straight into its tensor:
-draining them early cost a copy and an allocation each, and the thread's visits every
-LAZY_PERIOD took the GIL and the lock from the caller. (Scratch loop, 2 ranks: rank 1
-sends 500 8-byte messages, then rank 0 receives them, 40 times; old and new code in turn,
-3 runs each: per receive 18.5-19.1 µs on average before, 99th percentile 134-210 µs;
-5.3 µs after, 99th percentile 8.3-8.8, with ``recv_now``.)
+draining them early would cost a copy and an allocation each, and visits every
+LAZY_PERIOD would take the GIL and the lock from the caller (docs/design.md, "Tried and
+dropped").
 Sends and receives of a group never queue behind its collectives, so the usual exchange
 patterns (isend + irecv both ways, pipelining schedules) cannot deadlock.
 Expired requests fail with PeerTimeoutError; requests on a dead peer with PeerDiedError.

@@ -157,9 +157,8 @@ def _hold(settings, load: tuple, spans_nodes: bool) -> float:
     thread starts it (``NEURON_DIST_ASYNC_HOLD``; by default ``HOLD_SECONDS`` in a one-node
     group when no core is spare for the engine thread, as many ranks as cores or more, else
     none). A group that spans nodes starts them at once: much of its time is a wait for
-    the network, which the caller's compute can fill even without a spare core (the main
-    job, 2 virtual nodes x 2 ranks on 2 cores, holding them too: 0.92-1.01x the tokens/s
-    in 3 pairs of whole runs taken in turns, 2-10% more CPU)."""
+    the network, which the caller's compute can fill even without a spare core (holding
+    them too gains the main job nothing and costs CPU: docs/design.md, "Tried and dropped")."""
     if settings.async_hold is not None:
         return settings.async_hold
     return HOLD_SECONDS if load[0] >= load[1] and not spans_nodes else 0.0

@@ -25,8 +25,8 @@ How it works
   earlier run with the same key (a replay), or a first-round value altered for some ranks
   only, fails the check on the first rank that reads a later value.
 
-Without a key (the default), ``StoreAuth(store, None, ...)`` writes and reads plain values,
-as before: the store is trusted then (and holds the random job key in clear).
+Without a key (the default), ``StoreAuth(store, None, ...)`` writes and reads plain values:
+the store is trusted then (and holds the random job key in clear).
 
 Not covered: counters (``store.add``: the generation number, the count of ranks that
 attached the segment) cannot carry a tag. Someone who changes them can only make set-up

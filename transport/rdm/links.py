@@ -90,20 +90,14 @@ INBUF = 64 << 10  # a rail reads small frames in bulk into this much read-ahead 
 _DIRECT = 16 << 10  # ... and the rest of a payload from this size straight into place
 # After a frame with a payload of INBUF or more, the next read ahead asks for this much only:
 # the next frame is likely as large, and a full read ahead would take most of its payload
-# into inbuf, to be copied again. Streams of isends between two virtual nodes (windows of
-# 4 MiB, the two switched every block in one run, 40 blocks, two runs): 77 against 105 µs
-# per 64 KiB message, 100-120 against 150-168 per 128 KiB, 336-340 against 373-378 per
-# 256 KiB; 1-8 KiB and 1 MiB messages, all_reduce of 128 and 512 KiB unchanged.
+# into inbuf, to be copied again (docs/design.md, "Thresholds and why").
 AHEAD_AFTER_LARGE = 8 << 10
 _LOWAT = 256 << 10  # a payload read in place wakes its reader once this much (or all) is in
 # One visit of the engine to a rail reads at most this much (the socket, still readable,
 # is reported again at the next poll; visits for bulk bytes come after the others:
-# progress.poll). Before, a visit read whatever the socket held for as long as a sender
-# kept it full (4.7 MB in one visit in a test; 10-90 ms visits on two virtual nodes while
-# 64 MiB messages streamed), and every other rail of the process, of any group or peer,
-# waited. 256 KiB made 64 MiB all_reduces between two virtual nodes 5-11% slower (more
-# visits per byte); capping writes as well cost the main job 3-7% (the tail of a message
-# waited for the engine instead of leaving with its head). See design.md, "Rails".
+# progress.poll), so a sender that keeps one socket full cannot hold up every other rail of
+# the process; a smaller cap costs bulk transfers more visits per byte, and writes are not
+# capped: a message's tail leaves with its head (docs/design.md, "Rails").
 _VISIT_BYTES = 1 << 20
 _SKIP_BYTES = 64 << 10  # a dropped frame's bytes are read through this much scratch memory
 _SCRATCH = memoryview(bytearray(_SKIP_BYTES))  # (written, never read: shared is fine)

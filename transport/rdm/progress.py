@@ -28,18 +28,13 @@ costs two thread wake-ups, so the background thread holds back as long as it can
   The transport calls ``kick`` when such work appears.
 * ``_LINGER_IDLE`` (100 ms) otherwise: what is left then (held acks, small messages that
   arrive before their receive, the ack of a send that will be waited for) waits in socket
-  buffers at no cost to anyone: whoever waits next drives it at once. A caller that posts
-  a few sends between two waits no longer hands the engine back and forth each time.
-  (Two virtual nodes, 8 x 64 KiB / 256 KiB isend per batch: 15-25% less time per message
-  and a fifth of the context switches than with 2 ms for everything.) While it leads,
-  every frame that arrives wakes it, and it needs the GIL the user's thread computes
-  with: in the main job (2 virtual nodes x 2 ranks, 40 steps) it woke ~2200 times per
-  rank with 20 ms, ~800 with 50 ms, and the main thread was preempted ~5000 times
-  against ~3350 (``/proc``'s context-switch counts per thread). Whole 60-step runs in
-  turns, tokens/s against 20 ms: 100 ms 1.06, 1.05, 1.08, 1.09, 0.93, 0.97; both lingers
-  at 50 ms 0.96, 1.04, 1.13, 1.02.
+  buffers at no cost to anyone: whoever waits next drives it at once. So a caller that
+  posts a few sends between two waits does not hand the engine back and forth each time.
+  While the background thread leads, every frame that arrives wakes it, and it needs the
+  GIL the user's thread computes with: the longer it lingers, the less it takes from the
+  user's thread (docs/design.md, "Thresholds and why").
 
-**Fairness.** Each visit to a rail reads a bounded number of bytes (the driver's
+**Fairness.** Each visit to a rail reads a bounded number of bytes (links.py's
 ``_VISIT_BYTES``), visits for bulk bytes come after the others in a poll, and a leader
 whose own condition holds leaves the rails not visited yet to the next poll: a bulk stream
 on one rail does not hold up small messages on the others (design.md, "Rails").
@@ -47,14 +42,12 @@ on one rail does not hold up small messages on the others (design.md, "Rails").
 **Waiting.** The leader does not sleep in ``epoll`` at once: it polls without sleeping
 (``spin`` polls, at most ``backoff.SPIN_SECONDS``), then polls with a ``sched_yield``
 between polls for up to ``_YIELD_SECONDS``, and only then sleeps in ``epoll``, like a
-shared-memory wait (transport/backoff.py). Waking a thread that sleeps in the kernel costs more
-than a small message's whole trip here: a 64-byte send/recv round trip between two
-ranks as two nodes on loopback took 172 µs polling first against 498 µs sleeping first
-(medians, the two switched every 100 round trips in one run), with less CPU per round
-trip too (171 µs against 252), since every sleep and wake-up is CPU of its own. ``spin`` is 0 when more ranks than cores share the machine
-(``rendezvous._spin``, which counts the ranks of other nodes on the same kernel too), so a
-waiter then yields at once; a background thread never
-polls ahead: it would keep the GIL from the user's thread.
+shared-memory wait (transport/backoff.py). Waking a thread that sleeps in the kernel costs
+more than a small message's whole trip, in time and in CPU, since every sleep and wake-up is
+CPU of its own (docs/design.md, "Thresholds and why"). ``spin`` is 0 when more ranks than
+cores share the machine (``rendezvous._spin``, which counts the ranks of other nodes on the
+same kernel too), so a waiter then yields at once; a background thread never polls ahead:
+it would keep the GIL from the user's thread.
 
 The engine also keeps the process's listeners, one per interface address, shared by every
 group (``listen``, listener.py; the handshake names the group and rank dialled, and
@@ -224,7 +217,7 @@ class Progress:
         (nothing once the engine has shut down).
 
         Visits for bulk bytes (a payload being read in place, a queue being written) come
-        after the others, and each visit reads a bounded number of bytes (the driver's
+        after the others, and each visit reads a bounded number of bytes (links.py's
         ``_VISIT_BYTES``); once ``done()`` (the leader's own condition), the rails not
         handled yet are left for the next poll (epoll reports them again). So a small
         message that completes a waiter's request is not read after other rails' bulk."""

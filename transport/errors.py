@@ -81,14 +81,16 @@ class MessageSizeMismatch(TransportError, ValueError):
     sent, expected : int
         Its size, and the size of the receive's buffer.
     message : bytes-like
-        The message itself (callers read a header in it to explain the mismatch).
+        The message itself (callers read a header in it to explain the mismatch); empty
+        when the message was too large to keep (rdm refuses it, and its sender's request
+        fails with this error too, ``src`` then naming the receiver).
     """
 
-    def __init__(self, src, tag, sent, expected, message=b""):
+    def __init__(self, src, tag, sent, expected, message=b"", detail=""):
         self.src, self.tag, self.sent, self.expected = src, tag, sent, expected
         self.message = message
-        super().__init__(f"rank {src} sent {sent} bytes, the receive expects {expected} "
-                         f"(tag {tag})")
+        super().__init__(detail or f"rank {src} sent {sent} bytes, the receive expects "
+                                   f"{expected} (tag {tag})")
 
 
 class DescriptorLimit(TransportError):

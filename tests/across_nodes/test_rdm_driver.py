@@ -120,6 +120,55 @@ def test_order_per_tag_and_early_messages(pair):
         wrong.wait(time.monotonic() + 5)
 
 
+@pytest.mark.parametrize("mac", [False, True])
+@pytest.mark.parametrize("posted_first", [True, False])
+def test_an_oversized_message_fails_at_once_on_both_sides_and_the_stream_goes_on(posted_first,
+                                                                                  mac):
+    """Finding 7: a message larger than both its receive's buffer and the receiver's memory
+    for unexpected messages was dropped unacknowledged: the receive timed out and the
+    sender resent it until it called the peer unreachable (some 155 s). Now the receiver
+    refuses it, and both requests fail with MessageSizeMismatch within a round trip,
+    whether the receive was posted before the message came or after; no byte of it lands
+    in the receive's buffer, and the same (peer, tag) then carries messages both ways.
+    (rto 5 s, the driver's default: a resend cannot be what ends either request.) ``mac``:
+    with every frame and payload authenticated, the refusal is too."""
+    from neuron_dist.transport.errors import MessageSizeMismatch
+    ts = _pair(rails=2, rto=5.0, max_unexpected_bytes=1 << 20, frame_mac=mac, payload_mac=mac)
+    try:
+        a, b = ts
+        big = np.full(4 << 20, 3, np.uint8)
+        buf = np.zeros(1000, np.uint8)
+        if posted_first:
+            r = b.irecv(0, 5, buf)
+            s = a.isend(1, 5, big)
+        else:
+            s = a.isend(1, 5, big)
+            time.sleep(0.3)  # its frames arrive, meet no receive, and are held back
+            r = b.irecv(0, 5, buf)
+        deadline = time.monotonic() + 2
+        with pytest.raises(MessageSizeMismatch, match="rank 0 sent 4194304 bytes, the receive "
+                                                      "expects 1000 .*refused") as got:
+            r.wait(deadline)
+        assert (got.value.sent, got.value.expected, bytes(got.value.message)) == (4 << 20, 1000,
+                                                                                 b"")
+        with pytest.raises(MessageSizeMismatch, match="rank 1 refused a message of 4194304 "
+                                                      "bytes on tag 5: its receive expects 1000"):
+            s.wait(deadline)
+        assert not buf.any()
+        for x, y, n in ((a, b, 1000), (b, a, 3 << 20), (a, b, 3 << 20)):
+            src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            dst = np.zeros(n, np.uint8)
+            r = y.irecv(x.rank, 5, dst)
+            x.isend(y.rank, 5, src).wait(time.monotonic() + 10)
+            r.wait(time.monotonic() + 10)
+            assert np.array_equal(src, dst)
+        assert not a._failed and not b._failed and not buf.any()
+        assert a.stats()["retransmits"] == 0
+    finally:
+        for t in ts:
+            t.close()
+
+
 def test_rail_cut_mid_transfer_loses_nothing(pair):
     a, b = pair
     src, dst, r, s = _transfer(pair, 64 << 20, seed=1)

@@ -19,8 +19,8 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from neuron_dist.transport.rdm import frames as F
 from neuron_dist.transport.rdm.protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected,
-                                                MessageReceived, PeerFailed, ProtocolError,
-                                                SendCompleted)
+                                                MessageReceived, MessageRefused, PeerFailed,
+                                                ProtocolError, SendCompleted, SendRefused)
 
 DT = 0.002
 
@@ -1007,7 +1007,13 @@ valid_frames = st.one_of(
     st.builds(lambda src, dst, entries, crc: F.encode_ack(src, dst, entries, crc=crc),
               st.integers(0, 3), st.integers(0, 3),
               st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
-                       min_size=1, max_size=20), st.booleans()))
+                       min_size=1, max_size=20), st.booleans()),
+    st.builds(lambda src, dst, ids, total, expected, crc: F.encode_refuse(
+                  src, dst, *ids, total, expected % total, crc=crc),
+              st.integers(0, 3), st.integers(0, 3),
+              st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**63 - 1),
+                        st.integers(0, 2**64 - 1)),
+              st.integers(1, 3000), st.integers(0, 3000), st.booleans()))
 
 
 @FUZZ
@@ -1064,3 +1070,146 @@ def test_tiny_unexpected_messages_are_charged_to_the_peers_memory_budget():
         f = F.encode(F.DATA, 0, 1, msg_id=i, tag=7, seq=i + 1, total=1, payload=b"x")
         ep.receive(0, f, 0.0)  # position 0 of tag 7 never comes: all wait behind it
     assert ep._peers[0].held_messages == 5 and ep.stats["dropped_full"] == 15
+
+
+# ---------------------------------------------------------------- refusal (issue 53, item 7)
+
+
+def _refusal_net(kind, eps):
+    if kind == "stream":
+        return StreamNet(eps, seed=21, stall=(0.0, 0.01), whole=0.5)
+    if kind == "lossy":
+        return Net(eps, seed=22, drop=0.3, dup=0.2)
+    return Net(eps, seed=23)
+
+
+@pytest.mark.parametrize("kind", ["clean", "lossy", "stream"])
+def test_an_oversized_message_is_refused_at_once_on_both_sides_and_the_stream_goes_on(kind):
+    """Finding 7: a message larger than both its posted receive and the receiver's
+    ``max_reassembly_bytes`` was dropped unacked: the receive never completed and the
+    sender resent it until it declared the peer failed. Now the receiver refuses it on its
+    first frame (MessageRefused, the buffer untouched), the sender learns it within a round
+    trip (SendRefused, never SendCompleted), and the next message of the same (peer, tag)
+    lands in the next receive, in both directions."""
+    a, b = make(2, rails=2, segment_bytes=256, max_reassembly_bytes=1000, rto=1.0,
+                max_rto=2.0, window_bytes=1 << 20)
+    net = _refusal_net(kind, [a, b])
+    small, after = bytearray(100), bytearray(50)
+    b.post_recv(0, 3, small)
+    b.post_recv(0, 3, after)
+    tiny, back = bytearray(10), bytearray(4)
+    a.post_recv(1, 4, tiny)
+    a.post_recv(1, 4, back)
+    big = a.send(1, 3, bytes(range(250)) * 20)  # 5000 bytes: 20 segments
+    nxt = a.send(1, 3, b"n" * 50)
+    big_back = b.send(0, 4, b"\x07" * 3000)
+    nxt_back = b.send(0, 4, b"back")
+
+    def refused_both_ways():
+        return net.of(0, SendRefused) and net.of(1, SendRefused) and \
+            net.of(0, MessageRefused) and net.of(1, MessageRefused)
+    net.run(refused_both_ways, max_time=30)
+    if kind != "lossy":  # within a round trip, long before any resend
+        assert net.now < 0.1 and a.stats["retransmits"] == b.stats["retransmits"] == 0
+    net.run(lambda: len(net.of(1, MessageReceived)) == len(net.of(0, MessageReceived)) == 1
+            and len(net.of(0, SendCompleted)) == len(net.of(1, SendCompleted)) == 1, 30)
+    for _ in range(300):  # late copies and resends of the refused messages come and go
+        net.step()
+    assert net.of(1, MessageRefused) == [MessageRefused(0, 3, big, 5000, 100)]
+    assert net.of(0, SendRefused) == [SendRefused(1, big, 3, 5000, 100)]
+    assert net.of(0, MessageRefused) == [MessageRefused(1, 4, big_back, 3000, 10)]
+    assert net.of(1, SendRefused) == [SendRefused(0, big_back, 4, 3000, 10)]
+    assert [e.msg_id for e in net.of(0, SendCompleted)] == [nxt]
+    assert [e.msg_id for e in net.of(1, SendCompleted)] == [nxt_back]
+    (got,) = net.of(1, MessageReceived)
+    assert got.posted and got.tag == 3 and got.data.obj is after
+    (got,) = net.of(0, MessageReceived)
+    assert got.posted and got.tag == 4 and got.data.obj is back
+    # (StreamNet overwrites a buffer once its receive completed, and keeps what came)
+    landed = sorted(net.results) if kind == "stream" else sorted([bytes(after), bytes(back)])
+    assert landed == [b"back", b"n" * 50]
+    assert small == bytearray(100) and tiny == bytearray(10)  # no refused byte landed
+    assert a.inflight_bytes(1) == b.inflight_bytes(0) == 0 and not a.mid_transfer()
+    assert a.reassembly_bytes == b.reassembly_bytes == 0
+    assert a.stats["rejected"] == b.stats["rejected"] == 0
+    assert not net.of(0, PeerFailed) and not net.of(1, PeerFailed)
+    assert b.stats["refused"] == a.stats["refused"] == 1
+
+
+def test_a_message_that_came_before_its_too_small_receive_is_refused_when_it_is_posted():
+    """The first frames of an oversized message arrive before any receive is posted: they
+    are dropped (held back, as before). The receive posted later is too small: the message
+    is refused at once, in post_recv, not at the sender's next resend. A receive large
+    enough, posted for the next such message, takes it (it is not refused)."""
+    a, b = make(2, rails=1, segment_bytes=256, max_reassembly_bytes=1000, rto=1.0,
+                max_rto=2.0, window_bytes=1 << 20)
+    net = Net([a, b], seed=24)
+    first = a.send(1, 3, b"\x01" * 3000)
+    second = a.send(1, 3, b"\x02" * 2000)
+    for _ in range(40):  # 0.08 s: everything arrived once, nothing is resent yet
+        net.step()
+    assert b.stats["dropped_full"] > 0 and not net.events[1] and a.stats["retransmits"] == 0
+    small = bytearray(10)
+    b.post_recv(0, 3, small)
+    assert b.events() == [MessageRefused(0, 3, first, 3000, 10)]
+    posted_at = net.now
+    net.run(lambda: net.of(0, SendRefused), max_time=posted_at + 0.1)
+    assert net.of(0, SendRefused) == [SendRefused(1, first, 3, 3000, 10)]
+    assert a.stats["retransmits"] == 0 and small == bytearray(10)
+    large = bytearray(2000)
+    b.post_recv(0, 3, large)
+    assert b.events() == []  # it fits: it lands there when it is resent
+    net.run(lambda: net.of(0, SendCompleted), max_time=10)
+    assert bytes(large) == b"\x02" * 2000 and [e.msg_id for e in net.of(0, SendCompleted)] \
+        == [second]
+    assert b.stats["refused"] == 1 and b.stats["rejected"] == 0
+
+
+def test_refusals_that_do_not_fit_what_was_sent_are_garbage_and_late_ones_are_ignored():
+    """A REFUSE naming a message never sent, or other than the one sent, or one of which a
+    segment was acknowledged, is rejected (FrameRejected); one for a message finished
+    already (a late copy) changes nothing; the decoder rejects malformed ones. A refused
+    message's later frames are answered with the refusal again, never acknowledged."""
+    for bad in (F.encode(F.REFUSE, 0, 1, msg_id=0, tag=1, total=10, offset=10),  # buffer >= message
+                F.encode(F.REFUSE, 0, 1, msg_id=0, tag=1, total=10, offset=0, payload=b"x"),
+                F.encode_refuse(0, 1, 0, 1, 0, 10, 2) + b"!"):
+        with pytest.raises(F.FrameError):
+            F.decode(bad, world_size=2, max_message_bytes=1 << 20)
+    with pytest.raises(ValueError):
+        F.encode_refuse(0, 1, 0, 1, 0, 10, 10)
+    a = Endpoint(0, 2, rails=1, segment_bytes=8, max_message_bytes=1 << 20)
+    done = a.send(1, 1, b"done")
+    a.poll_transmit(0.0)
+    a.receive(0, F.encode_ack(1, 0, [(done, 0)]), 0.0)
+    assert a.events() == [SendCompleted(1, done)]
+    multi = a.send(1, 1, b"x" * 20)  # 3 segments
+    open_ = a.send(1, 2, b"y" * 30)
+    a.poll_transmit(0.0)
+    a.receive(0, F.encode_ack(1, 0, [(multi, 8)]), 0.0)  # one segment acknowledged
+    for frame in (F.encode_refuse(1, 0, 99, 2, 0, 30, 5),  # never sent
+                  F.encode_refuse(1, 0, open_, 5, 0, 30, 5),  # another tag
+                  F.encode_refuse(1, 0, open_, 2, 1, 30, 5),  # another position
+                  F.encode_refuse(1, 0, open_, 2, 0, 31, 5),  # another size
+                  F.encode_refuse(1, 0, multi, 1, 1, 20, 5)):  # partly acknowledged
+        a.receive(0, frame, 0.0)
+    events = a.events()
+    assert len(events) == 5 and all(isinstance(e, FrameRejected) for e in events), events
+    a.receive(0, F.encode_refuse(1, 0, done, 1, 0, 4, 1), 0.0)  # finished: ignored
+    assert a.events() == [] and a.inflight_bytes(1) > 0
+    a.receive(0, F.encode_refuse(1, 0, open_, 2, 0, 30, 5), 0.0)
+    a.receive(0, F.encode_refuse(1, 0, open_, 2, 0, 30, 5), 0.0)  # a copy: ignored
+    assert a.events() == [SendRefused(1, open_, 2, 30, 5)]
+    later = [F.decode(tx.data) for tx in a.poll_transmit(100.0)]  # long after any deadline
+    assert later and all(f.msg_id != open_ for f in later)  # never resent
+    # the receiving end: a refused message's resends get the refusal, never an ack
+    b = Endpoint(1, 2, rails=2, segment_bytes=8, max_message_bytes=1 << 20,
+                 max_reassembly_bytes=16)
+    b.post_recv(0, 2, bytearray(5))
+    seg = F.encode(F.DATA, 0, 1, msg_id=0, tag=2, seq=0, total=30, offset=8, payload=b"y" * 8)
+    b.receive(1, seg, 0.0)
+    assert b.events() == [MessageRefused(0, 2, 0, 30, 5)]
+    for rail in (0, 1, 1):
+        b.receive(rail, seg, 0.0)
+    out = [(tx.rail, F.decode(tx.data)) for tx in b.poll_transmit(0.0)]
+    assert [(rail, f.type, f.msg_id, f.offset) for rail, f in out] == [(1, F.REFUSE, 0, 5)]
+    assert b.events() == [] and b.stats["rejected"] == 0

@@ -57,7 +57,10 @@ Requests: ``isend``/``irecv`` return a ``Request``; ``wait(deadline)`` raises
 payload being read into its buffer is diverted to scratch memory at once, queued frames
 referring to a send's buffer are copied). Receives match sends per ``(peer, tag)`` in
 order; a message that arrives before its receive is posted is kept (by the endpoint,
-within its memory limit) until it is. Nothing here imports torch.
+within its memory limit) until it is. A message larger than both its receive's buffer and
+that limit is refused (protocol.py, "Refusal"): the receive and the send both fail with
+``MessageSizeMismatch`` within a round trip, and the stream goes on with the next message.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ from .links import (_ASIDE, _HEADER, _OUT, _PAYLOAD, _TRAILER, AHEAD_AFTER_LARGE
 from .railmac import TAG as _MAC_TAG, RailMac
 from .listener import HANDSHAKE_TIMEOUT
 from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived,
-                       PeerFailed, SendCompleted)
+                       MessageRefused, PeerFailed, SendCompleted, SendRefused)
 
 log = logging.getLogger("neuron_dist.rdm")
 
@@ -781,6 +784,8 @@ class RdmTransport:
             self._check_usable(peer)
             self._positions[req] = self.ep.post_recv(peer, tag, view)
             self._recvs.setdefault((peer, tag), deque()).append(req)
+            if self.ep.has_events():  # (a message known to be too large for it was refused)
+                self._pump()
         if req.nbytes > EAGER_BYTES or callback is not None:
             self._engine.kick()  # see _bulk_pending
         return req
@@ -1110,6 +1115,43 @@ class RdmTransport:
             elif isinstance(ev, FrameRejected):
                 log.error("neuron %s: rejected a frame on rail %d: %s", self._label, ev.rail,
                           ev.reason)
+            elif isinstance(ev, MessageRefused):
+                self._on_refused(ev)
+            elif isinstance(ev, SendRefused):
+                self._on_send_refused(ev)
+
+    def _on_refused(self, ev: MessageRefused) -> None:
+        """Under the lock: the message due for the oldest receive of ``(src, tag)`` was too
+        large for it and for the memory kept for unexpected messages: it was refused
+        (protocol.py, "Refusal"), its sender is told, and the receive fails."""
+        waiting = self._recvs.get((ev.src, ev.tag))
+        if not waiting:
+            return  # (its receive was withdrawn: the endpoint discards it then)
+        req = waiting.popleft()
+        self._positions.pop(req, None)
+        req._finish(MessageSizeMismatch(
+            ev.src, ev.tag, ev.size, ev.expected, b"",
+            f"rank {ev.src} sent {ev.size} bytes, the receive expects {ev.expected} (tag "
+            f"{ev.tag}); the message was refused, not kept: it exceeds the "
+            f"{self.ep.max_reassembly_bytes} bytes this rank holds for unexpected messages "
+            f"from a peer"))
+
+    def _on_send_refused(self, ev: SendRefused) -> None:
+        """Under the lock: ``ev.peer`` refused a message (too large for its receive and its
+        memory): the send fails at once instead of being resent until the peer is
+        declared unreachable."""
+        error = MessageSizeMismatch(
+            ev.peer, ev.tag, ev.size, ev.expected, b"",
+            f"rank {ev.peer} refused a message of {ev.size} bytes on tag {ev.tag}: its "
+            f"receive expects {ev.expected} bytes, and the message exceeds the memory it "
+            f"holds for unexpected messages")
+        req = self._sends.pop((ev.peer, ev.msg_id), None)
+        if req is not None:
+            self._unhook(req.buf.obj, ev.peer)  # (frames still queued must not read it)
+            req._finish(error)
+            return
+        self._copies.pop((ev.peer, ev.msg_id), None)  # (a frame may still hold a view)
+        log.error("neuron %s: %s", self._label, error)  # an eager send, completed already
 
     def _on_message(self, ev: MessageReceived) -> None:
         if ev.tag == ABORT_TAG:

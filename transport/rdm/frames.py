@@ -5,7 +5,7 @@ Every frame is a fixed 64-byte header in network byte order followed by a payloa
     off size field     meaning
       0   2  magic     b"NR"
       2   1  version   VERSION (1)
-      3   1  type      DATA (1) or ACK (2)
+      3   1  type      DATA (1), ACK (2) or REFUSE (3)
       4   1  flags     FLAG_CRC (bit 0): ``crc`` covers header and payload
       5   1  rail      rail the sender put the frame on (a hint; receivers use their own)
       6   2  nacks     ack entries riding behind a DATA frame's payload (0 on an ACK)
@@ -29,10 +29,16 @@ An ACK frame acknowledges segments individually: its payload is a packed array o
 ``(msg_id: u64, offset: u64)`` entries (16 bytes each, 1..MAX_ACKS_PER_FRAME of them);
 its header has ``msg_id = tag = seq = offset = 0`` and ``total = length``.
 
+A REFUSE frame tells the sender that its receiver will never take message ``msg_id``: the
+message is larger than the receive buffer posted for it and than the memory the receiver
+may hold for it (see "Refusal" in protocol.py). Its header repeats the message's
+``msg_id``, ``tag``, ``seq`` and ``total`` and carries the size of that receive buffer in
+``offset`` (so ``offset < total``); it has no payload (``length = 0``) and no acks.
+
 ``decode`` trusts nothing on the wire: magic, version, type, flags, the reserved field,
 every length against the real buffer size, ``offset + length <= total``, ``total`` against
 the configured maximum message size, ranks against the world size, the sign of the tag,
-the ACK payload shape and (when present or required) the CRC. Anything else raises
+the ACK payload shape, the REFUSE shape and (when present or required) the CRC. Anything else raises
 ``FrameError`` naming the first problem found.
 """
 
@@ -43,11 +49,12 @@ import zlib
 from typing import NamedTuple
 
 MAGIC = b"NR"
-VERSION = 2  # 2: DATA frames carry piggybacked acks (``nacks``)
+VERSION = 3  # 2: DATA frames carry piggybacked acks (``nacks``); 3: REFUSE frames
 
 DATA = 1
 ACK = 2
-FRAME_TYPES = {DATA: "DATA", ACK: "ACK"}
+REFUSE = 3
+FRAME_TYPES = {DATA: "DATA", ACK: "ACK", REFUSE: "REFUSE"}
 
 FLAG_CRC = 0x01
 KNOWN_FLAGS = FLAG_CRC
@@ -78,7 +85,7 @@ class Frame(NamedTuple):
     Attributes
     ----------
     type : int
-        ``DATA`` or ``ACK``.
+        ``DATA``, ``ACK`` or ``REFUSE``.
     flags : int
         Bit set of ``FLAG_*``.
     rail : int
@@ -86,7 +93,8 @@ class Frame(NamedTuple):
     src, dst : int
         Sending and receiving rank.
     msg_id, tag, seq, total, offset : int
-        See the module docstring (all 0 except ``total`` in an ACK).
+        See the module docstring (all 0 except ``total`` in an ACK; ``offset`` is the
+        receive buffer's size in a REFUSE).
     payload : bytes
         The segment (DATA) or the packed ack entries (ACK).
     piggyback : bytes
@@ -211,6 +219,23 @@ def pack_ack(src: int, dst: int, entries, rail: int) -> bytes:
                        16 * n, 0) + pack_acks(entries)
 
 
+def encode_refuse(src: int, dst: int, msg_id: int, tag: int, seq: int, total: int,
+                  expected: int, *, rail: int = 0, crc: bool = False) -> bytes:
+    """Build a REFUSE frame: message ``msg_id`` (``tag``, ``seq``, ``total`` bytes) is
+    refused; the receive buffer posted for it holds ``expected`` bytes (< ``total``).
+
+    Raises
+    ------
+    ValueError
+        A field does not fit, or ``expected`` is not smaller than ``total``.
+    """
+    if not 0 <= expected < total:
+        raise ValueError(f"a refusal names a buffer smaller than the message, not {expected} "
+                         f"bytes for {total}")
+    return encode(REFUSE, src, dst, msg_id=msg_id, tag=tag, seq=seq, total=total,
+                  offset=expected, rail=rail, crc=crc)
+
+
 def encode_ack(src: int, dst: int, entries, *, rail: int = 0, crc: bool = False) -> bytes:
     """Build an ACK frame for ``entries``, a sequence of ``(msg_id, offset)`` pairs.
 
@@ -263,6 +288,9 @@ def _check_lengths(view: memoryview | None, ftype: int, tag: int, total: int, of
         if not 1 <= length // ACK_ENTRY.size <= MAX_ACKS_PER_FRAME:
             raise FrameError(f"ACK with {length // ACK_ENTRY.size} entries "
                              f"(1..{MAX_ACKS_PER_FRAME} allowed)")
+    elif ftype == REFUSE and (length or offset >= total):
+        raise FrameError(f"malformed REFUSE (buffer {offset} bytes for a message of {total}, "
+                         f"{length} payload bytes)")
 
 
 def _check_crc(view: memoryview, flags: int, stored: int, require_crc: bool) -> None:

@@ -115,7 +115,9 @@ Limits (bounded memory)
       the same way. Early messages hold memory until taken: a peer that sends more than
       the limit nobody receives is held back until receives are posted (its sends fail
       after ``max_retries`` resends if they never are). Only the next notice on a
-      ``notice_tags`` stream (at most NOTICE_BYTES per peer) may pass the limit.
+      ``notice_tags`` stream (at most NOTICE_BYTES per peer) may pass the limit. A
+      message larger than the whole limit and than the receive posted for it can never
+      be taken: it is refused (see "Refusal").
     * ``max_held_messages`` per peer: the same for the number of messages held privately,
       whatever their size (each costs its stream entry and buffer object even when it
       holds no byte: without it a flood of 0-byte messages on new tags grew memory
@@ -123,6 +125,28 @@ Limits (bounded memory)
       pass it is dropped unacked before anything is built for it.
     * ``max_message_bytes``: ``send`` refuses larger messages, the decoder rejects frames
       claiming larger ones.
+
+Refusal (a message too large for its receive and for private memory)
+    A message whose receive buffer is smaller than the message is normally reassembled
+    privately and delivered with ``posted=False`` (the driver fails the receive with the
+    message attached). When the message is also larger than ``max_reassembly_bytes`` it
+    could never be held: instead of being dropped unacked until its sender gives up, it
+    is refused on its first frame that meets a receive bound to its stream position.
+    The receiver retires its ``msg_id`` (as if completed), consumes its stream position
+    (``MessageRefused`` is reported for that position, in stream order, and the posted
+    buffer is released untouched: no byte of it is placed anywhere) and sends a REFUSE
+    frame (see ``frames``) naming the message and the buffer's size. Later frames of a
+    refused message are never acknowledged; each is answered with the REFUSE again (at
+    most one per message per ``poll_transmit``), so a lost REFUSE is repeated when the
+    sender resends. The sender, on a REFUSE for a message it is still sending and whose
+    tag, seq and size match and none of whose segments was acknowledged, forgets the
+    message as ``cancel_send`` does and reports ``SendRefused``; its stream position was
+    used when it was sent, so both ends move on to the next message of the stream alike.
+    A REFUSE for a message never sent, or that contradicts it, is garbage
+    (``FrameRejected``); one for a message finished already (a late copy) is ignored.
+    A first frame that comes before any receive is bound to its position, and is too
+    large for private memory, is dropped unacked as usual but remembered (a few per
+    peer): a too-small receive posted for that position later refuses it at once.
 
 Integrity
     With ``crc=True`` every frame carries a CRC-32 over header and payload and frames
@@ -154,6 +178,7 @@ DELAYED_ACK_BYTES = 256 << 10
 # whatever ``ack_delay`` is.
 DELAYED_ACK_HELD_BYTES = 4 << 20
 NOTICE_BYTES = 4096  # a notice_tags message up to this size always finds memory
+MAX_OVERSIZED = 16  # oversized first frames remembered per peer until a receive is posted
 MAX_HELD_MESSAGES = 1 << 16  # messages held privately per peer (max_held_messages)
 
 # ----------------------------------------------------------------------------- events
@@ -195,6 +220,31 @@ class PeerFailed(NamedTuple):
     peer: int
     reason: str
     msg_ids: tuple = ()
+
+
+class MessageRefused(NamedTuple):
+    """The message at the next position of ``(src, tag)`` was refused (see "Refusal"):
+    ``size`` bytes, larger than the ``expected`` bytes of the receive bound to that
+    position and than this rank's private memory for the peer. The receive's buffer is
+    released untouched; the next message of the stream goes to the next receive."""
+
+    src: int
+    tag: int
+    msg_id: int
+    size: int
+    expected: int
+
+
+class SendRefused(NamedTuple):
+    """``peer`` refused message ``msg_id`` (``tag``, ``size`` bytes): its receive holds
+    ``expected`` bytes and the message exceeds its private memory. No segment of it is
+    sent again; its buffer is free once the driver has dropped the frames it holds."""
+
+    peer: int
+    msg_id: int
+    tag: int
+    size: int
+    expected: int
 
 
 class FrameRejected(NamedTuple):
@@ -288,6 +338,7 @@ class _Reassembly:
     received: int = 0
     claims: dict = field(default_factory=dict)  # offset -> (length, rail) being read in place
     discard: bool = False  # its receive was cancelled: count bytes, store nothing
+    refused: int = -1  # refused (see "Refusal"): the size of the receive it was refused for
 
     @property
     def complete(self) -> bool:
@@ -331,6 +382,11 @@ class _Peer:
     held: int = 0  # private reassembly + early bytes from this peer (max_reassembly_bytes)
     held_messages: int = 0  # the messages those bytes belong to (max_held_messages)
     streams: dict = field(default_factory=dict)  # tag -> _Stream
+    refused: dict = field(default_factory=dict)  # msg_id -> (tag, seq, total, buffer bytes)
+    refusals_out: dict = field(default_factory=dict)  # msg_id -> rail: REFUSEs to send
+    # first frames too large for private memory that met no receive yet:
+    # msg_id -> (tag, seq, total, rail), at most MAX_OVERSIZED (see "Refusal")
+    oversized: dict = field(default_factory=dict)
 
     def live_rails(self) -> list:
         return [r for r, ok in enumerate(self.rails) if ok]
@@ -422,7 +478,7 @@ class Endpoint:
         self._arrivals = 0  # numbers early messages across streams (take_early_any)
         self.stats = {"sent": 0, "retransmits": 0, "duplicates": 0, "rejected": 0,
                       "dropped_full": 0, "dropped_claimed": 0, "discarded": 0,
-                      "acks_sent": 0, "acks_piggybacked": 0}
+                      "acks_sent": 0, "acks_piggybacked": 0, "refused": 0}
         self._peers: dict[int, _Peer] = {}
         self._failed: dict[int, str] = {}
         self._left: dict[int, _Peer] = {}  # failed peers' early messages, until taken
@@ -524,17 +580,27 @@ class Endpoint:
         bytearray or int
             The oldest early message of the stream (it arrived before any receive was
             posted for it: the caller copies it, ``buffer`` is not kept), or else the
-            stream position ``buffer`` is now bound to (for ``cancel_recv``).
+            stream position ``buffer`` is now bound to (for ``cancel_recv``). When the
+            message of that position is known already to be too large for ``buffer`` and
+            for private memory, it is refused at once (see "Refusal"): ``events()`` then
+            holds its ``MessageRefused`` if it is next in the stream.
         """
         view = _byte_view(buffer, writable=True)
         early = self.take_early(src, tag)
         if early is not None:
             return early  # (even from a peer that failed since: it sent it whole)
-        stream = self._stream(self._peer(src), tag)
+        state = self._peer(src)
+        stream = self._stream(state, tag)
         position = max(stream.next_post, stream.next_deliver)
         stream.bound[position] = view
         stream.next_post = position + 1
+        if state.oversized:
+            self._refuse_remembered(src, state, stream, tag, position, view.nbytes)
         return position
+
+    def has_events(self) -> bool:
+        """Are there events ``events()`` would return?"""
+        return bool(self._events)
 
     def take_early(self, src: int, tag: int):
         """The oldest early message of ``(src, tag)`` (a ``bytearray``), or None."""
@@ -606,21 +672,26 @@ class Endpoint:
         must fail the stream's users (tell the peer). Returns False if it had completed.
         """
         state = self._peers.get(peer)
-        msg = None if state is None else state.open.pop(msg_id, None)
+        msg = None if state is None else state.open.get(msg_id)
         if msg is None:
             return False
+        self._forget(state, msg)
+        return True
+
+    def _forget(self, state: _Peer, msg: _OutMessage) -> None:
+        """No segment of ``msg`` is sent or resent again; its id is done."""
+        del state.open[msg.msg_id]
         try:
             state.queue.remove(msg)
             state.backlog -= max(0, msg.data.nbytes - msg.next_seg * msg.seg_bytes)
         except ValueError:
             pass
-        for key in [k for k in state.unacked if k[0] == msg_id]:
+        for key in [k for k in state.unacked if k[0] == msg.msg_id]:
             seg = state.unacked.pop(key)
             state.inflight -= seg.cost
             state.rail_bytes[seg.rail] -= seg.cost
-        state.sent_done.add(msg_id)
+        state.sent_done.add(msg.msg_id)
         self.has_work = True  # the window may have opened
-        return True
 
     def release_claims(self, peer: int, rail: int) -> None:
         """The reader of ``rail`` from ``peer`` stopped: its claims end unlanded (the
@@ -686,6 +757,8 @@ class Endpoint:
             self._on_ack(frame.src, state, frame.acks)
         if frame.type == F.DATA:
             self._on_data(rail, state, frame, now)
+        elif frame.type == F.REFUSE:
+            self._on_refuse(rail, frame.src, state, frame)
 
     def data_target(self, rail: int, header: F.Header):
         """Where a DATA segment announced by ``header`` may be read straight into, or None.
@@ -854,6 +927,8 @@ class Endpoint:
             self._send_new(peer, state, now, out)  # waiting acks ride on this data
             if state.acks_out and now >= state.acks_due:
                 self._flush_acks(peer, state, out)
+            if state.refusals_out:
+                self._send_refusals(peer, state, out)
         return out
 
     def release_acks(self) -> None:
@@ -1115,6 +1190,10 @@ class Endpoint:
 
     def _on_data(self, rail: int, state: _Peer, frame: F.Frame, now: float) -> None:
         if frame.msg_id in state.recv_done:
+            if frame.msg_id in state.refused:  # never acked: it is refused again
+                state.refusals_out.setdefault(frame.msg_id, rail)
+                self.has_work = True
+                return
             self.stats["duplicates"] += 1
             self._ack(state, rail, frame.msg_id, frame.offset, frame.total, now, urgent=True)
             return
@@ -1124,7 +1203,10 @@ class Endpoint:
             return
         r = state.partial.get(frame.msg_id)
         if r is None:
-            if self._over_budget(state, state.streams.get(frame.tag), frame):
+            stream = state.streams.get(frame.tag)
+            if self._over_budget(state, stream, frame):
+                if frame.total > self.max_reassembly_bytes:
+                    self._too_large(rail, frame.src, state, stream, frame)
                 return
             r = self._start(rail, state, frame)
             if r is None:
@@ -1160,6 +1242,89 @@ class Endpoint:
             return False
         self.stats["dropped_full"] += count
         return True
+
+    # ------------------------------------------------------------------ refusal (cold)
+
+    def _too_large(self, rail: int, src: int, state: _Peer, stream, frame: F.Frame) -> None:
+        """The first frame of a message larger than private memory may ever hold, and than
+        the receive bound to its position if any, was dropped: refuse the message if a
+        receive is bound, else remember it for the receive posted later."""
+        posted = None if stream is None else stream.bound.get(frame.seq)
+        if posted is None:
+            oversized = state.oversized
+            if frame.msg_id not in oversized:
+                for msg_id in [m for m in oversized if m in state.recv_done]:
+                    del oversized[msg_id]  # (finished otherwise since)
+                if len(oversized) < MAX_OVERSIZED:
+                    oversized[frame.msg_id] = (frame.tag, frame.seq, frame.total, rail)
+            return
+        if stream.owner.get(frame.seq, frame.msg_id) != frame.msg_id:
+            self._reject(rail, f"message {frame.msg_id} from rank {src} claims position "
+                               f"{frame.seq} of tag {frame.tag}, which is taken")
+            return
+        self._refuse(rail, src, state, stream, frame.msg_id, frame.tag, frame.seq,
+                     frame.total, posted.nbytes)
+
+    def _refuse_remembered(self, src: int, state: _Peer, stream: _Stream, tag: int,
+                           position: int, nbytes: int) -> None:
+        """A receive of ``nbytes`` was just bound to ``position``: refuse the message
+        remembered there if it is too large for it."""
+        for msg_id, (t, seq, total, rail) in list(state.oversized.items()):
+            if t != tag or seq != position:
+                continue
+            del state.oversized[msg_id]
+            if (total > nbytes and msg_id not in state.recv_done
+                    and msg_id not in state.partial and position not in stream.owner):
+                self._refuse(rail, src, state, stream, msg_id, tag, seq, total, nbytes)
+            return
+
+    def _refuse(self, rail: int, src: int, state: _Peer, stream: _Stream, msg_id: int,
+                tag: int, seq: int, total: int, expected: int) -> None:
+        """Refuse message ``msg_id`` at ``seq`` of ``stream``: retire its id, consume its
+        position (``MessageRefused`` in stream order) and tell the sender."""
+        state.oversized.pop(msg_id, None)
+        state.recv_done.add(msg_id)
+        forget = state.recv_done.low - self.max_open_messages
+        for old in [m for m in state.refused if m < forget]:
+            del state.refused[old]  # (its sender has finished it: it opened later ones)
+        state.refused[msg_id] = (tag, seq, total, expected)
+        state.refusals_out[msg_id] = rail
+        self.has_work = True
+        self.stats["refused"] += 1
+        stream.owner[seq] = msg_id
+        stream.ready[seq] = _Reassembly(msg_id, tag, seq, total, None, refused=expected)
+        self._deliver_ready(src, state, stream)
+
+    def _send_refusals(self, peer: int, state: _Peer, out: list) -> None:
+        pending, state.refusals_out = state.refusals_out, {}
+        for msg_id, rail in pending.items():
+            refused = state.refused.get(msg_id)
+            if refused is None:
+                continue
+            if not state.rails[rail]:
+                rail = self._pick_rail(state)
+            tag, seq, total, expected = refused
+            out.append(Transmit(peer, rail, F.encode_refuse(
+                self.rank, peer, msg_id, tag, seq, total, expected, rail=rail, crc=self.crc)))
+
+    def _on_refuse(self, rail: int, src: int, state: _Peer, frame: F.Frame) -> None:
+        """``src`` refuses message ``frame.msg_id`` (see "Refusal")."""
+        msg = state.open.get(frame.msg_id)
+        if msg is None:
+            if frame.msg_id >= state.next_msg_id:
+                self._reject(rail, f"rank {src} refused message {frame.msg_id}, which was "
+                                   f"never sent to it")
+            return  # finished (or refused, or cancelled) already: a late copy
+        if ((msg.tag, msg.seq, msg.data.nbytes) != (frame.tag, frame.seq, frame.total)
+                or msg.unacked < msg.next_seg):
+            self._reject(rail, f"rank {src} refused message {frame.msg_id} as (tag {frame.tag}, "
+                               f"seq {frame.seq}, {frame.total} bytes), which does not match "
+                               f"the message (tag {msg.tag}, seq {msg.seq}, {msg.data.nbytes} "
+                               f"bytes, {msg.next_seg - msg.unacked} segments acknowledged)")
+            return
+        self._forget(state, msg)
+        self._events.append(SendRefused(src, msg.msg_id, msg.tag, msg.data.nbytes,
+                                        frame.offset))
 
     def _start(self, rail: int, state: _Peer, frame) -> _Reassembly | None:
         """Open reassembly for the first segment of a message, or reject/drop the frame."""
@@ -1230,6 +1395,13 @@ class Endpoint:
     def _deliver(self, src: int, state: _Peer, stream: _Stream, r: _Reassembly) -> None:
         stream.owner.pop(r.seq, None)
         posted = stream.bound.pop(r.seq, None)
+        if r.refused >= 0:  # (it never held memory, and no byte of it was placed)
+            if r.seq in stream.cancelled:
+                stream.cancelled.discard(r.seq)
+                self.stats["discarded"] += 1
+            else:
+                self._events.append(MessageRefused(src, r.tag, r.msg_id, r.total, r.refused))
+            return
         private = r.posted is None and not r.discard
         if r.seq in stream.cancelled:
             stream.cancelled.discard(r.seq)
@@ -1260,5 +1432,5 @@ class Endpoint:
         self._events.append(MessageReceived(src, r.tag, r.msg_id, data, False))
 
 
-__all__ =__all__ = ["Endpoint", "MessageReceived", "SendCompleted", "PeerFailed", "FrameRejected",
-           "Transmit", "ProtocolError"]
+__all__ =__all__ = ["Endpoint", "MessageReceived", "MessageRefused", "SendCompleted", "SendRefused",
+           "PeerFailed", "FrameRejected", "Transmit", "ProtocolError"]

@@ -388,3 +388,78 @@ def test_the_accept_loop_survives_a_thread_it_cannot_start(monkeypatch):
         assert failed
     finally:
         lis.close()
+
+
+def test_a_dropped_handshake_is_dialed_again_and_a_refused_one_fails_at_once(monkeypatch):
+    """Finding 2: a dial whose connection the listener dropped before answering (it sheds
+    unfinished handshakes under a flood) failed the peer (PeerUnreachable); only a refused
+    connection was retried. Now it is dialed again, with a growing pause. A refusal (a
+    wrong key: the listener answers NO) still fails at once, naming why."""
+    from neuron_dist.transport.rdm import driver as D, handshake
+    real, calls = handshake.dial, []
+
+    def dropping(sock, *args, **kwargs):  # the first two dials are dropped by the listener
+        calls.append(time.monotonic())
+        if len(calls) <= 2:
+            sock.shutdown(socket.SHUT_RDWR)
+        return real(sock, *args, **kwargs)
+    monkeypatch.setattr(D.handshake, "dial", dropping)
+    ts = _pair(rails=2, open_rails=False)
+    try:
+        got = np.zeros(10, np.uint8)
+        r = ts[1].irecv(0, 1, got)
+        ts[0].isend(1, 1, np.full(10, 1, np.uint8))
+        r.wait(time.monotonic() + 10)
+        assert (got == 1).all() and len(calls) == 4  # two dropped, then one per rail
+        _consistent(ts[0], ts[1], 2)
+    finally:
+        _closing(ts)
+    monkeypatch.setattr(D.handshake, "dial", real)
+    wrong = RdmTransport(0, 2, host="127.0.0.1", rails=2, key=b"another key" * 3,
+                         group=b"test-group")
+    right = RdmTransport(1, 2, host="127.0.0.1", rails=2, key=KEY, group=b"test-group")
+    try:
+        addrs = {0: wrong.address, 1: right.address}
+        for t in (wrong, right):
+            t.connect(addrs, time.monotonic() + 60)
+        start = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="refused the handshake: authentication "
+                                                  "failed"):
+            wrong.isend(1, 1, np.zeros(10, np.uint8))
+        assert time.monotonic() - start < 2
+    finally:
+        _closing([wrong, right])
+
+
+def test_a_dial_whose_handshakes_are_always_dropped_ends_at_its_deadline():
+    """A listener that drops every connection before answering: the dialer dials again
+    until its connect deadline, then fails with PeerTimeout saying so, not later."""
+    from neuron_dist.transport.errors import PeerTimeout
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    accepted = []
+
+    def drop_all():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            accepted.append(1)
+            conn.close()
+    th = threading.Thread(target=drop_all)
+    th.start()
+    t = RdmTransport(0, 2, host="127.0.0.1", rails=1, key=KEY, group=b"dropped")
+    try:
+        port = server.getsockname()[1]
+        t.connect({0: t.address, 1: f"127.0.0.1:{port}"}, time.monotonic() + 1.5)
+        start = time.monotonic()
+        with pytest.raises(PeerTimeout, match="the handshake was dropped"):
+            t.isend(1, 1, np.zeros(10, np.uint8))
+        assert 1.0 < time.monotonic() - start < 3.0 and len(accepted) >= 3
+    finally:
+        t.close()
+        stop.set()
+        th.join(5)
+        server.close()

@@ -14,6 +14,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import pytest
@@ -874,6 +875,79 @@ def test_a_flood_of_strangers_at_a_1024_descriptor_limit_does_not_hurt_the_job()
     assert report["threads"] < 80 and report["fds"] < 200, report
 
 
+def _flood(host, port, stop, seconds, max_connections, rate=2500, keep=200):
+    """Idle stranger connections to ``host:port``, ``rate`` a second at most, until ``stop``
+    or ``seconds`` or ``max_connections``; at most ``keep`` open at once (the oldest are
+    closed: the listener has dropped them by then). Returns how many were made and
+    whether ``stop`` ended it (it lasted as long as it was meant to)."""
+    socks, made = deque(), 0
+    start = time.monotonic()
+    try:
+        while not stop.is_set() and made < max_connections:
+            ahead = made / rate - (time.monotonic() - start)
+            if ahead > 0:
+                time.sleep(ahead)
+            if time.monotonic() - start > seconds:
+                break
+            s = socket.socket()
+            s.settimeout(0.02)  # (the listen backlog is full: try again at once)
+            try:
+                s.connect((host, port))
+            except OSError:
+                s.close()
+                continue
+            made += 1
+            socks.append(s)
+            while len(socks) > keep:
+                socks.popleft().close()
+    finally:
+        for s in socks:
+            s.close()
+    return made, stop.is_set()
+
+
+@pytest.mark.timeout(120)
+def test_a_flood_of_strangers_while_rails_open_mid_job_does_not_fail_them():
+    """Finding 2: each new connection closed the oldest unfinished handshake, a rank's own
+    included, and the dialer did not dial again (a dropped handshake became
+    PeerUnreachable). Rails open on first use, so a flood could fail a job at any time.
+    While idle strangers connect as fast as they can (bounded in number and time), a
+    process opens the rails of one group after another, its dialers taking 50 ms to
+    answer the listener (flood_victim.py): every group's rails open and its transfer
+    arrives intact, with the flood on until the last."""
+    import json
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    victim = subprocess.Popen([sys.executable, os.path.join(here, "flood_victim.py"), "midjob"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    made = []
+    flood = None
+    try:
+        host, port = _host_port_of(json.loads(victim.stdout.readline())["address"])
+        flood = threading.Thread(target=lambda: made.append(
+            _flood(host, port, stop, seconds=60, max_connections=60_000)))
+        flood.start()
+        time.sleep(0.5)  # the flood is on: every slot of the listener is taken
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        report = json.loads(victim.stdout.readline() or "null")
+        stop.set()
+        flood.join(30)
+        assert victim.wait(60) == 0
+    finally:
+        stop.set()
+        if flood is not None:
+            flood.join(30)
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    assert report is not None, "the victim died"
+    assert not report["errors"] and report["ok"] and all(report["ok"]), report
+    assert made and made[0][0] > 1000 and made[0][1], made  # a flood, on until the end
+
+
 def _host_port_of(address):
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
@@ -950,10 +1024,12 @@ def test_a_handshake_that_trickles_ends_at_its_one_deadline():
     a, b = socket.socketpair()
     stop = threading.Event()
 
-    def trickle():
-        while not stop.wait(0.1):
+    def trickle():  # a proof that starts well (the listener's check of the magic passes)
+        for byte in handshake.MAGIC + bytes(100):
+            if stop.wait(0.1):
+                return
             try:
-                b.send(b"N")
+                b.send(bytes([byte]))
             except OSError:
                 return
     t = threading.Thread(target=trickle)

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import socket
 import threading
 import time
@@ -120,6 +121,9 @@ EAGER_WINDOW_BYTES = 32 << 20
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
 _DIALING, _ACCEPTING, _JOINING = "dialing", "accepting", "joining"  # how a peer's rails open
 _REFUSED_RETRY = 2.0  # seconds a dial retries a refused connection (a listener starting)
+# Pauses before dialing again after a dropped handshake: from the first, doubling up to the
+# last (with jitter, so dialers shed together do not come back together).
+_DROPPED_PAUSE, _DROPPED_PAUSE_MAX = 0.01, 0.5
 
 
 class _Join:
@@ -555,31 +559,51 @@ class RdmTransport:
         link.remove(self._context, self.rank, self)
 
     def _dial(self, peer: int, host: str, port: int, rail: int, deadline: float) -> None:
+        """Open rail ``rail`` to ``peer``: connect and authenticate (handshake.py).
+
+        A refused connection is retried for ``_REFUSED_RETRY`` seconds (a listener
+        starting), and a handshake dropped before it ended (``HandshakeDropped``: the
+        listener sheds unfinished handshakes under a flood of strangers, listener.py) is
+        dialed again with a growing pause, both until ``deadline``. A refusal (the peer
+        answered NO: wrong key, a group it does not have) and a stalled peer
+        (``HandshakeTimeout``) end the dial at once."""
         refused_until = time.monotonic() + _REFUSED_RETRY
+        pause, dropped = _DROPPED_PAUSE, None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                why = f" (the handshake was dropped: {dropped})" if dropped else ""
                 raise PeerTimeout([peer], 0.0, f"could not connect rail {rail} to rank {peer} "
-                                               f"at {host}:{port}", network=True)
+                                               f"at {host}:{port}{why}", network=True)
             source = self._hosts[rail % len(self._hosts)]
             try:
                 sock = socket.create_connection(
                     (host, port), timeout=min(remaining, HANDSHAKE_TIMEOUT),
                     source_address=(source, 0) if len(self._hosts) > 1 else None)
-                break
             except ConnectionRefusedError:
                 if time.monotonic() > refused_until:  # its listener is gone
                     raise PeerUnreachable(peer, f"rank {peer} refuses connections at "
                                                 f"{host}:{port} (its process has exited, or "
                                                 f"closed all its groups)") from None
                 time.sleep(0.05)
-        try:
-            session = handshake.dial(sock, self._key, self._group, self.rank, rail, peer,
-                                     min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT))
-        except BaseException:
-            sock.close()
-            raise
-        self._add_rail(sock, peer, rail, session, dialer=True)
+                continue
+            try:
+                session = handshake.dial(sock, self._key, self._group, self.rank, rail, peer,
+                                         min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT))
+            except handshake.HandshakeDropped as e:
+                sock.close()
+                dropped = e
+                log.info("neuron %s: rail %d to rank %d: %s; dialing again", self._label,
+                         rail, peer, e)
+                time.sleep(min(pause * random.uniform(0.5, 1.0),
+                               max(0.0, deadline - time.monotonic())))
+                pause = min(_DROPPED_PAUSE_MAX, pause * 2)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self._add_rail(sock, peer, rail, session, dialer=True)
+            return
 
     def _may_dial(self, rank: int, rail: int):
         """May ``rank`` open rail ``rail`` to this rank now (the listener asks)? True,

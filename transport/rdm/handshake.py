@@ -11,6 +11,13 @@ names the group, so a rail of one group is never accepted by another.
                                 | HMAC-SHA256(key, b"dial" | group | challenge_a | rank | rail | dst)
     acceptor -> dialer   OK     b"NROK" | HMAC-SHA256(key, b"accept" | group | challenge_d | dst)
                   or     CROSSED b"NRXX" | HMAC-SHA256(key, b"crossed" | group | challenge_d | dst)
+                  or     NO     b"NRNO" | reason (32 bytes of ASCII, NUL-padded)
+
+The acceptor answers NO when it refuses a dialer that sent a whole PROOF (the proof does
+not check out, the group is not here, the rank may not open that rail): the dialer fails
+at once, naming the reason (``HandshakeError``). A connection that ends without an answer
+was dropped, not refused (the listener sheds unfinished handshakes under a flood of
+strangers, listener.py): the dialer sees ``HandshakeDropped`` and dials again.
 
 Rails are opened on first use, by the rank that sends first (driver.py), so two ranks may
 dial each other at once. The acceptor that is itself dialing the dialer and has the higher
@@ -50,6 +57,7 @@ import time
 MAGIC = b"NRH2"
 OK = b"NROK"
 CROSSED = b"NRXX"
+NO = b"NRNO"
 _PROOF = struct.Struct("!4sIHI16s32s32s")
 _HELLO_SIZE = 4 + 32
 _OK_SIZE = 4 + 32
@@ -57,6 +65,12 @@ _OK_SIZE = 4 + 32
 
 class HandshakeError(ConnectionError):
     """A connection failed authentication or spoke something else than the handshake."""
+
+
+class HandshakeDropped(HandshakeError):
+    """The connection closed or was reset before the handshake ended, with no refusal:
+    the listener dropped it (too many unfinished handshakes) or its process is going.
+    The dialer may dial again."""
 
 
 class HandshakeTimeout(HandshakeError, TimeoutError):
@@ -126,10 +140,30 @@ def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
                 raise
             raise HandshakeTimeout(f"handshake not finished in time ({got} of {n} bytes of a "
                                    f"handshake message came)") from None
+        except (ConnectionResetError, ConnectionAbortedError) as e:
+            raise HandshakeDropped(f"connection reset after {got} of {n} handshake bytes: "
+                                   f"{e}") from None
         if k == 0:
-            raise HandshakeError(f"connection closed after {got} of {n} handshake bytes")
+            raise HandshakeDropped(f"connection closed after {got} of {n} handshake bytes")
         got += k
     return bytes(buf)
+
+
+def _send(sock: socket.socket, data: bytes, deadline: float | None) -> None:
+    if deadline is not None:
+        _until(sock, deadline)
+    try:
+        sock.sendall(data)
+    except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as e:
+        raise HandshakeDropped(f"connection dropped during the handshake: {e}") from None
+
+
+def _refuse(sock: socket.socket, deadline: float | None, reason: str) -> None:
+    """Tell the dialer why it is refused (a NO, best effort: it may be gone)."""
+    try:
+        _send(sock, NO + reason.encode("ascii", "replace")[:32].ljust(32, b"\0"), deadline)
+    except (HandshakeError, OSError):
+        pass
 
 
 def _until(sock: socket.socket, deadline: float) -> None:
@@ -141,7 +175,7 @@ def _until(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(remaining)
 
 
-def accept(sock: socket.socket, resolve, deadline: float | None = None):
+def accept(sock: socket.socket, resolve, deadline: float | None = None, progress=None):
     """Authenticate a dialer on the accepted ``sock``; return ``(owner, rank, rail,
     session)``, ``session`` being the connection's ``session_key``.
 
@@ -153,7 +187,9 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
     granted (True) is the caller's to hand to ``owner`` once this returns; if the handshake
     fails after the grant, ``release(rank, rail)`` gives it back here. The whole handshake
     must end by ``deadline`` (``time.monotonic()``); without one, ``sock`` must have a
-    timeout set.
+    timeout set. ``progress(level)``, if given, is called as the dialer shows it is one:
+    level 1 once its PROOF starts with the magic, 2 once the proof checked out (the
+    listener sheds connections that have not, first).
 
     Raises
     ------
@@ -164,18 +200,25 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
     if deadline is not None:
         _until(sock, deadline)
     sock.sendall(MAGIC + challenge)
-    magic, rank, rail, dst, gid, their_challenge, proof = _PROOF.unpack(
-        _read_exact(sock, _PROOF.size, deadline))
+    magic = _read_exact(sock, len(MAGIC), deadline)
     if magic != MAGIC:
         raise HandshakeError(f"not a neuron rail (magic {magic!r})")
+    if progress is not None:
+        progress(1)
+    _, rank, rail, dst, gid, their_challenge, proof = _PROOF.unpack(
+        magic + _read_exact(sock, _PROOF.size - len(MAGIC), deadline))
     found = resolve(gid, dst)
     if found is None:
+        _refuse(sock, deadline, "no such group here")
         raise HandshakeError(f"rank {rank} dialled rank {dst} of a group this process does "
                              f"not have (wrong job, or a group that closed)")
     owner, key, group, may_dial, release = found
     expect = _mac(key, b"dial", group, challenge, struct.pack("!IHI", rank, rail, dst))
     if not hmac.compare_digest(proof, expect):
+        _refuse(sock, deadline, "authentication failed")
         raise HandshakeError("authentication failed (wrong job key or group)")
+    if progress is not None:
+        progress(2)
     my_rank = dst
     verdict = may_dial(rank, rail)
     if verdict is CROSSED:
@@ -186,6 +229,7 @@ def accept(sock: socket.socket, resolve, deadline: float | None = None):
         raise Crossed(f"rank {rank} and rank {my_rank} dialed each other; rank {my_rank}'s "
                       f"rails are kept")
     if not verdict:
+        _refuse(sock, deadline, f"rail {rail} not open to rank {rank}")
         raise HandshakeError(f"rank {rank} may not open rail {rail} here (unknown or duplicate)")
     try:
         if deadline is not None:
@@ -209,6 +253,10 @@ def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
     ------
     Crossed
         ``dst`` is dialing us at the same time, and its rails are kept.
+    HandshakeDropped
+        The connection ended without an answer (dropped, not refused): dial again.
+    HandshakeTimeout
+        The deadline passed.
     HandshakeError
         The other end is not ``dst`` of this job, or refused us.
     """
@@ -217,11 +265,13 @@ def dial(sock: socket.socket, key: bytes, group: bytes, my_rank: int, rail: int,
         raise HandshakeError(f"the listener at {sock.getpeername()} is not a neuron rail")
     challenge = secrets.token_bytes(32)
     ids = struct.pack("!IHI", my_rank, rail, dst)
-    if deadline is not None:
-        _until(sock, deadline)
-    sock.sendall(_PROOF.pack(MAGIC, my_rank, rail, dst, group_id(group), challenge,
-                             _mac(key, b"dial", group, hello[4:], ids)))
+    _send(sock, _PROOF.pack(MAGIC, my_rank, rail, dst, group_id(group), challenge,
+                            _mac(key, b"dial", group, hello[4:], ids)), deadline)
     answer = _read_exact(sock, _OK_SIZE, deadline)
+    if answer[:4] == NO:
+        reason = answer[4:].rstrip(b"\0").decode("ascii", "replace")
+        raise HandshakeError(f"rank {dst} at {sock.getpeername()} refused the handshake: "
+                             f"{reason}")
     if answer[:4] == CROSSED and hmac.compare_digest(
             answer[4:], _mac(key, b"crossed", group, challenge, struct.pack("!I", dst))):
         raise Crossed(f"rank {dst} is dialing rank {my_rank} too; rank {dst}'s rails are kept")

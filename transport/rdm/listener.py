@@ -6,9 +6,22 @@ handshake, the group and rank they want (handshake.py). ``resolve(group_id, rank
 that group's transport, whose key checks the proof; the authenticated connection becomes
 a rail of that transport (``_accepted``). Each connection gets a thread for its
 handshake, with one deadline for the whole of it; at most ``MAX_HANDSHAKES`` may be
-unfinished at once (a new one closes the oldest), and an error from ``accept`` (out of
-descriptors, a connection reset before it was taken) is retried with a growing pause,
-never the end of the loop. Strangers are logged a few times a minute.
+unfinished at once, and an error from ``accept`` (out of descriptors, a connection reset
+before it was taken) is retried with a growing pause, never the end of the loop.
+Strangers are logged a few times a minute.
+
+Rails open on first use, at any time of a job, so a flood of strangers must not shed the
+handshakes of the job's own dialers. A handshake's progress is 0 until the dialer's proof
+starts with the protocol's magic, 1 until the proof checks out (the dialer holds the job
+key), 2 after. When a new connection finds ``MAX_HANDSHAKES`` unfinished, the one dropped
+is, among those not past 1 and open for ``SILENT_GRACE`` or longer, the least advanced,
+then the oldest: idle and stalled connections go, a dialer whose proof is on its way does
+not. A connection younger than that which has sent nothing looks like an idle stranger,
+yet may be a dialer one round trip from sending its proof: so when every unfinished
+handshake is that young (or proven), the new connection is closed at once instead. A
+dialer whose connection is closed before an answer dials again (driver.py), a refused
+one is told why (handshake.py). Garbage ends a connection at once, and the handshake
+deadline still bounds every connection.
 """
 
 from __future__ import annotations
@@ -24,7 +37,10 @@ from . import handshake
 log = logging.getLogger("neuron_dist.rdm")
 
 HANDSHAKE_TIMEOUT = 10.0
-MAX_HANDSHAKES = 32  # unfinished incoming handshakes at once (then the oldest is dropped)
+MAX_HANDSHAKES = 32  # unfinished incoming handshakes at once (then one is dropped)
+# A connection is not dropped for a new one before it had this long to show it is a
+# dialer: a few round trips, and the time a loaded dialer takes to answer.
+SILENT_GRACE = 0.2
 
 
 class _RateLimitedLog:
@@ -59,7 +75,9 @@ class Listener:
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._resolve = resolve
         self._lock = threading.Lock()
-        self._handshakes: dict = {}  # unfinished incoming connection -> address, oldest first
+        # unfinished incoming connection -> [address, progress (0..2), accepted at],
+        # oldest first
+        self._handshakes: dict = {}
         self._strangers = _RateLimitedLog(f"listener {self.address}")
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -86,9 +104,10 @@ class Listener:
         """Accept connections for as long as the transport is open.
 
         Each gets a thread for its handshake, with one deadline for the whole of it
-        (``HANDSHAKE_TIMEOUT``). At most ``MAX_HANDSHAKES`` may be unfinished at once: a
-        new one closes the oldest (a flood of idle connections costs the job no more than
-        that many descriptors and threads). An error from ``accept`` (out of descriptors,
+        (``HANDSHAKE_TIMEOUT``). At most ``MAX_HANDSHAKES`` may be unfinished at once
+        (``_make_room``: a flood of idle connections costs the job no more than that many
+        descriptors and threads, and does not drop the handshakes of its dialers). An
+        error from ``accept`` (out of descriptors,
         a connection reset before it was taken) is logged and retried with a growing pause,
         never the end of the loop; so is a thread that cannot be started (the process's
         thread limit): that connection is dropped.
@@ -102,9 +121,9 @@ class Listener:
                     return
                 pause = min(1.0, max(0.01, pause * 2))
                 self._strangers.note(f"accept() failed: {e}", level=logging.WARNING)
-                with self._lock:  # free descriptors: drop the oldest unfinished handshake
-                    if self._handshakes:
-                        self._evict_oldest()
+                with self._lock:  # free descriptors: drop an unfinished handshake
+                    if self._handshakes and not self._make_room(time.monotonic()):
+                        self._drop(next(iter(self._handshakes)), "out of descriptors")
                 time.sleep(pause)
                 continue
             pause = 0.0
@@ -112,9 +131,15 @@ class Listener:
                 if self._closed:
                     conn.close()
                     return
-                while len(self._handshakes) >= MAX_HANDSHAKES:
-                    self._evict_oldest()
-                self._handshakes[conn] = addr
+                now = time.monotonic()
+                room = len(self._handshakes) < MAX_HANDSHAKES or self._make_room(now)
+                if room:
+                    self._handshakes[conn] = [addr, 0, now]
+            if not room:  # every unfinished one may be a dialer: this one goes (it redials)
+                self._strangers.note(f"closed a connection from {addr}: {MAX_HANDSHAKES} "
+                                     f"handshakes under way")
+                conn.close()
+                continue
             try:
                 threading.Thread(target=self._accept_one, args=(conn, addr), daemon=True,
                                  name="neuron-rdm-handshake").start()
@@ -127,21 +152,42 @@ class Listener:
                                      level=logging.WARNING)
                 time.sleep(pause)
 
-    def _evict_oldest(self) -> None:
-        """Under the lock: end the oldest unfinished handshake (its thread sees an error)."""
-        conn, addr = next(iter(self._handshakes.items()))
-        del self._handshakes[conn]
-        self._strangers.note(f"dropped an unfinished handshake from {addr} "
-                             f"({MAX_HANDSHAKES} were open)")
+    def _make_room(self, now: float) -> bool:
+        """Under the lock: drop the unfinished handshake that has shown least, longest (see
+        the module docstring); False if every one is proven or younger than SILENT_GRACE."""
+        victim, key = None, None
+        for conn, (_, level, since) in self._handshakes.items():  # (oldest first)
+            if level < 2 and now - since >= SILENT_GRACE and (key is None or level < key):
+                victim, key = conn, level
+                if level == 0:
+                    break
+        if victim is None:
+            return False
+        self._drop(victim, f"{MAX_HANDSHAKES} were open")
+        return True
+
+    def _drop(self, conn, why: str) -> None:
+        """Under the lock: end the unfinished handshake on ``conn`` (its thread sees an
+        error and closes it; a dialer dials again)."""
+        addr = self._handshakes.pop(conn)[0]
+        self._strangers.note(f"dropped an unfinished handshake from {addr} ({why})")
         try:
             conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
+    def _progress(self, conn, level: int) -> None:
+        """The handshake on ``conn`` reached ``level`` (see ``handshake.accept``)."""
+        with self._lock:
+            entry = self._handshakes.get(conn)
+            if entry is not None:
+                entry[1] = level
+
     def _accept_one(self, conn, addr) -> None:
         try:
-            owner, peer, rail, session = handshake.accept(conn, self._resolve,
-                                                 deadline=time.monotonic() + HANDSHAKE_TIMEOUT)
+            owner, peer, rail, session = handshake.accept(
+                conn, self._resolve, deadline=time.monotonic() + HANDSHAKE_TIMEOUT,
+                progress=lambda level: self._progress(conn, level))
         except Exception as e:  # noqa: BLE001 - a stranger must never hurt the job
             with self._lock:
                 self._handshakes.pop(conn, None)
@@ -153,7 +199,7 @@ class Listener:
             return
         with self._lock:
             evicted = self._handshakes.pop(conn, None) is None
-        if evicted:  # (it was closed under us: the dialer retries)
+        if evicted:  # (dropped just after its OK went out: the dialer's new rail breaks)
             conn.close()
             owner._release(peer, rail)
             return

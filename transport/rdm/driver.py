@@ -31,10 +31,10 @@ thread drives it only while nobody waits.
   receive buffer or the message's reassembly buffer, claimed for this rail until it
   lands: see "Buffer ownership" in protocol.py), so large messages are copied once, by
   the kernel; then the acks riding behind it, if any. While such a payload is still
-  coming, the rail's ``SO_RCVLOWAT`` is raised to what is left of it (at most
+  coming, the rail's ``SO_RCVLOWAT`` is raised to what is left of it (at most links.py's
   ``_LOWAT``), so epoll wakes the reader once per 256 KiB instead of for every few
-  packets (16 MiB messages between two virtual nodes: about 15% less CPU per message);
-  it drops back to 1 byte for the next header. A small frame found whole in the
+  packets, which saves CPU on large messages (docs/design.md, "Thresholds and why"); it
+  drops back to 1 byte for the next header. A small frame found whole in the
   read-ahead buffer (header, payload and acks from one ``recv``) is offered to
   ``Endpoint.land_whole`` first, which copies and delivers a one-segment message that is
   next in its stream in one step. ACKs, duplicates and odd frames are read aside and go
@@ -88,35 +88,26 @@ from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceiv
 log = logging.getLogger("neuron_dist.rdm")
 
 # Sends up to this size are copied and complete at once (isend). A message costs some
-# 100 µs of Python on each side and copying 256 KiB (warm) about 6, so up to there
-# copying is cheaper than holding the caller until the ack comes. Against 64 KiB, on
-# 2 virtual nodes over loopback (bench.hotloop, 3 rounds, each against the old value
-# in turn, median ratio): a 256 KiB send/recv round trip took 0.70x the time, an
-# all_gather of 2 x 128 KiB 0.52x and of 2 x 256 KiB 0.64x, a 256 KiB all_reduce
-# 0.65x; 64 KiB and 1 MiB round trips unchanged (1.06x, 1.03x). Larger sends keep
-# using the caller's buffer: made eager, a stream of 1 MiB isends ran 1.2-1.4x slower.
+# 100 µs of Python on each side and a warm copy of this size a few µs, so up to here
+# copying is cheaper than holding the caller until the ack comes. Larger sends keep using
+# the caller's buffer: made eager, a stream of them is slower, since the copies cost more
+# and fill the eager window (docs/design.md, "Thresholds and why").
 EAGER_BYTES = DELAYED_ACK_BYTES
 # How long the ack of an eager message may wait for a DATA frame to ride on (protocol.py,
 # "Delayed acks"; at most DELAYED_ACK_HELD_BYTES of messages wait). The ranks of a
 # collective exchange one message per peer and call: an ack that waits longer than the gap
 # between two calls rides on the next call's message instead of costing a frame and a
-# wake-up at both ends. 32 ranks, each alone on a loopback "node", on 2 cores, whose
-# 8-byte all_reduce takes 12-22 ms: 100 ms instead of 5 took the all_reduce 16.7 and 16.1
-# ms -> 13.4 and 13.1 (CPU per rank 1034, 995 -> 828, 808 us) and the barrier 15.6, 16.5
-# -> 11.1, 11.3 ms (two pairs in turns); with the 4 MiB bound, in another two pairs,
-# 21.0 and 21.8 ms -> 12.4 and 13.9, the barrier 17.7 -> 10.4 and 11.9. Among 16 ranks
-# (3.5 ms a call, within 5 ms of the next) no change.
+# wake-up at both ends. The delay is long so that this holds even when many ranks share
+# few cores and one call takes milliseconds (docs/design.md, "Thresholds and why").
 ACK_DELAY = 0.1
 _SMALL_COPY = 512  # eager copies up to this size come from Python's small-object allocator
 # Eager sends complete at once while less than this (or the send window, if smaller) waits
 # unacknowledged to their peer; beyond it they wait for their acks like large ones. It bounds
 # the copies a sender that runs ahead holds per peer, apart from the send window, which only
-# bounds how much of the callers' own buffers is in flight. A window of 128 MiB instead of
-# 32 (``bench.internode --p2p-min 64M --p2p-max 256M --rails 4``, two virtual nodes over
-# veth, 8 pairs in turns): a 64 MiB send/recv took 0.81-0.96 of the time in every pair
-# (0.78-0.86x the raw-TCP floor, median 0.83, against 0.65-0.87x, median 0.74); 256 MiB
-# was faster in 4 of 8 (0.87-1.23 of the time, median 0.98). With 32 MiB of 8 MiB segments
-# unacknowledged, a 64 MiB message stops halfway until the first acks come back.
+# bounds how much of the callers' own buffers is in flight. The send window
+# (``window_bytes``) is larger: with 32 MiB of 8 MiB segments unacknowledged, a 64 MiB
+# message stops halfway until the first acks come back (docs/design.md, "Thresholds and
+# why").
 EAGER_WINDOW_BYTES = 32 << 20
 ABORT_TAG = (1 << 62) + 1  # a rank failed the group: [kind byte | reason] (see abort())
 _DIALING, _ACCEPTING, _JOINING = "dialing", "accepting", "joining"  # how a peer's rails open
@@ -142,22 +133,18 @@ class _Join:
 class _CopyPool:
     """Buffers for the copies of eager sends, reused once their message is acknowledged.
 
-    A fresh 64 KiB copy costs ~40 µs here when the allocator has handed freed memory back
-    to the kernel in between (page faults), a reused one ~7. A copy comes back when its
+    A fresh copy costs several times a reused one when the allocator has handed freed
+    memory back to the kernel in between (page faults). A copy comes back when its
     message is acknowledged, and is reused only if no frame refers to it any more (a
     resend still queued on a rail holds a view of it: a bytearray with live views cannot
     change size, which is how that is checked). Holds at most ``limit`` bytes: the
     transport makes it its eager window (``EAGER_WINDOW_BYTES``), as many bytes of copies
     as can be unacknowledged at once, so a stream of eager sends finds its copies here
     instead of dropping half of them when acknowledgements come back in a batch and
-    allocating them again: with 8 MiB, a stream of 256 KiB isends between two virtual
-    nodes (``bench.internode --p2p-min 256K --p2p-max 256K --rails 1``) missed on 1941 of
-    3968 takes and dropped 1909 of 3968 copies given back; with 32 MiB as the limit, 64
-    misses (the first window) and none dropped. Such a stream's time per message is bimodal
-    here (about 105 or 160-230 µs, run to run, with either limit), so the time saved is
-    within the spread (eight pairs in turns: 105-201 µs against 165-227); the
-    allocations are not. It keeps only copies that were in flight together: at most what
-    the busiest moment of the stream held.
+    allocating them again. What it saves is allocations; the time per message of such a
+    stream varies more from run to run than they cost (docs/design.md, "Thresholds and
+    why"). It keeps only copies that were in flight together: at most what the busiest
+    moment of the stream held.
     """
 
     def __init__(self, limit: int):

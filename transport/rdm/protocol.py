@@ -120,8 +120,8 @@ Limits (bounded memory)
       be taken: it is refused (see "Refusal").
     * ``max_held_messages`` per peer: the same for the number of messages held privately,
       whatever their size (each costs its stream entry and buffer object even when it
-      holds no byte: without it a flood of 0-byte messages on new tags grew memory
-      without bound while ``max_reassembly_bytes`` saw nothing). A message that would
+      holds no byte: without it a flood of 0-byte messages on new tags would grow memory
+      without bound while ``max_reassembly_bytes`` sees nothing). A message that would
       pass it is dropped unacked before anything is built for it.
     * ``max_message_bytes``: ``send`` refuses larger messages, the decoder rejects frames
       claiming larger ones.
@@ -165,9 +165,11 @@ from typing import NamedTuple
 from ..errors import TransportError
 from . import frames as F
 
-# Measured on the veth pair (bench.internode, 4 rails): with 512 KiB segments spread
-# evenly, 4 rails moved 1 MiB messages at 0.71x the speed of 1 rail and 2 MiB all_reduces
-# at 0.73x; filling rails in turn brought that to 0.89x and 1.10x, large messages unchanged.
+# A message is cut into one segment per rail only while segments stay MIN_SPRAY_BYTES or
+# more, and a segment goes to the first rail with less than FILL_BYTES unacknowledged (see
+# "Sending"): small and mid-sized messages move faster on one rail than spread evenly over
+# all, and large ones lose nothing by filling the rails in turn (docs/design.md,
+# "Thresholds and why").
 MIN_SPRAY_BYTES = 4 << 20
 FILL_BYTES = 4 << 20
 # Acks of messages up to this size may wait (ack_delay): the driver's eager sends

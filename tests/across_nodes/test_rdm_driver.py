@@ -77,7 +77,7 @@ def test_transfer_sizes(pair, n):
 
 def test_a_stream_of_large_and_small_messages_lands_whole():
     """Frames of every kind back to back on one rail: large ones (after which the reader
-    reads ahead less, driver._AHEAD_AFTER_LARGE), small ones (read ahead in bulk), sizes
+    reads ahead less, links.AHEAD_AFTER_LARGE), small ones (read ahead in bulk), sizes
     at the read-ahead's edges, the second half arriving before their receives are posted."""
     ts = _pair(rails=1, segment_bytes=1 << 20)
     try:

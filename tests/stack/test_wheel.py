@@ -36,8 +36,19 @@ print("ok", rank, flush=True)
 """
 
 
+def _clean_env() -> dict:
+    """This environment without what would put the clone or a job's rendezvous in view
+    (importing the lab puts the clone on PYTHONPATH: pip would then find the clone's
+    metadata, take neuron-dist as installed and skip the wheel)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                        "MASTER_PORT") and not k.startswith("NEURON_DIST_")}
+    env.update(OMP_NUM_THREADS="1")
+    return env
+
+
 def _run(cmd, **kw):
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), **kw)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -62,10 +73,7 @@ def test_the_wheel_installed_alone_runs_init_process_group(tmp_path):
     # the same torch as this suite (the CPU build), from wherever this machine's pip gets it
     _run([python, "-m", "pip", "install", "-q", f"torch=={torch.__version__}", str(wheel)],
          cwd=tmp_path, timeout=900)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                        "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1")
+    env = _clean_env()
     script = tmp_path / "job.py"
     script.write_text(JOB)
     store = tmp_path / "store"

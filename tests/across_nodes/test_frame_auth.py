@@ -193,7 +193,7 @@ def test_railmac_checks_order_content_and_direction():
 
 
 def test_cost_benchmark_runs():
-    """``python -m bench.frame_auth`` (the README's cost table) on a tiny run
+    """``python -m bench.frame_auth`` (docs/security.md's way to measure the cost) on a tiny run
     (a fresh process: it forks its ranks before any thread starts)."""
     out = subprocess.run([sys.executable, "-m", "bench.frame_auth", "--reps", "1",
                           "--iters", "5", "--timeout", "60"], capture_output=True, text=True,

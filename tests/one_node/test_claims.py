@@ -1,6 +1,6 @@
-"""What the README claims about dtypes, ops and tensor shapes, each checked by a test.
+"""What docs/collectives.md claims about dtypes, ops and tensor shapes, each checked by a test.
 
-README, "Reduce ops and dtypes": complex64/128 reduce with SUM/AVG/PRODUCT/PREMUL_SUM;
+docs/collectives.md, "Reduce ops and dtypes": complex64/128 reduce with SUM/AVG/PRODUCT/PREMUL_SUM;
 integers wrap around; every rank gets bit-identical results (each slice reduced once, in
 rank order); zero-element, odd-sized and non-contiguous tensors work; from 256 KiB the
 single-copy algorithms run (collectives/single_copy.py). Every result is compared with a
@@ -25,7 +25,7 @@ from across_nodes.test_multinode import _env
 
 COMPLEX = [torch.complex64, torch.complex128]
 COMPLEX_OPS = ["SUM", "AVG", "PRODUCT", "PREMUL_SUM"]
-SINGLE_COPY_BYTES = 1 << 20  # collectives/selection.SINGLE_COPY_BYTES, as the README states it
+SINGLE_COPY_BYTES = 1 << 20  # collectives/selection.SINGLE_COPY_BYTES, as docs/collectives.md states it
 
 
 def big_n(dtype) -> int:
@@ -462,7 +462,7 @@ def wraparound(rank, world):
             dist.all_reduce_coalesced(ts)
             if not (torch.equal(ts[0], want[:n]) and torch.equal(ts[1], want[n:2 * n])):
                 fails.append(f"all_reduce_coalesced {w}")
-            # AVG divides the wrapped sum (README: sum, then divide truncating toward zero)
+            # AVG divides the wrapped sum (docs/collectives.md: sum, then divide truncating toward zero)
             t = full[rank][:n].clone()
             dist.all_reduce(t, op=dist.ReduceOp.AVG)
             avg = torch.div(want[:n].long(), world, rounding_mode="trunc").to(dtype)
@@ -482,7 +482,7 @@ def spread(rank, n, dtype, salt=0):
 
 
 def fold(inputs, op, dtype, wide_result=False):
-    """The README's order: v0 + v1 + ... + vN-1, left to right; float16/bfloat16 widened to
+    """docs/collectives.md's order: v0 + v1 + ... + vN-1, left to right; float16/bfloat16 widened to
     float32 (after PREMUL_SUM's factor, applied in the input dtype) and rounded once."""
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     xs = [(t * 0.5 if op == "PREMUL_SUM" else t).to(wide) for t in inputs]

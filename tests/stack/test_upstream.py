@@ -3,8 +3,8 @@
 Each world size runs ``upstream_dist.py`` in a pytest subprocess (the upstream module
 chooses its tests from ``BACKEND`` and ``WORLD_SIZE`` when it is imported, so one process
 cannot hold two world sizes). Every test it selects must pass: none may fail, error or skip,
-and the number that ran must be the one the README states, so a test that silently
-stopped being selected fails here too. The README lists what is excluded and why.
+and the number that ran must be the one docs/testing.md states, so a test that silently
+stopped being selected fails here too. docs/testing.md lists what is excluded and why.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
-# Tests that run (and pass) per world size with torch 2.13.0: README, "PyTorch's own tests".
+# Tests that run (and pass) per world size with torch 2.13.0: docs/testing.md, "PyTorch's own tests".
 EXPECTED_PASSED = {2: 87, 3: 87}
 
 
@@ -64,5 +64,5 @@ def test_torch_distributed_suite_passes_on_neuron(world, tmp_path):
     assert not got["failed"] and not got["skipped"] and res.returncode == 0, \
         f"failed: {got['failed']}\nskipped: {got['skipped']}\n{res.stdout[-8000:]}"
     assert len(got["passed"]) == EXPECTED_PASSED[world], \
-        f"{len(got['passed'])} upstream tests ran at world size {world}, the README says " \
+        f"{len(got['passed'])} upstream tests ran at world size {world}, docs/testing.md says " \
         f"{EXPECTED_PASSED[world]}:\n{res.stdout[-3000:]}"

@@ -92,6 +92,7 @@ class Settings:
     net_cost: Link = MEASURED  # NEURON_DIST_NET_COST: the network's costs the tables price
     transport: str = "rdm"
     master_addr: str | None = None  # torchrun's MASTER_ADDR: where the rendezvous host is
+    port_range: tuple | None = None  # NEURON_DIST_PORT_RANGE: (first, last) listening port
 
     @classmethod
     def from_env(cls, env: Mapping | None = None) -> "Settings":
@@ -128,6 +129,7 @@ class Settings:
             net_cost=parse_link(_env("NEURON_DIST_NET_COST", "auto", env)),
             transport=_env("NEURON_DIST_TRANSPORT", "rdm", env).lower(),
             master_addr=_env("MASTER_ADDR", None, env) or None,
+            port_range=parse_port_range(_env("NEURON_DIST_PORT_RANGE", None, env)),
         )
         settings._check()
         return settings
@@ -150,6 +152,31 @@ class Settings:
                              f"{self.async_hold}")
         if self.debug not in ("WARN", "INFO", "TRACE"):
             raise ValueError(f"NEURON_DIST_DEBUG must be WARN, INFO or TRACE, got {self.debug!r}")
+
+
+def parse_port_range(text: str | None) -> tuple | None:
+    """``NEURON_DIST_PORT_RANGE``'s text (``40000-40100``, both ends included; empty: any
+    free port) -> ``(first, last)`` or None.
+
+    Raises
+    ------
+    ValueError
+        Not two port numbers ``first-last`` with ``1 <= first <= last <= 65535``.
+    """
+    text = (text or "").strip()
+    if not text:
+        return None
+    first, dash, last = text.partition("-")
+    try:
+        if not dash:
+            raise ValueError
+        lo, hi = int(first), int(last)
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"NEURON_DIST_PORT_RANGE must be FIRST-LAST, two ports with "
+                         f"1 <= FIRST <= LAST <= 65535 (e.g. 40000-40100), got {text!r}") from None
+    return lo, hi
 
 
 def _seconds(name: str, text: str) -> float:

@@ -9,9 +9,9 @@ MPI itself:
 * ``RANK``, ``WORLD_SIZE``: the rank and size of ``MPI_COMM_WORLD``;
 * ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: rank and size in
   ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, i.e. among the ranks of this node;
-* ``MASTER_ADDR``, ``MASTER_PORT``: rank 0 picks an address (below) and a free port (it
-  binds port 0 there and closes the socket: the same small race torchrun's
-  ``--standalone`` accepts) and broadcasts both.
+* ``MASTER_ADDR``, ``MASTER_PORT``: rank 0 picks an address (below) and a free port, in
+  ``NEURON_DIST_PORT_RANGE`` if set (it binds the port there and closes the socket: the
+  same small race torchrun's ``--standalone`` accepts) and broadcasts both.
 
 All six come from MPI, or none: a rank's environment that already sets some of them
 (``RANK`` without ``WORLD_SIZE``, a ``LOCAL_RANK``, its own ``MASTER_PORT``) must agree with
@@ -132,14 +132,14 @@ def _master_endpoint(single_node: bool, ifname: str | None) -> tuple[str, int]:
             addr = _routable_address()
     port = os.environ.get("MASTER_PORT")
     if not port:
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        # a free port, in NEURON_DIST_PORT_RANGE if set (the store must pass the firewall)
+        from .transport.rdm.listener import bind
+        port_range = Settings.from_env().port_range
         try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((addr, 0))
+            with bind(addr, port_range) as s:
                 port = s.getsockname()[1]
-        except OSError:  # e.g. a MASTER_ADDR that names another host: any free port here
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("", 0))
+        except OSError:  # e.g. a MASTER_ADDR that names another host: a free port here
+            with bind("0.0.0.0", port_range) as s:
                 port = s.getsockname()[1]
     return addr, int(port)
 

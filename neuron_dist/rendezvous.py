@@ -314,7 +314,8 @@ def _open_network(auth: StoreAuth, key: str, rank: int, size: int, remote: int, 
                        frame_mac=bool(settings.auth_key), payload_mac=settings.net_mac,
                        link_timeout=settings.net_link_timeout,
                        max_unexpected_bytes=settings.net_max_unexpected_bytes,
-                       label=label or f"rank {rank}", spin=spin)
+                       label=label or f"rank {rank}", spin=spin,
+                       port_range=settings.port_range)
     try:
         try:  # room for this group's connections, or every rank is told why not
             fd_budget.reserve(settings.rails * remote,

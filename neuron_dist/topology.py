@@ -176,18 +176,38 @@ def choose_address(ifname: str | None, store=None, master_addr: str | None = Non
 
 
 def interface_address(ifname: str) -> str:
-    """IPv4 address of interface ``ifname`` (ValueError naming the interfaces if unknown)."""
+    """The address of interface ``ifname``: its IPv4 address, else its first global IPv6
+    one (ValueError naming the interfaces if it has neither)."""
     import fcntl
     import struct
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
                                  struct.pack("256s", ifname.encode()[:15]))
+            return socket.inet_ntoa(packed[20:24])
         except OSError:
-            names = [n for _, n in socket.if_nameindex()]
-            raise ValueError(f"NEURON_DIST_SOCKET_IFNAME={ifname!r}: no IPv4 address on such an "
-                             f"interface (interfaces here: {', '.join(names)})") from None
-    return socket.inet_ntoa(packed[20:24])
+            pass
+    v6 = _global_ipv6(ifname)
+    if v6 is not None:
+        return v6
+    names = [n for _, n in socket.if_nameindex()]
+    raise ValueError(f"NEURON_DIST_SOCKET_IFNAME={ifname!r}: no IPv4 or global IPv6 address on "
+                     f"such an interface (interfaces here: {', '.join(names)})")
+
+
+def _global_ipv6(ifname: str) -> str | None:
+    """The first IPv6 address of global scope on ``ifname`` (/proc/net/if_inet6), or None.
+    Link-local addresses are left out: they need a scope id on every peer."""
+    try:
+        with open("/proc/net/if_inet6") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 6 and fields[5] == ifname and fields[3] == "00":
+            return socket.inet_ntop(socket.AF_INET6, bytes.fromhex(fields[0]))
+    return None
 
 
 def _store_host(store) -> str | None:

@@ -65,6 +65,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import random
@@ -251,7 +252,7 @@ class RdmTransport:
                  crc: bool = False, rto: float = 5.0, ack_delay: float = ACK_DELAY,
                  max_unexpected_bytes: int = 512 << 20, link_timeout: float = 10.0,
                  label: str = "", frame_mac: bool = False, payload_mac: bool = False,
-                 spin: int = 500):
+                 spin: int = 500, port_range: tuple | None = None):
         self.rank, self.world_size, self.nrails = rank, world_size, rails
         self.spin = spin  # polls a waiting thread makes before it yields (progress.drive)
         self.segment_bytes = segment_bytes
@@ -293,7 +294,7 @@ class RdmTransport:
         self._link_timeout = link_timeout
         self._engine = progress.attach(self)
         try:
-            self.address = ",".join(self._engine.listen(h) for h in self._hosts)
+            self.address = ",".join(self._engine.listen(h, port_range) for h in self._hosts)
         except BaseException:
             progress.detach(self)
             raise
@@ -555,13 +556,18 @@ class RdmTransport:
         answered NO: wrong key, a group it does not have) and a stalled peer
         (``HandshakeTimeout``) end the dial at once."""
         refused_until = time.monotonic() + _REFUSED_RETRY
-        pause, dropped = _DROPPED_PAUSE, None
+        pause, dropped, silent = _DROPPED_PAUSE, None, False
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                why = f" (the handshake was dropped: {dropped})" if dropped else ""
+                why = (f" (the handshake was dropped: {dropped})" if dropped else
+                       " (no answer to the connection: a firewall dropping that port, or an "
+                       "address this host has no route to; NEURON_DIST_PORT_RANGE sets the "
+                       "ports ranks listen on, NEURON_DIST_SOCKET_IFNAME the interface)"
+                       if silent else "")
                 raise PeerTimeout([peer], 0.0, f"could not connect rail {rail} to rank {peer} "
-                                               f"at {host}:{port}{why}", network=True)
+                                               f"at {where}{why}", network=True)
             source = self._hosts[rail % len(self._hosts)]
             try:
                 sock = socket.create_connection(
@@ -569,11 +575,23 @@ class RdmTransport:
                     source_address=(source, 0) if len(self._hosts) > 1 else None)
             except ConnectionRefusedError:
                 if time.monotonic() > refused_until:  # its listener is gone
-                    raise PeerUnreachable(peer, f"rank {peer} refuses connections at "
-                                                f"{host}:{port} (its process has exited, or "
-                                                f"closed all its groups)") from None
+                    raise PeerUnreachable(peer, f"connection refused at {where}, where rank "
+                                                f"{peer} listens: its process has exited or "
+                                                f"closed all its groups, or a firewall rejects "
+                                                f"that port (NEURON_DIST_PORT_RANGE sets the "
+                                                f"ports ranks listen on)") from None
                 time.sleep(0.05)
                 continue
+            except TimeoutError:  # (socket.timeout) no SYN-ACK: dropped on the way
+                silent = True
+                continue
+            except OSError as e:
+                if e.errno not in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL):
+                    raise
+                raise PeerUnreachable(peer, f"cannot reach {where}, where rank {peer} listens, "
+                                            f"from {source}: {e.strerror} (a wrong interface? "
+                                            f"NEURON_DIST_SOCKET_IFNAME names the one to "
+                                            f"use)") from None
             try:
                 session = handshake.dial(sock, self._key, self._group, self.rank, rail, peer,
                                          min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT))

@@ -26,8 +26,10 @@ deadline still bounds every connection.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import random
 import socket
 import threading
 import time
@@ -65,12 +67,34 @@ class _RateLimitedLog:
 
 
 
-class Listener:
-    """A listening socket on ``host`` (port 0) and its accept thread."""
+def bind(host: str, port_range: tuple | None = None) -> socket.socket:
+    """A socket listening on ``host``: on any free port, or on the first free one of
+    ``port_range`` (``(first, last)``, both included, for clusters whose firewalls open only
+    a range), tried from a random place in it so that the ranks of one machine do not all
+    race for its first ports. Raises OSError naming the range when every port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if port_range is None:
+        return socket.create_server((host, 0), backlog=128, family=family)
+    first, last = port_range
+    count = last - first + 1
+    start = random.randrange(count)
+    for k in range(count):
+        port = first + (start + k) % count
+        try:
+            return socket.create_server((host, port), backlog=128, family=family)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE,
+                  f"NEURON_DIST_PORT_RANGE={first}-{last}: all {count} ports are in use on "
+                  f"{host}; each process listens on one port per interface: widen the range")
 
-    def __init__(self, host: str, resolve):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.create_server((host, 0), backlog=128, family=family)
+
+class Listener:
+    """A listening socket on ``host`` (see ``bind``) and its accept thread."""
+
+    def __init__(self, host: str, resolve, port_range: tuple | None = None):
+        self.sock = bind(host, port_range)
         port = self.sock.getsockname()[1]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._resolve = resolve

@@ -114,12 +114,14 @@ class Progress:
 
     # ------------------------------------------------------------------ registry
 
-    def listen(self, host: str) -> str:
-        """The address of the process's listener on ``host`` (started on first use)."""
+    def listen(self, host: str, port_range: tuple | None = None) -> str:
+        """The address of the process's listener on ``host``, started on first use on a
+        free port of ``port_range`` (``(first, last)``, both included; None: any free
+        port). Later groups share it, wherever its port is."""
         with self._lock:
             listener = self._listeners.get(host)
             if listener is None:
-                listener = self._listeners[host] = Listener(host, self._resolve)
+                listener = self._listeners[host] = Listener(host, self._resolve, port_range)
             return listener.address
 
     def join_group(self, gid: bytes, rank: int, transport, context: int) -> None:

@@ -139,6 +139,9 @@ class NetTransport(Protocol):
       ranks out of step, so the peer is failed on both sides: later requests with it
       raise ``error``, and the peer is told (its requests with this rank fail with
       ``PeerAborted``). A withdrawn receive from any rank binds no stream: only it ends.
+      A transport that cannot take a request's buffer back (MPI, for a receive it has
+      matched or a send it has started, after a grace) never returns from ``cancel`` nor
+      fails the request: it ends the job instead (transport/mpi/driver.py, "Buffers").
     * **Failure.** A peer that becomes unreachable fails every request with it with
       ``PeerUnreachable`` naming it; ``abort(reason, kind)`` tells every peer this rank
       failed the group (their requests with it fail with ``PeerAborted(kind, reason)``),

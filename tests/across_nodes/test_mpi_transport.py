@@ -5,6 +5,10 @@
   callbacks, a subgroup, close() failing pending requests, a group creation a member never
   joins (a PeerTimeout, and the other transports keep working); at MPI thread levels MULTIPLE
   and SERIALIZED (and FUNNELED, where a transport must refuse to start).
+* ``mpi_job_withdraw.py`` (2 ranks, one job a case): ``cancel`` of a receive MPI has
+  matched, or of a send it has started, whose peer is stuck mid-message ends the job with
+  MPI_Abort and a message naming the request instead of handing the buffer back; one whose
+  peer goes on within the grace completes with the right bytes (issue 53, finding 9).
 * ``mpi_job_init.py`` (4 ranks, 2 virtual nodes): ``init_process_group("neuron")`` with the
   rendezvous variables taken from MPI (no torchrun), then collectives and send/recv across
   the nodes; once with ``env_from_mpi()``, once through the env:// hook, once with the
@@ -23,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -75,11 +80,13 @@ def _mapped_by_anyone(name: str) -> bool:
     return False
 
 
-def run_mpi(n: int, script: str, *args: str, timeout: float = 100.0) -> tuple[str, str, float]:
+def run_mpi(n: int, script: str, *args: str, timeout: float = 100.0,
+            expect_fail: bool = False) -> tuple[str, str, float]:
     """Run ``mpiexec -n n python script args`` on loopback; (stdout, stderr, seconds).
 
-    Fails the test on a non-zero exit or a timeout (after killing the whole job), and if a
-    process or a shared-memory file of the job is left behind.
+    Fails the test on a non-zero exit (with ``expect_fail``: on a zero exit) or a timeout
+    (after killing the whole job), and if a process or a shared-memory file of the job is
+    left behind (after a failed job, its files are removed first).
     """
     exe = _mpiexec()
     if exe is None:
@@ -133,6 +140,9 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 100.0) -> tuple[st
     tail = f"\n--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-8000:]}"
     if timed_out:
         pytest.fail(f"{script} {' '.join(args)} did not finish in {timeout:.0f} s (killed){tail}")
+    if expect_fail:
+        assert proc.returncode != 0, f"{script} {' '.join(args)} exited 0{tail}"
+        return out, err, seconds
     assert proc.returncode == 0, f"{script} {' '.join(args)} exited {proc.returncode}{tail}"
     assert not leaked, f"shared-memory files left behind: {leaked}{tail}"
     return out, err, seconds
@@ -153,6 +163,65 @@ def test_mpi_transport(level):
     report = _report(out, "@@mpi-transport ")
     print(f"\nmpi transport ({level}): {report} (job {seconds:.1f} s)")
     assert report["thread_level"] == level, report
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case,what,cause", [
+    ("receive", "receive from rank 0 (67108864 bytes, tag 5)",
+     "PeerTimeout: withdrawn by the test"),
+    ("send", "send to rank 1 (67108864 bytes, tag 6)", "PeerTimeout: withdrawn by the test"),
+    ("close", "receive from rank 0 (67108864 bytes, tag 8)",
+     "TransportError: closed by the test")])
+def test_mpi_cancel_ends_the_job_rather_than_hand_back_a_buffer_mpi_owns(case, what, cause):
+    """Issue 53, finding 9: ``cancel`` of a receive MPI has matched (``receive``), or of a
+    send it has started (``send``), whose peer is stopped mid-message never returns (its
+    caller would take back a buffer MPI writes into or reads), nor does ``close(error)``
+    with such a receive pending (``close``): after the grace the job ends
+    by MPI_Abort, with a message on stderr naming the request and saying why. No process
+    and none of MPI's shared-memory files of the job are left (run_mpi removes the files
+    MPI_Abort leaves; the stopped rank must be gone too)."""
+    out, err, seconds = run_mpi(2, "mpi_job_withdraw.py", case, timeout=45, expect_fail=True)
+    print(f"\nmpi withdraw ({case}): job {seconds:.1f} s\n{err.strip()}")
+    assert "@@cancel-returned" not in out, (
+        f"cancel returned, handing back a buffer MPI owned:\n{out}\n{err}")
+    fatal = [line for line in err.splitlines() if line.startswith("neuron_dist FATAL")]
+    assert len(fatal) == 1, err
+    msg = fatal[0]
+    assert f"MPI still owns the buffer of a {what}" in msg, msg
+    assert "MPI cannot withdraw a matched receive or a started send" in msg, msg
+    assert ("read from" if case == "send" else "write into") in msg, msg
+    assert cause in msg, msg  # what ended the request
+    assert "MPI_Abort" in msg and "MPI_Abort" in err.split(msg, 1)[1], err  # MPI's own note
+    assert seconds < 30, seconds
+    pids = [int(pid) for _, pid in re.findall(r"@@pid (\d) (\d+)", out)]  # (lines may mix)
+    assert len(pids) == 2, out
+    for pid in pids:  # the rank stopped mid-message too (run_mpi waited for the session)
+        assert not os.path.exists(f"/proc/{pid}"), f"rank process {pid} outlived the job"
+
+
+@pytest.mark.timeout(60)
+def test_mpi_cancel_returns_false_when_the_stalled_peer_goes_on_within_the_grace():
+    """Issue 53, finding 9: a matched receive whose sender is stopped, and let go on during
+    the cancel's grace, completes: ``cancel`` returns False and the buffer holds exactly
+    the bytes sent."""
+    out, err, seconds = run_mpi(2, "mpi_job_withdraw.py", "resume", timeout=45)
+    report = _report(out, "@@mpi-withdraw ")
+    print(f"\nmpi withdraw (resume): {report} (job {seconds:.1f} s)")
+    assert report["resume_cancel"] is False, report
+    assert report["resume_error"] == "None", report
+    assert report["resume_wrong_bytes"] == 0, report
+
+
+@pytest.mark.timeout(60)
+def test_mpi_abort_notice_fails_a_matched_receive_only_once_mpi_is_done_with_it():
+    """Issue 53, finding 9: a peer's abort notice fails a receive MPI has matched only once
+    MPI has completed it (its sender, stopped mid-message, goes on within the grace), so
+    nothing lands in the buffer after the receive failed."""
+    out, err, seconds = run_mpi(2, "mpi_job_withdraw.py", "notice", timeout=45)
+    report = _report(out, "@@mpi-withdraw ")
+    print(f"\nmpi withdraw (notice): {report} (job {seconds:.1f} s)")
+    assert report["notice_receive"] == "failed: PeerAborted", report
+    assert report["notice_bytes_written_after_failure"] == 0, report
 
 
 @pytest.mark.timeout(120)

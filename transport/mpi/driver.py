@@ -68,16 +68,37 @@ progress thread is inside MPI corrupts MPI's state (crashes, hangs). With ``FUNN
 *Failures.* ``Request.wait(deadline)`` raises ``PeerTimeout`` (``network=True``) naming the
 peer (none for a receive from any rank), after a 0.5 s grace in which an abort notice from
 a peer that failed at the same moment may still arrive; the request stays posted until
-``cancel`` withdraws it (see there: MPI cannot withdraw a matched receive or a send). ``abort(reason, kind)`` sends every
-peer a notice; a peer's requests to or from the aborting rank then fail with
-``PeerAborted`` (``network=True``), as in the rdm transport. An MPI error on a request
-fails the peer with ``PeerUnreachable``. MPI itself does not report dead peers: with most
-MPI libraries a rank that dies takes the job down (the process manager kills the rest);
-otherwise the deadlines bound every wait. ``close(error)`` fails every pending request;
-requests MPI still owns keep their buffers alive (a module-level list) until MPI completes
-them. Closing frees the communicator (``MPI_Comm_free`` is local in MPICH and Open MPI);
-after a failure MPI may still hold messages sent on it. Open transports are closed at
-interpreter exit, before mpi4py finalizes MPI (its hook runs after Python's ``atexit``).
+``cancel`` withdraws it. ``abort(reason, kind)`` sends every peer a notice; a peer's
+requests to or from the aborting rank then fail with ``PeerAborted`` (``network=True``),
+as in the rdm transport. An MPI error on a request fails the peer with
+``PeerUnreachable``. MPI itself does not report dead peers: with most MPI libraries a rank
+that dies takes the job down (the process manager kills the rest); otherwise the deadlines
+bound every wait. ``close(error)`` fails every pending request. Closing frees the
+communicator (``MPI_Comm_free`` is local in MPICH and Open MPI); after a failure MPI may
+still hold messages sent on it. Open transports are closed at interpreter exit, before
+mpi4py finalizes MPI (its hook runs after Python's ``atexit``).
+
+*Buffers.* MPI works on the callers' buffers themselves (no copy: a message moves once),
+so the ownership rule of transport/base.py rests on this: a request's buffer goes back to
+its caller (the request completes, fails or is withdrawn) only once MPI no longer owns it.
+MPI cannot withdraw a receive it has matched nor a send it has started (``MPI_Cancel``
+cannot; MPICH cancels no send), so:
+
+* a receive MPI has not matched yet (still queued here) is withdrawn or failed at once;
+* a matched receive or a started send that must end (``cancel``, its peer failed by an
+  abort notice or an MPI error, ``close(error)``) gets ``CANCEL_GRACE`` for MPI to complete
+  it, both ranks driving MPI meanwhile. It then completes (``cancel``: False) or fails with
+  the error (the other paths: ``_FAILING``). If MPI still owns the buffer at the end of
+  the grace, the job ends: a critical message on stderr names the request (send to or
+  receive from which rank, bytes, tag), says why and gives the error that ended it, and
+  ``MPI_Abort`` (code ``ABORT_ERRORCODE``) stops every rank, so none completes a call
+  with bytes written after a withdrawal (``_end_job``). This is what a library does when
+  it cannot take a buffer back (NCCL's communicators abort the process); staging every
+  message to avoid it cost two copies a message (docs/design.md, "Tried and dropped");
+* a size mismatch's receive (MPI has scratch memory) and MPI's collectives (MPI has the
+  call's staging buffers, collectives/net_mpi.py, never a caller's tensor) fail at once;
+  MPI's requests then keep their buffers alive (a module-level list) until MPI completes
+  them, as do the transport's own notes and notices.
 
 Nothing here imports torch; mpi4py is imported (and MPI initialised, if it is not yet)
 when the first transport is created.
@@ -92,6 +113,7 @@ import os
 import queue
 import socket
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -115,10 +137,15 @@ _COLD_SLEEP = 2e-3                   # sleeps growing to this between polls
 _PARK_AFTER = 0.05                   # idle this long: sleep until woken (no polling)
 _DRAIN_SECONDS = 2.0                 # graceful close: how long sends may take to finish
 CANCEL_GRACE = 1.0                   # a withdrawn request MPI already owns may finish this long
+ABORT_ERRORCODE = 70                 # MPI_Abort's code when MPI keeps a caller's buffer (_end_job)
 
 # what an active MPI request is
 (_SEND, _RECV, _NOTE_SEND, _DISCARD, _HELLO_SEND, _HELLO_RECV, _ABORT_SEND, _MISMATCH,
- _COLL) = range(9)
+ _COLL, _FAILING) = range(10)
+# _FAILING: a send or receive on a caller's buffer that has failed (its peer failed, the
+# transport closed) while MPI still owns the buffer; its buffer entry is
+# (kind, buffer, error, time by which MPI must have completed it). It finishes with the
+# error once MPI completes it; at that time the job ends (_end_job).
 _OUTGOING = (_SEND, _NOTE_SEND, _HELLO_SEND, _ABORT_SEND)
 
 _SERIALIZED_LOCK = threading.Lock()  # every transport's MPI calls, below THREAD_MULTIPLE
@@ -193,7 +220,14 @@ class Request(_Request):
 
 
 class CollectiveRequest(Request):
-    """One of MPI's collectives on the column (``MpiTransport.iallgather`` ...)."""
+    """One of MPI's collectives on the column (``MpiTransport.iallgather`` ...).
+
+    Unlike a send or receive, it fails at once when a column member fails (or the transport
+    closes), although MPI may still own its buffers: those are always the call's staging
+    buffers (collectives/net_mpi.py copies in before and out after, and drops a failed
+    call's buffers from its pool), never a caller's tensor, and they stay alive until MPI
+    completes the request (orphans).
+    """
 
     __slots__ = ("name", "mpi")
 
@@ -308,6 +342,7 @@ class MpiTransport:
         self._sent_notes: dict = {}  # peer -> {mpi tag: tag} announced to that peer
         self._notes: dict = {}       # peer -> {mpi tag: tag} the peer announced to us
         self._failed: dict = {}      # peer -> the error its requests fail with
+        self._failing = 0            # _FAILING entries (MPI owns a failed request's buffer)
         self._hello: set = set()
         self._waiting_threads = 0
         self._parked = False         # the progress thread sleeps until woken
@@ -739,13 +774,19 @@ class MpiTransport:
     def cancel(self, req: Request, error: Exception) -> bool:
         """Withdraw ``req`` unless it has completed; True if it was withdrawn.
 
-        A receive MPI has not matched yet is withdrawn at once. A receive MPI has matched
-        (the message is arriving) or a send it has started cannot be undone in MPI
-        (``MPI_Cancel`` cannot withdraw them): the caller's thread drives MPI for up to
-        ``CANCEL_GRACE`` seconds so it can finish (then False: it completed); if it does
-        not, MPI keeps the buffer (held alive here until MPI is done with it) and the
-        request fails with ``error``. Either way the peer is failed on both sides, as in
-        the rdm transport: later requests with it raise ``error`` and it is told.
+        A receive MPI has not matched yet is withdrawn at once (True), and the peer is
+        failed on both sides, as in the rdm transport: later requests with it raise
+        ``error`` and it is told. A receive MPI has matched (the message is arriving) or
+        a send it has started cannot be undone in MPI (``MPI_Cancel`` cannot withdraw
+        them; MPICH does not cancel sends at all): the caller's thread drives MPI for up
+        to ``CANCEL_GRACE`` seconds so it can finish (then False: it completed, possibly
+        with an error if its peer failed meanwhile). If MPI still owns the buffer then,
+        this never returns: handing the buffer back would let MPI write into it (a
+        receive) or read it while its caller changes it (a send: the peer's receive
+        could complete with the changed bytes), so the job ends with ``MPI_Abort`` after
+        a critical message on stderr naming the request (``_end_job``). In practice:
+        withdrawing a send larger than MPI's eager limit (a few KiB) whose receiver never
+        posted its receive ends the job, as does one whose peer is stuck mid-message.
         """
         with self._lock:
             if req._event.is_set():
@@ -767,12 +808,8 @@ class MpiTransport:
         with self._lock:
             if req._event.is_set():
                 return False
-            log.error("neuron %s: MPI still owns the buffer of a withdrawn %s (%d bytes, tag "
-                      "%d); it is kept alive until MPI is done with it", self._label,
-                      "send to" if req.is_send else "receive from", req.nbytes, req.tag)
-            self._break_peer(req.source, error)  # (fails req, and keeps its buffer alive)
-            req._finish(error)
-        return True
+            self._end_job(req, error)  # never returns: MPI still owns the buffer
+        return False  # (not reached)
 
     def _break_peer(self, peer, error: Exception) -> None:
         """Under the lock: after a withdrawn request, stop talking to ``peer`` and tell it."""
@@ -947,6 +984,8 @@ class MpiTransport:
     def _poll(self) -> bool:
         """Under the lock: one round of progress; True if anything happened."""
         self._stats["polls"] += 1
+        if self._failing:
+            self._check_failing()
         self._read_control()
         progressed = False
         for key in list(self._recvq):
@@ -983,7 +1022,7 @@ class MpiTransport:
                     done.append(i)
             except self._MPI.Exception as e:
                 self._stats["mpi_errors"] += 1
-                kind, obj, _ = self._entries[i]
+                kind, obj, info = self._entries[i]
                 if kind == _COLL:
                     obj._finish(TransportError(f"{self._label}: MPI failed the {obj.name} of "
                                                f"column {self.column}: {e}"))
@@ -991,14 +1030,21 @@ class MpiTransport:
                     done.append(i)
                     continue
                 peer = obj.source if isinstance(obj, Request) else obj
-                failed.append((peer, e))
+                own = None  # a failing request's own error
+                if kind == _FAILING:
+                    self._failing -= 1
+                    own = info[2]
+                failed.append((peer, e, obj if isinstance(obj, Request) else None, own))
                 self._entries[i] = (_DISCARD, peer, None)
                 done.append(i)
-        for peer, e in failed:
+        for peer, e, req, own in failed:
             log.error("neuron %s: MPI failed a request with rank %s: %s", self._label, peer, e)
+            error = PeerUnreachable(peer, f"rank {peer} is unreachable: MPI failed a request "
+                                          f"with it: {e}")
             if isinstance(peer, int) and peer not in self._failed:
-                self._fail_peer(peer, PeerUnreachable(peer, f"rank {peer} is unreachable: MPI "
-                                                            f"failed a request with it: {e}"))
+                self._fail_peer(peer, error)
+            if req is not None:  # MPI completed it (with an error): its buffer is free
+                req._finish(own or self._failed.get(peer, error))
         return done
 
     def _completed(self, entry) -> None:
@@ -1013,12 +1059,23 @@ class MpiTransport:
             obj._finish()
         elif kind == _MISMATCH:
             obj._finish(MessageSizeMismatch(obj.source, obj.tag, len(buf), obj.nbytes, buf))
+        elif kind == _FAILING:  # MPI is done with the buffer: the caller may have it back
+            self._failing -= 1
+            obj._finish(buf[2])
         elif kind == _HELLO_RECV:
             self._hello.add(obj)
             self._cond.notify_all()
 
     def _fail_peer(self, peer: int, error: Exception) -> None:
-        """Under the lock: ``peer`` is gone; its requests (and later ones) fail with ``error``."""
+        """Under the lock: ``peer`` is gone; its requests (and later ones) fail with ``error``.
+
+        Receives MPI has not matched fail at once. A matched receive or a started send
+        fails only once MPI has completed it (``_FAILING``; ``CANCEL_GRACE`` at most, else
+        the job ends): MPI owns the caller's buffer until then. A size mismatch's
+        receive (MPI has scratch memory) and a collective (MPI has the call's staging
+        buffers, collectives/net_mpi.py; never a caller's) fail at once, their buffers
+        kept alive for MPI (orphans).
+        """
         self._failed[peer] = error
         for key in [k for k in self._recvq if k[0] == peer]:
             for req in self._recvq.pop(key):
@@ -1026,7 +1083,10 @@ class MpiTransport:
         keep_r, keep_e, orphans = [], [], []
         for r, e in zip(self._reqs, self._entries):
             kind, obj, buf = e
-            if ((kind in (_SEND, _RECV, _MISMATCH) and obj.source == peer)
+            if kind in (_SEND, _RECV) and obj.source == peer:
+                keep_r.append(r)
+                keep_e.append(self._failing_entry(kind, obj, buf, error))
+            elif ((kind == _MISMATCH and obj.source == peer)
                     or (kind == _COLL and peer in self.column)):
                 obj._finish(error)
                 orphans.append((r, buf))
@@ -1042,6 +1102,58 @@ class MpiTransport:
                 for req in q:
                     req._finish(error)
             self._anyq.clear()
+
+    def _failing_entry(self, kind: int, req: Request, buf, error: Exception) -> tuple:
+        """Under the lock: the entry of a send or receive that fails with ``error`` once MPI
+        has completed it (MPI owns ``buf``, the caller's), within ``CANCEL_GRACE``."""
+        self._failing += 1
+        self._wake()  # the progress thread completes it (or ends the job) if nobody waits
+        return (_FAILING, req, (kind, buf, error, time.monotonic() + CANCEL_GRACE))
+
+    def _check_failing(self) -> None:
+        """Under the lock: end the job if MPI still owns a failed request's buffer past
+        its grace (see ``_end_job``)."""
+        now = time.monotonic()
+        for kind, obj, info in self._entries:
+            if kind == _FAILING and now > info[3]:
+                self._end_job(obj, info[2])
+
+    def _end_job(self, req: Request, error: Exception) -> None:
+        """Under the lock: MPI still owns ``req``'s buffer, and ``req`` must end (withdrawn
+        or failed with ``error``). Never returns: say why on stderr and end the whole job
+        with ``MPI_Abort`` on this transport's communicator.
+
+        MPI cannot withdraw a matched receive or a started send; handing the buffer back
+        would let MPI write into (or, for a send, read from) memory its caller owns again
+        (a peer's receive could then complete with bytes written after the withdrawal: a
+        silent wrong answer). No rank may complete a call with such bytes, so no rank goes
+        on. (The transport layer has no flight recorder to dump: it imports nothing of
+        the layers above.)
+        """
+        peer = req.source
+        what = (f"send to rank {peer}" if req.is_send else f"receive from rank {peer}")
+        me = f"rank {self.rank} of {self._label}, MPI rank {self.world_ranks[self.rank]}"
+        msg = (f"neuron_dist FATAL ({me}, pid {os.getpid()}): MPI still owns the buffer of a "
+               f"{what} ({req.nbytes} bytes, tag {req.tag}) {CANCEL_GRACE:g} s after it had "
+               f"to end ({type(error).__name__}: {error}). MPI cannot withdraw a matched "
+               f"receive or a started send, and handing the buffer back would let MPI "
+               f"{'read from' if req.is_send else 'write into'} memory its caller owns "
+               f"again (a wrong answer). Ending the job: MPI_Abort({ABORT_ERRORCODE}).")
+        try:
+            if log.hasHandlers():
+                log.critical("%s", msg)
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - nothing stops the abort
+            try:
+                os.write(2, (msg + "\n").encode("utf-8", "replace"))
+            except OSError:
+                pass
+        try:
+            self._comm.Abort(ABORT_ERRORCODE)
+        finally:  # MPI_Abort does not return; if it did, this process must not go on
+            os._exit(ABORT_ERRORCODE)
 
     def _drive(self, event, deadline: float) -> bool:
         """Wait for ``event`` until ``deadline``, polling MPI from this thread meanwhile.
@@ -1116,8 +1228,12 @@ class MpiTransport:
                 try:
                     progressed = self._poll()
                 except Exception as e:  # noqa: BLE001 - never die silently with work pending
-                    log.exception("neuron %s: MPI progress failed", self._label)
+                    if not self._failing:  # (once: what MPI owns may still complete)
+                        log.exception("neuron %s: MPI progress failed", self._label)
                     self._fail_all(TransportError(f"MPI progress of {self._label} failed: {e!r}"))
+                    if self._failing:
+                        self._check_failing()
+                        self._cond.wait(_COLD_SLEEP)
                     continue
                 idle = 0 if progressed else idle + 1
                 if self._waiting_threads > 0:   # a waiting thread polls for itself
@@ -1142,18 +1258,28 @@ class MpiTransport:
             return out
 
     def _fail_all(self, error: Exception) -> None:
-        """Under the lock: fail every pending request; hand MPI's requests to the orphans."""
+        """Under the lock: fail every pending request. Sends and matched receives on
+        callers' buffers stay (``_FAILING``) until MPI completes them (see ``_fail_peer``);
+        MPI's other requests go to the orphans."""
         for queues in (self._recvq, self._anyq):
             for q in queues.values():
                 for req in q:
                     req._finish(error)
             queues.clear()
-        orphans = []
-        for r, (kind, obj, buf) in zip(self._reqs, self._entries):
-            if isinstance(obj, Request):
-                obj._finish(error)
-            orphans.append((r, buf))
-        self._reqs, self._entries = [], []
+        orphans, keep_r, keep_e = [], [], []
+        for r, e in zip(self._reqs, self._entries):
+            kind, obj, buf = e
+            if kind in (_SEND, _RECV):
+                keep_r.append(r)
+                keep_e.append(self._failing_entry(kind, obj, buf, error))
+            elif kind == _FAILING:
+                keep_r.append(r)
+                keep_e.append(e)
+            else:
+                if isinstance(obj, Request):
+                    obj._finish(error)
+                orphans.append((r, buf))
+        self._reqs, self._entries = keep_r, keep_e
         if orphans:
             with _ORPHANS_LOCK:
                 _ORPHANS.extend(orphans)
@@ -1178,6 +1304,16 @@ class MpiTransport:
             self._closed = True
             self._fail_all(error or ChannelClosed(f"MPI transport of {self._label} was closed"))
             self._cond.notify_all()
+            # Requests MPI still owns the callers' buffers of complete first (both ranks
+            # drive MPI meanwhile), or the job ends at their grace: never handed back.
+            while self._failing:
+                try:
+                    progressed = self._poll()
+                except Exception:  # noqa: BLE001 - the grace still bounds it
+                    self._check_failing()
+                    progressed = False
+                if self._failing and not progressed:
+                    self._cond.wait(_HOT_SLEEP)  # (MPI moves a large message a piece a poll)
         self._callbacks.put(None)
         me = threading.current_thread()
         for t in (self._progress, self._callback_thread):

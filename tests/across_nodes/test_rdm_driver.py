@@ -187,7 +187,48 @@ def test_rail_cut_mid_transfer_loses_nothing(pair):
     src, dst, r, s = _transfer(pair, 5 << 20, seed=2)
     r.wait(time.monotonic() + 30)
     assert np.array_equal(src, dst)
-    assert not a._rails[1][1].alive and a._rails[1][0].alive
+    _until(lambda: a.stats().get("rails_restored", 0) == b.stats().get("rails_restored", 0) == 1)
+    assert all(rail.alive for rail in a._rails[1]) and all(rail.alive for rail in b._rails[0])
+
+
+def _until(cond, seconds=10.0):
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_rails_cut_one_after_another_heal_and_carry_traffic_again():
+    # Finding 11 of the hardening issue: a rail lost to a flap was gone for the rest of the
+    # job, so cutting each rail once failed the peer ("all 3 rails failed"). Each cut here
+    # leaves two rails; every rail is cut twice, at one end or the other, under a transfer.
+    ts = _pair()
+    a, b = ts
+    try:
+        for k in range(6):
+            src, dst, r, s = _transfer(ts, 16 << 20, seed=k)
+            end = ts[k % 2]
+            before = a.stats().get("rails_restored", 0)
+            end._rails[1 - end.rank][k % 3].sock.shutdown(socket.SHUT_RDWR)
+            r.wait(time.monotonic() + 30)
+            s.wait(time.monotonic() + 30)
+            assert np.array_equal(src, dst)
+            _until(lambda: a.stats().get("rails_restored", 0) == before + 1
+                   and b.stats().get("rails_restored", 0) == before + 1)
+            _until(lambda: all(x.alive for x in a._rails[1]) and all(x.alive for x in b._rails[0]))
+            assert a.ep._peers[1].rails == b.ep._peers[0].rails == [True] * 3
+        # the healed rails carry a transfer spread over every rail
+        src, dst, r, s = _transfer(ts, 32 << 20, seed=9)
+        spread = set()
+        while not r.done():
+            spread |= {i for i in range(3) if a.ep.inflight_bytes(1, i)}
+            time.sleep(0.0002)
+        r.wait(time.monotonic() + 30)
+        assert np.array_equal(src, dst) and spread == {0, 1, 2}, spread
+        assert not b._healing and all(not t.is_alive() for t in b._threads)
+    finally:
+        for t in ts:
+            t.close()
 
 
 def test_all_rails_cut_fails_naming_the_peer(pair):
@@ -586,6 +627,12 @@ def test_crc_catches_corruption_and_the_rail_is_dropped(caplog):
         assert np.array_equal(src, dst)
         assert ts[0].stats()["rejected"] >= 1
         assert any("CRC mismatch" in rec.getMessage() for rec in caplog.records)
+        # a path that corrupts data is not used again: rank 1 dials it again (it saw the
+        # connection close), and rank 0, which found the corruption, does not take it
+        time.sleep(0.5)
+        link = ts[0]._link_of[1]
+        assert link.untrusted == {0} and not link.rails[0].alive and link.rails[1].alive
+        assert ts[0].stats().get("rails_restored", 0) == ts[1].stats().get("rails_restored", 0) == 0
     finally:
         for t in ts:
             t.close()

@@ -147,6 +147,32 @@ def test_a_rail_that_breaks_is_lost_to_every_group_and_no_byte_is_lost():
         _close(g1, g2)
 
 
+def test_a_rail_that_breaks_heals_for_every_group_on_the_link():
+    g1, g2 = _group(b"one"), _group(b"two")
+    try:
+        _exchange(g1, 1000)
+        _exchange(g2, 1000)
+        link = g1[0]._link_of[1]
+        assert _sockets() == 2 * 3
+        link.rails[2].sock.shutdown(socket.SHUT_RDWR)
+        _until(lambda: all(t.stats().get("rails_restored", 0) == 1 for t in g1 + g2))
+        _until(lambda: all(r.alive for r in link.rails) and all(
+            r.alive for r in g1[1]._link_of[0].rails))
+        assert _sockets() == 2 * 3  # (the broken connection is gone, its successor in place)
+        for g in (g1, g2):
+            assert g[0].ep._peers[1].rails == g[1].ep._peers[0].rails == [True] * 3
+            _exchange(g, 4 << 20, seed=5)
+        # whole again, the link is offered to groups that come later
+        g3 = _group(b"three")
+        try:
+            _exchange(g3, 1000)
+            assert g3[0]._link_of[1] in (link, g1[1]._link_of[0]) and _sockets() == 2 * 3
+        finally:
+            _close(g3)
+    finally:
+        _close(g1, g2)
+
+
 def test_a_join_with_a_wrong_proof_is_ignored(caplog):
     caplog.set_level(logging.ERROR, logger="neuron_dist.rdm")
     g1, g2 = _group(b"real"), _group(b"target")

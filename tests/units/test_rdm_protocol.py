@@ -651,6 +651,26 @@ def test_rails_fill_in_turn_then_the_least_loaded_takes_the_next_segment():
     assert {tx.rail for tx in a.poll_transmit(0.0)} == {2}
 
 
+def test_a_restored_rail_takes_traffic_again_and_a_failed_peer_stays_failed():
+    a, b = make(2, rails=2)
+    a.rail_failed(0, peer=1)
+    a.send(1, 0, b"x")
+    assert [tx.rail for tx in a.poll_transmit(0.0)] == [1]
+    a.rail_restored(0, 1)
+    a.rail_restored(0, 1)  # (once is enough: counted once)
+    assert a.stats["rails_restored"] == 1
+    a.send(1, 0, b"y")
+    assert [tx.rail for tx in a.poll_transmit(0.0)] == [0]  # the first live rail with room
+    with pytest.raises(ValueError, match="no rail 2"):
+        a.rail_restored(2, 1)
+    a.rail_failed(0, peer=1)
+    a.rail_failed(1, peer=1)  # none left: the peer fails
+    assert any(isinstance(e, PeerFailed) for e in a.events())
+    a.rail_restored(0, 1)
+    with pytest.raises(ProtocolError, match="rank 1"):
+        a.send(1, 0, b"z")
+
+
 def test_acked_rail_takes_the_traffic_again():
     a, b = make(2, rails=2, segment_bytes=1 << 20, window_bytes=1 << 30,
                 max_message_bytes=1 << 30)

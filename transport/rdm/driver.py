@@ -50,7 +50,15 @@ thread drives it only while nobody waits.
 
 A rail whose connection breaks is reported to the endpoint (``rail_failed``): nothing is
 lost while one rail to the peer is left; when the last one goes, every request to or from
-that peer fails with ``PeerUnreachable`` naming it.
+that peer fails with ``PeerUnreachable`` naming it. Rails heal (``_heal``): while the link
+keeps a live rail, the process that dialed it dials the lost one again from a thread of
+its own, after a pause that doubles with every failed attempt (``_HEAL_PAUSE`` up to
+``_HEAL_PAUSE_MAX``, with jitter); the peer's listener grants that dial only for a rail it
+has lost too (``_may_dial``), and the new connection takes the old one's place for every
+group on the link (``_add_rail``: ``Endpoint.rail_restored``). So a link that flaps keeps
+its rails, instead of running down to its last one. A rail closed because its bytes could
+not be trusted (malformed, corrupted, unauthenticated) is not dialed again by the end that
+closed it, nor granted again to the other end.
 
 Requests: ``isend``/``irecv`` return a ``Request``; ``wait(deadline)`` raises
 ``PeerTimeout`` naming the peer when the deadline passes; ``cancel`` withdraws one (a
@@ -116,6 +124,11 @@ _REFUSED_RETRY = 2.0  # seconds a dial retries a refused connection (a listener 
 # Pauses before dialing again after a dropped handshake: from the first, doubling up to the
 # last (with jitter, so dialers shed together do not come back together).
 _DROPPED_PAUSE, _DROPPED_PAUSE_MAX = 0.01, 0.5
+# Pauses before dialing a lost rail again (``_heal``): the first lets the peer see the
+# break too (it grants a rail it still holds to nobody), then doubling up to the last for
+# as long as the link keeps another live rail. One attempt (connect and handshake) may take
+# _HEAL_DIAL_SECONDS: a close waits that long at most for a healer in the middle of one.
+_HEAL_PAUSE, _HEAL_PAUSE_MAX, _HEAL_DIAL_SECONDS = 0.05, 5.0, 2.0
 
 
 class _Join:
@@ -302,7 +315,9 @@ class RdmTransport:
         self._context = links.context_of(self._gid)
         self._prefix = links.prefix_of(self._context)
         self._engine.join_group(self._gid, rank, self, self._context)
-        self._threads: list = []
+        self._threads: list = []  # rail healers (_heal), joined by close
+        self._healing: set = set()  # (link, rail index) with a healer
+        self._stopping = threading.Event()  # set by close: healers stop
 
     # ------------------------------------------------------------------ set-up
 
@@ -618,6 +633,13 @@ class RdmTransport:
             if (self._closed or not 0 <= rank < self.world_size or rank == self.rank
                     or not 0 <= rail < self.nrails):
                 return False
+            link = self._link_of.get(rank)
+            if link is not None and rank in self._up and not link.dialer:
+                lost = link.rails[rail]
+                if (lost is not None and not lost.alive and link.healable()
+                        and rail not in link.untrusted and (rank, rail) not in self._reserved):
+                    self._reserved.add((rank, rail))  # a rail lost here too: healed (_heal)
+                    return True
             state = self._links.get(rank)
             if rail == 0 and rank < self.rank and (state in (_DIALING, _JOINING)
                                                    or rank in self._up):
@@ -652,6 +674,63 @@ class RdmTransport:
                 self._links.pop(rank, None)
                 self._connected.notify_all()
 
+    def _heal(self, link: Link, peer: int, index: int) -> None:
+        """Under the lock: rail ``index`` of ``link`` (this process dialed it; ``peer`` is the
+        far end's rank in this group) broke while another rail lives: dial it again from a
+        thread of its own (``_healer``), unless one does already."""
+        if self._closed or (link, index) in self._healing:
+            return
+        healer = threading.Thread(target=self._healer, args=(link, peer, index), daemon=True,
+                                  name=f"neuron-rail-heal-{peer}-{index}")
+        try:
+            healer.start()
+        except RuntimeError as e:  # (a thread limit): the link goes on with fewer rails
+            log.warning("neuron %s: cannot dial rail %d to rank %d again: %s", self._label,
+                        index, peer, e)
+            return
+        self._healing.add((link, index))
+        self._threads = [t for t in self._threads if t.is_alive()] + [healer]
+
+    def _healer(self, link: Link, peer: int, index: int) -> None:
+        """Dial rail ``index`` to ``peer`` again until it is back, with a pause before each
+        attempt that doubles after each failure; stop when the link, the peer or this
+        transport is gone, or the link has no other live rail (its peer has failed)."""
+        pause = _HEAL_PAUSE
+        try:
+            while not self._stopping.wait(pause * random.uniform(0.5, 1.0)):
+                with self._lock:
+                    if (self._closed or peer in self._failed or not link.healable()
+                            or self._link_of.get(peer) is not link or link.rails[index].alive):
+                        return
+                    theirs = [_split(a) for a in self._addresses[peer].split(",")]
+                host, port = theirs[index % len(theirs)]
+                try:
+                    self._dial(peer, host, port, index,
+                               time.monotonic() + _HEAL_DIAL_SECONDS)
+                except Exception as e:  # noqa: BLE001 - the peer may not have seen the break yet
+                    log.info("neuron %s: dialing rail %d to rank %d again failed: %s",
+                             self._label, index, peer, e)
+                    pause = min(_HEAL_PAUSE_MAX, pause * 2)
+        except Exception:  # noqa: BLE001 - never a healer that dies unnoticed
+            log.exception("neuron %s: the healer of rail %d to rank %d failed", self._label,
+                          index, peer)
+        finally:
+            with self._lock:
+                self._healing.discard((link, index))
+
+    def _healed(self, link: Link, index: int) -> None:
+        """Under the lock: rail ``index`` of ``link`` is connected again: every group on the
+        link sends on it again, and other groups may join the link once all its rails are
+        up."""
+        log.info("neuron %s: rail %d is connected again", link.label, index)
+        for t, peer in list(link.members.values()):
+            if not t._closed:
+                t.ep.rail_restored(index, peer)
+                t._pump()
+        if link.key is not None and all(r.alive for r in link.rails):
+            self._engine.publish(link)
+        self._connected.notify_all()
+
     def _accepted(self, sock, peer: int, index: int, session: bytes = b"") -> None:
         """An authenticated connection from ``peer`` for rail ``index`` (the listener)."""
         self._add_rail(sock, peer, index, session, dialer=False)
@@ -683,12 +762,19 @@ class RdmTransport:
             if link is None:  # this group's first rail to the peer: a new link
                 link = self._link_of[peer] = Link(self._engine, self.nrails,
                                                   f"{self._label}, rails to rank {peer}")
+                link.dialer = dialer
                 link.add(self._context, self.rank, self, peer)
                 self._rails[peer] = link.rails
+            lost = link.rails[index]
+            if lost is not None and (lost.alive or not link.healable()):
+                sock.close()  # (a rail healed while the link closed, or lost its last rail)
+                return
             rail = Rail(sock, index, link, session, mac)
             link.rails[index] = rail
             self._engine.register(rail.fd, link, rail, rail.events)
-            if None not in link.rails:
+            if lost is not None:
+                self._healed(link, index)
+            elif None not in link.rails:
                 link.key = self._link_key(peer)  # other groups may join it from now on
                 self._engine.publish(link)
                 self._rail_up(peer)
@@ -1030,7 +1116,7 @@ class RdmTransport:
         except F.FrameError as e:
             log.error("neuron %s: closing rail %d to rank %d after a malformed frame: %s",
                       self._label, rail.index, peer, e)
-            rail.link.rail_down(rail, f"malformed frame: {e}")
+            rail.link.rail_down(rail, f"malformed frame: {e}", heal=False)
             return
         lo, end = rail.lo, rail.lo + h.length + h.trailer_bytes
         rail.ahead = rail.inbuf[:AHEAD_AFTER_LARGE] if h.length >= INBUF else rail.inbuf
@@ -1084,7 +1170,8 @@ class RdmTransport:
             except F.FrameError as e:
                 log.error("neuron %s: closing rail %d to rank %d: %s", self._label, rail.index,
                           rail.rpeer, e)
-                rail.link.rail_down(rail, f"unauthenticated frame: {e}")  # (releases the claim)
+                rail.link.rail_down(rail, f"unauthenticated frame: {e}",  # (releases the claim)
+                                   heal=False)
                 return
             frame = memoryview(frame)[:-_MAC_TAG]
         if stage in (_PAYLOAD, _TRAILER):
@@ -1096,7 +1183,7 @@ class RdmTransport:
             if ep.stats["rejected"] > rejected and ep.crc:
                 # a path that corrupts data (past TCP's checksum) is not used again
                 stage_to(rail, _HEADER, rail.hview)
-                rail.link.rail_down(rail, "corrupted frame (CRC mismatch)")
+                rail.link.rail_down(rail, "corrupted frame (CRC mismatch)", heal=False)
                 return
         rail.buf = rail.header = None
         stage_to(rail, _HEADER, rail.hview)
@@ -1370,6 +1457,7 @@ class RdmTransport:
                 self._detach(peer)
             self._due = None
             self._connected.notify_all()
+        self._stopping.set()
         self._engine.leave_group(self._gid, self.rank, self)
         self._engine.wake()
         me = threading.current_thread()

@@ -51,7 +51,11 @@ Context 0 carries the link's own 64-byte control blocks::
   last group to leave closes the connections (a graceful close half-closes them first).
 
 A rail that breaks is lost to every group on the link: each one's endpoint resends on its
-remaining rails. All of this runs under the process's one network lock (progress.py), so
+remaining rails. While one rail is left, the process that dialed the link dials the lost
+one again, with a growing pause (driver.py, ``_heal``), and the peer takes the new
+connection as that rail (its old one must have broken there too): every group's endpoint
+then sends on it again. A rail closed because its bytes could not be trusted (a malformed,
+corrupted or unauthenticated frame) is not dialed again. All of this runs under the process's one network lock (progress.py), so
 frames of different groups never interleave on a rail and no lock order is needed. The
 price: while one group streams bulk bytes to a peer, another group's small frames to the
 same peer wait behind them in the sockets' buffers (measured in design.md, "Rails").
@@ -191,6 +195,8 @@ class Link:
         self.label = label
         self.closing = False  # its last member is closing it: no new members
         self.closed = False
+        self.dialer = False  # this process dialed its rails: it dials a lost one again
+        self.untrusted: set = set()  # rails closed for bytes not to be trusted: never again
 
     def reaches(self, key) -> bool:
         """Does this link go to the process a group with link key ``key`` names (the key
@@ -305,7 +311,7 @@ class Link:
                     rail.mac.check_header(rail.hbuf)
                 except F.FrameError as e:
                     log.error("neuron %s: closing rail %d: %s", self.label, rail.index, e)
-                    self.rail_down(rail, f"unauthenticated frame: {e}")
+                    self.rail_down(rail, f"unauthenticated frame: {e}", heal=False)
                     return
             context, dst = _ROUTE.unpack_from(rail.hbuf)
             if context == CONTROL:
@@ -337,7 +343,7 @@ class Link:
         except F.FrameError as e:
             log.error("neuron %s: closing rail %d after a malformed frame: %s", self.label,
                       rail.index, e)
-            self.rail_down(rail, f"malformed frame: {e}")
+            self.rail_down(rail, f"malformed frame: {e}", heal=False)
             return
         tail = _MAC_TAG if rail.mac is not None and rail.mac.tail(h.type, h.nacks) else 0
         log.debug("neuron %s: dropped a frame on rail %d for a group not here", self.label,
@@ -426,16 +432,28 @@ class Link:
             pass
         rail.fd = -1
 
-    def rail_down(self, rail: Rail, reason: str) -> None:
-        """Under the lock: ``rail`` broke (or must not be trusted any more): close it; every
-        member loses it (its traffic moves to the member's other rails)."""
+    def rail_down(self, rail: Rail, reason: str, heal: bool = True) -> None:
+        """Under the lock: ``rail`` broke (or, ``heal`` False, must not be trusted any more):
+        close it; every member loses it (its traffic moves to the member's other rails).
+        With ``heal``, a dialer whose link keeps a live rail dials this one again."""
         if not rail.alive:
             return
         claimed = rail.reader if rail.stage in (_PAYLOAD, _TRAILER) else None
         self.drop(rail)
         self.engine.unpublish(self)
+        if not heal:
+            self.untrusted.add(rail.index)
         for t, peer in list(self.members.values()):
             t._rail_lost(rail, peer, reason, t is claimed)
+        if heal and self.dialer and self.healable():
+            t, peer = next(iter(self.members.values()))
+            t._heal(self, peer, rail.index)
+
+    def healable(self) -> bool:
+        """Is this link one whose lost rails are worth dialing again: in use, not closing,
+        opened whole once, and with a live rail left (without one its peer has failed)?"""
+        return (not self.closing and not self.closed and bool(self.members)
+                and None not in self.rails and any(r.alive for r in self.rails))
 
     def control(self, rail: Rail) -> None:
         """Under the lock: act on the control block just read on ``rail``."""
@@ -445,7 +463,7 @@ class Link:
                 raise F.FrameError(f"a control block for rail {index} came on rail {rail.index}")
         except F.FrameError as e:
             log.error("neuron %s: closing rail %d: %s", self.label, rail.index, e)
-            self.rail_down(rail, str(e))
+            self.rail_down(rail, str(e), heal=False)
             return
         if kind == JOIN:
             t = self.engine.resolve_context(context, dst)

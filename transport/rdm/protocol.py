@@ -53,7 +53,8 @@ Retransmission
     ``max_retries`` resends of one segment, the peer is declared dead: ``PeerFailed``.
     ``rail_failed(rail)`` moves that rail's unacked segments to the remaining rails at the
     next ``poll_transmit`` (without counting a retry); when a peer has no live rail left,
-    ``PeerFailed``. ``PeerFailed`` lists the peer's unfinished ``msg_id``s, and the peer's
+    ``PeerFailed``. ``rail_restored(rail, peer)`` (the driver reopened it) makes a failed
+    rail take new segments again. ``PeerFailed`` lists the peer's unfinished ``msg_id``s, and the peer's
     state is dropped (later frames from it are ignored, ``send`` to it raises).
 
 Reassembly
@@ -480,7 +481,8 @@ class Endpoint:
         self._arrivals = 0  # numbers early messages across streams (take_early_any)
         self.stats = {"sent": 0, "retransmits": 0, "duplicates": 0, "rejected": 0,
                       "dropped_full": 0, "dropped_claimed": 0, "discarded": 0,
-                      "acks_sent": 0, "acks_piggybacked": 0, "refused": 0}
+                      "acks_sent": 0, "acks_piggybacked": 0, "refused": 0,
+                      "rails_restored": 0}
         self._peers: dict[int, _Peer] = {}
         self._failed: dict[int, str] = {}
         self._left: dict[int, _Peer] = {}  # failed peers' early messages, until taken
@@ -732,6 +734,18 @@ class Endpoint:
             for key, seg in state.unacked.items():
                 if seg.rail == rail:
                     state.urgent.append(key)
+
+    def rail_restored(self, rail: int, peer: int) -> None:
+        """``rail`` to ``peer``, failed before, is usable again (the driver reopened its
+        connection): new and resent segments may go on it. A failed peer stays failed."""
+        if not 0 <= rail < self.nrails:
+            raise ValueError(f"no rail {rail} (rails 0..{self.nrails - 1})")
+        state = self._peers.get(peer)
+        if state is None or peer in self._failed or state.rails[rail]:
+            return
+        state.rails[rail] = True
+        self.stats["rails_restored"] += 1
+        self.has_work = True
 
     def receive(self, rail: int, frame_bytes, now: float) -> None:
         """Take in one frame that arrived on ``rail``; results come out of ``events()``.

@@ -392,6 +392,32 @@ def test_the_accept_loop_survives_a_thread_it_cannot_start(monkeypatch):
         lis.close()
 
 
+def test_a_closed_listener_leaves_no_handshake_thread_behind():
+    """Found by the soak (bench/soak.py): a group destroyed while a stranger's connection
+    waited in its handshake left that thread and socket alive after the close, until the
+    handshake's 10 s deadline. The close now ends them and waits for their threads."""
+    from neuron_dist.transport.rdm import listener as L
+
+    lis = L.Listener("127.0.0.1", lambda gid, rank: None)
+    host, port = lis.address.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+    try:
+        def handshaking():
+            return [t for t in threading.enumerate() if t.name == "neuron-rdm-handshake"]
+
+        end = time.monotonic() + 5
+        while len(handshaking()) < 3:  # (each idle stranger waits in its own handshake)
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        started = time.monotonic()
+        lis.close()
+        assert time.monotonic() - started < 2.0
+        assert not handshaking() and not lis._handshakes
+    finally:
+        for sock in idle:
+            sock.close()
+
+
 def test_a_dropped_handshake_is_dialed_again_and_a_refused_one_fails_at_once(monkeypatch):
     """Finding 2: a dial whose connection the listener dropped before answering (it sheds
     unfinished handshakes under a flood) failed the peer (PeerUnreachable); only a refused

@@ -102,6 +102,7 @@ class Listener:
         # unfinished incoming connection -> [address, progress (0..2), accepted at],
         # oldest first
         self._handshakes: dict = {}
+        self._workers: set = set()  # handshake threads not finished yet (close joins them)
         self._strangers = _RateLimitedLog(f"listener {self.address}")
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -109,6 +110,8 @@ class Listener:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop accepting, end the unfinished handshakes and wait (at most 2 s) for their
+        threads and the accept thread, so nothing of the listener outlives it."""
         self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in it
@@ -121,8 +124,14 @@ class Listener:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+        end = time.monotonic() + 2.0
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:  # (their connections are shut down: they end at once)
+            if worker is not threading.current_thread():
+                worker.join(timeout=max(0.0, end - time.monotonic()))
 
     def _accept_loop(self) -> None:
         """Accept connections for as long as the transport is open.
@@ -159,17 +168,20 @@ class Listener:
                 room = len(self._handshakes) < MAX_HANDSHAKES or self._make_room(now)
                 if room:
                     self._handshakes[conn] = [addr, 0, now]
+                    worker = threading.Thread(target=self._accept_one, args=(conn, addr),
+                                              daemon=True, name="neuron-rdm-handshake")
+                    self._workers.add(worker)
             if not room:  # every unfinished one may be a dialer: this one goes (it redials)
                 self._strangers.note(f"closed a connection from {addr}: {MAX_HANDSHAKES} "
                                      f"handshakes under way")
                 conn.close()
                 continue
             try:
-                threading.Thread(target=self._accept_one, args=(conn, addr), daemon=True,
-                                 name="neuron-rdm-handshake").start()
+                worker.start()
             except RuntimeError as e:  # at the process's thread limit: drop this one, go on
                 with self._lock:
                     self._handshakes.pop(conn, None)
+                    self._workers.discard(worker)
                 conn.close()
                 pause = min(1.0, max(0.01, pause * 2))
                 self._strangers.note(f"no thread for a handshake from {addr}: {e}",
@@ -208,6 +220,13 @@ class Listener:
                 entry[1] = level
 
     def _accept_one(self, conn, addr) -> None:
+        try:
+            self._handshake(conn, addr)
+        finally:
+            with self._lock:
+                self._workers.discard(threading.current_thread())
+
+    def _handshake(self, conn, addr) -> None:
         try:
             owner, peer, rail, session = handshake.accept(
                 conn, self._resolve, deadline=time.monotonic() + HANDSHAKE_TIMEOUT,

@@ -317,6 +317,12 @@ def summary(calm: dict, faulted: dict, problems: list) -> str:
     return "\n".join(lines)
 
 
+def _commit() -> str:
+    done = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=4)
@@ -339,6 +345,8 @@ def main(argv=None) -> int:
     problems = check(calm, faulted, world)
     text = summary(calm, faulted, problems)
     print(f"# python -m bench.soak {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"# commit {_commit()}; {args.nodes} network-namespace virtual nodes x "
+          f"{args.nproc_per_node} rank(s), {args.steps} steps per run")
     print(text)
     if args.json:
         with open(args.json, "w") as fh:

@@ -1,4 +1,5 @@
-"""Run TorchTitan's llama3 ``debugmodel`` with FSDP2 + TP on CPU over the ``neuron`` backend.
+"""Run TorchTitan's llama3 ``debugmodel`` with FSDP2, TP and pipeline parallelism on CPU over
+the ``neuron`` backend.
 
 How to run (from the repository root; needs ``pip install -e .[titan]``)::
 
@@ -10,6 +11,14 @@ How to run (from the repository root; needs ``pip install -e .[titan]``)::
     # memory, FSDP2's all-gathers / reduce-scatters between the nodes
     python launch/vnodes.py --nodes 2 --nproc-per-node 2 -- launch/titan.py --steps 10
 
+    # pipeline parallelism: 2 stages x FSDP2 over 2 ranks (4 ranks), and x TP 2 (8 ranks)
+    torchrun --standalone --nproc-per-node 4 launch/titan.py --steps 10 --pp 2 --tp 1
+    torchrun --standalone --nproc-per-node 8 launch/titan.py --steps 10 --pp 2 --tp 2
+
+    # the 8-rank pipeline on 2 virtual nodes x 4 ranks: a stage per node, so the
+    # pipeline's send/recv go between the nodes, FSDP2 and TP stay inside each
+    python launch/vnodes.py --nodes 2 --nproc-per-node 4 -- launch/titan.py --steps 10 --pp 2
+
     # any other TorchTitan flag is passed through, e.g.
     torchrun --standalone --nproc-per-node 4 launch/titan.py --steps 5 \\
         --training.max_norm 0.5 --parallelism.fsdp_reshard_after_forward always
@@ -20,28 +29,38 @@ What it does, on every rank:
    (device = CPU instead of CUDA; process-group backend = ``neuron`` instead of
    nccl/gloo; a stub for three GPU-kernel modules' ``import triton``; a CPU attention
    kernel, as torch 2.13's flex_attention cannot run backward on CPU;
-   ``set_pg_timeouts`` without ``torch.distributed.set_timeout``; an eager BlockMask).
-   Nothing inside TorchTitan's installed files is changed;
+   ``set_pg_timeouts`` without ``torch.distributed.set_timeout``; an eager BlockMask;
+   pipeline schedules whose ``step`` takes the microbatches TorchTitan splits itself, as
+   newer torch's does; with ``--backend gloo`` only, FSDP2 reductions as SUM, since gloo
+   has no PREMUL_SUM). Nothing inside TorchTitan's installed files is changed;
 2. makes, if missing, a tiny offline tokenizer (a byte-level BPE of at most 2048 tokens,
    trained here with ``tokenizers``) and a tiny C4-like text dataset in ``--assets-dir``:
    the TorchTitan wheel does not ship its ``tests/assets`` (tokenizer, ``c4_test``), and
    nothing may be downloaded;
 3. parses TorchTitan's own config, ``--module llama3 --config llama3_debugmodel``, with
-   ``--parallelism.data_parallel_shard_degree`` (FSDP2) and
-   ``--parallelism.tensor_parallel_degree`` (TP), a short sequence, a small batch, a fixed
-   seed, checkpointing off, and three settings chosen for this setting (see
-   :func:`titan_args`): ``spmd_backend=partial_dtensor`` (TorchTitan's default
-   ``spmd_types`` needs a newer torch's FSDP2), fp32 parameters (bf16 is emulated on CPUs
-   without AVX-512 BF16) and no CUDA graphs; then TorchTitan's ``Trainer`` trains
+   ``--parallelism.data_parallel_shard_degree`` (FSDP2),
+   ``--parallelism.tensor_parallel_degree`` (TP) and
+   ``--parallelism.pipeline_parallel_degree`` (PP: the debugmodel's schedule,
+   Interleaved1F1B, two stages per rank; ``--batch-size`` is split into microbatches of
+   ``--parallelism.pipeline_parallel_microbatch_size``, default 1), a short sequence, a
+   small batch, a fixed seed, checkpointing off, and three settings chosen for this
+   setting (see :func:`titan_args`): ``spmd_backend=partial_dtensor`` (TorchTitan's
+   default ``spmd_types`` needs a newer torch's FSDP2), fp32 parameters (bf16 is emulated
+   on CPUs without AVX-512 BF16) and no CUDA graphs; then TorchTitan's ``Trainer`` trains
    ``--steps`` steps exactly as ``torchtitan.train`` would;
-4. rank 0 prints one line per step (the global loss TorchTitan computes, grad norm,
-   seconds, and rank 0's collectives from ``neuron_dist.comm_stats()``) and a summary;
-   ``--metrics-out FILE`` also writes them as JSON.
+4. one rank prints one line per step (the global loss TorchTitan computes, grad norm,
+   seconds, and that rank's collectives from ``neuron_dist.comm_stats()``) and a summary;
+   ``--metrics-out FILE`` also writes them as JSON. That rank is rank 0, or with
+   pipeline parallelism the first rank holding the last stage: only those ranks have the
+   loss. TorchTitan's mesh puts ``pp`` outermost, so the ranks of one pipeline rank (its
+   stages) are ``world/pp`` consecutive ranks (with pp 2 x dp_shard 2: ranks 0-1 hold
+   stages 0 and 2, ranks 2-3 stages 1 and 3); rank 0 prints how each of its mesh groups
+   spans nodes.
 
-Launcher flags (``--steps``, ``--dp-shard``, ``--tp``, ``--seq-len``, ``--batch-size``,
-``--seed``, ``--backend``, ``--assets-dir``, ``--dump-folder``, ``--metrics-out``,
-``--show-titan-log``) are consumed here; every other argument goes to TorchTitan's
-``ConfigManager`` and wins over the launcher's defaults.
+Launcher flags (``--steps``, ``--dp-shard``, ``--tp``, ``--pp``, ``--seq-len``,
+``--batch-size``, ``--seed``, ``--backend``, ``--assets-dir``, ``--dump-folder``,
+``--metrics-out``, ``--show-titan-log``) are consumed here; every other argument goes to
+TorchTitan's ``ConfigManager`` and wins over the launcher's defaults.
 """
 
 from __future__ import annotations
@@ -167,15 +186,20 @@ def ensure_assets(assets_dir: str | os.PathLike) -> Path:
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
-        description="TorchTitan llama3 debugmodel, FSDP2 + TP, on CPU over the neuron backend",
+        description="TorchTitan llama3 debugmodel, FSDP2 + TP + PP, on CPU over the neuron "
+                    "backend",
         epilog="Other arguments are passed to TorchTitan (e.g. --training.max_norm 0.5).")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dp-shard", type=int, default=2,
                    help="FSDP2 degree (parallelism.data_parallel_shard_degree)")
     p.add_argument("--tp", type=int, default=2,
                    help="tensor parallel degree (parallelism.tensor_parallel_degree)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline parallel degree (parallelism.pipeline_parallel_degree)")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=4, help="local batch size per dp rank")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="local batch size per dp rank (with --pp: split into microbatches of "
+                        "parallelism.pipeline_parallel_microbatch_size, default 1)")
     p.add_argument("--seed", type=int, default=0, help="TorchTitan's debug.seed")
     p.add_argument("--backend", default=titan_shims.BACKEND,
                    help="process-group backend (default: neuron; gloo only for comparison)")
@@ -183,7 +207,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                                                         "neuron-titan-assets"))
     p.add_argument("--dump-folder", default=None,
                    help="TorchTitan's dump_folder (default: a temporary directory)")
-    p.add_argument("--metrics-out", default=None, help="rank 0 writes losses etc. as JSON")
+    p.add_argument("--metrics-out", default=None,
+                   help="rank 0 (with --pp: the last stage's first rank) writes losses etc. "
+                        "as JSON")
     p.add_argument("--show-titan-log", action="store_true",
                    help="keep TorchTitan's own INFO log (default: warnings only)")
     return p.parse_known_args(argv)
@@ -204,6 +230,7 @@ def titan_args(args: argparse.Namespace, assets: Path, dump_folder: str,
         "--training.disable_cuda_graphs",
         "--parallelism.data_parallel_shard_degree", str(args.dp_shard),
         "--parallelism.tensor_parallel_degree", str(args.tp),
+        "--parallelism.pipeline_parallel_degree", str(args.pp),
         # TorchTitan 0.3.0 defaults to spmd_backend=spmd_types: parameters stay plain
         # tensors with spmd_types annotations, which torch 2.13's fully_shard rejects on a
         # multi-axis mesh ("When dp_mesh_dims is provided, all parameters must be
@@ -225,8 +252,8 @@ def titan_args(args: argparse.Namespace, assets: Path, dump_folder: str,
 # Main
 # ----------------------------------------------------------------------------
 
-def _say(rank: int, msg: str) -> None:
-    if rank == 0:
+def _say(show: bool, msg: str) -> None:
+    if show:
         print(f"[neuron-titan] {msg}", flush=True)
 
 
@@ -270,17 +297,29 @@ def _train(args, extra, rank, assets, dump_folder, t_start) -> int:
     titan_shims.check()
     pd = trainer.parallel_dims
     backend = dist.get_backend()
-    mesh_backends = sorted({dist.get_backend(m.get_group())
-                            for m in pd.get_all_one_dimensional_meshes().values()})
-    _say(rank, f"torchtitan {_version('torchtitan')} llama3 {config.model_spec.flavor} | "
-               f"torch {torch.__version__} | backend={backend} (mesh groups: "
-               f"{','.join(mesh_backends)}) | world={dist.get_world_size()} "
-               f"dp_shard={pd.dp_shard} tp={pd.tp} | seq_len={config.training.seq_len} "
-               f"local_batch={config.training.local_batch_size} | shims: {', '.join(shims)}")
-    for name, mesh in pd.get_all_one_dimensional_meshes().items():
-        layout = getattr(mesh.get_group(), "layout", None)   # ProcessGroupNeuron.layout()
-        _say(rank, f"  {name} group of rank 0: {mesh.size()} ranks"
-                   + (f", {layout()}" if callable(layout) else ""))
+    meshes = pd.get_all_one_dimensional_meshes()
+    mesh_backends = sorted({dist.get_backend(m.get_group()) for m in meshes.values()})
+    # With pipeline parallelism only the ranks holding the last stage have the loss (the
+    # others log TorchTitan's placeholder, -1 summed over the batch group): the first of
+    # them reports the steps and writes --metrics-out. Without it, rank 0.
+    reporter = _reporting_rank(trainer, rank) if pd.pp_enabled else 0
+    layouts = {name: _layout(mesh.get_group()) for name, mesh in meshes.items()}
+    _say(rank == 0, f"torchtitan {_version('torchtitan')} llama3 {config.model_spec.flavor} | "
+                    f"torch {torch.__version__} | backend={backend} (mesh groups: "
+                    f"{','.join(mesh_backends)}) | world={dist.get_world_size()} "
+                    f"pp={pd.pp} dp_shard={pd.dp_shard} tp={pd.tp} | "
+                    f"seq_len={config.training.seq_len} "
+                    f"local_batch={config.training.local_batch_size} | "
+                    f"shims: {', '.join(shims)}")
+    if pd.pp_enabled:
+        _say(rank == 0, f"  pipeline: {config.parallelism.pipeline_parallel_schedule}, "
+                        f"{trainer.num_pipeline_parallel_microbatches} microbatches of "
+                        f"{config.parallelism.pipeline_parallel_microbatch_size}; "
+                        f"rank {reporter} (last stage) reports the loss")
+    for name, mesh in meshes.items():
+        _say(rank == 0, f"  {name} group of rank 0: {mesh.size()} ranks"
+                        + (f", {layouts[name]}" if layouts[name] else ""))
+    reports = rank == reporter
 
     # Record what TorchTitan logs per step: its MetricsProcessor.log receives the global
     # loss. neuron_dist.comm_stats() (this rank's collectives) gives the comm share.
@@ -303,8 +342,8 @@ def _train(args, extra, rank, assets, dump_folder, t_start) -> int:
         share = (f" | comm {rec['comm_calls']:4d} calls {rec['comm_bytes'] / 2**20:6.1f} MiB "
                  f"{100 * rec['comm_blocked_seconds'] / rec['seconds']:4.1f}% of step"
                  if c is not None else "")
-        _say(rank, f"step {rec['step']:4d} | loss {rec['loss']:8.4f} | grad_norm "
-                   f"{rec['grad_norm']:7.4f} | {rec['seconds']:6.2f} s{share}")
+        _say(reports, f"step {rec['step']:4d} | loss {rec['loss']:8.4f} | grad_norm "
+                      f"{rec['grad_norm']:7.4f} | {rec['seconds']:6.2f} s{share}")
         return orig_log(step, global_avg_loss, global_max_loss, grad_norm, *a, **kw)
 
     trainer.metrics_processor.log = log
@@ -322,17 +361,35 @@ def _train(args, extra, rank, assets, dump_folder, t_start) -> int:
         blocked = sum(r.get("comm_blocked_seconds", 0.0) for r in records)
         share = (f" | comm {100 * blocked / train_seconds:.1f}% of train time"
                  if "comm_calls" in records[0] else "")
-        _say(rank, f"summary: {len(losses)} steps | first loss {losses[0]:.4f} | last loss "
-                   f"{losses[-1]:.4f} | train {train_seconds:.1f} s{share} | total "
-                   f"{time.perf_counter() - t_start:.1f} s | backend={backend}")
-    if rank == 0 and args.metrics_out:
+        _say(reports, f"summary: {len(losses)} steps | first loss {losses[0]:.4f} | last "
+                      f"loss {losses[-1]:.4f} | train {train_seconds:.1f} s{share} | total "
+                      f"{time.perf_counter() - t_start:.1f} s | backend={backend}")
+    if reports and args.metrics_out:
         Path(args.metrics_out).write_text(json.dumps({
             "backend": backend, "mesh_backends": mesh_backends,
-            "world_size": dist.get_world_size(), "dp_shard": pd.dp_shard, "tp": pd.tp,
+            "world_size": dist.get_world_size(), "pp": pd.pp, "dp_shard": pd.dp_shard,
+            "tp": pd.tp, "reported_by": reporter, "mesh_layouts": layouts,
             "flavor": config.model_spec.flavor, "shims": shims, "steps": records,
             "losses": losses, "train_seconds": train_seconds}, indent=1))
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def _reporting_rank(trainer, rank: int) -> int:
+    """The lowest rank that holds the last pipeline stage (where TorchTitan's loss is)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    t = torch.tensor([rank if trainer.pp_has_last_stage else world])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _layout(group) -> str | None:
+    """How a neuron group spans nodes (``ProcessGroupNeuron.layout()``); None otherwise."""
+    layout = getattr(group, "layout", None)
+    return layout() if callable(layout) else None
 
 
 def _comm_reader(backend: str):

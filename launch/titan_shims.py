@@ -11,13 +11,17 @@ what TorchTitan assumes, where, and why the shim is needed:
 4     CPU flex attention      torch 2.13's flex_attention has no backward on CPU
 5     set_pg_timeouts         calls ``torch.distributed.set_timeout`` (not in torch 2.13)
 6     eager BlockMask         speed only: skips an Inductor build of ``create_block_mask``
+7     pre-split PP step       the PP schedule's ``step(arg_mbs=...)`` (not in torch 2.13)
+8     gloo: SUM reductions    comparison runs only: gloo has no PREMUL_SUM for FSDP2
 ====  ======================  ==============================================================
 
 All are runtime monkeypatches of attributes of TorchTitan's modules, applied by
 :func:`apply` in the launcher's processes before TorchTitan's trainer is imported. Nothing
 in site-packages is edited; the one torch-level change (shim 2's backend map entry) lasts
-only for the duration of TorchTitan's ``init_distributed`` call. Shims 3 and 5 switch
-themselves off when Triton / ``torch.distributed.set_timeout`` exist.
+only for the duration of TorchTitan's ``init_distributed`` call, and shim 7 changes only
+the pipeline schedules TorchTitan builds, not torch's classes. Shims 3, 5 and 7 switch
+themselves off when Triton / ``torch.distributed.set_timeout`` / a schedule ``step`` that
+takes ``arg_mbs`` exist; shim 8 applies to ``--backend gloo`` runs only.
 
 Used by ``launch/titan.py``; see its docstring for how to run.
 """
@@ -304,6 +308,131 @@ def _shim_block_mask_compile() -> None:
     tt_attention._compiled_create_block_mask = create_block_mask
 
 
+def _step_takes_microbatches(schedule_cls) -> bool:
+    import inspect
+
+    return "arg_mbs" in inspect.signature(schedule_cls.step).parameters
+
+
+def _presplit_step(self, *args, target=None, losses=None, return_outputs=True,
+                   loss_kwargs=None, arg_mbs=None, kwarg_mbs=None, target_mbs=None,
+                   **kwargs):
+    """A schedule's ``step`` that also takes pre-split microbatches (shim 7).
+
+    Without ``arg_mbs``, ``kwarg_mbs`` and ``target_mbs`` it is the schedule's own ``step``
+    (whole batch, split here into ``n_microbatches``). With any of them (as newer torch's
+    ``step`` does), the lists are the microbatches: the body of torch 2.13's
+    ``PipelineScheduleSingle.step`` / ``PipelineScheduleMulti.step`` without its
+    ``_split_inputs``, handing the lists to ``_step_microbatches``, which checks their
+    number against ``n_microbatches``.
+    """
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+        return type(self).step(self, *args, target=target, losses=losses,
+                               return_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                               **kwargs)
+    if args or kwargs or target is not None:
+        raise TypeError("pre-split microbatches (arg_mbs, kwarg_mbs, target_mbs) cannot be "
+                        "mixed with whole-batch inputs, model kwargs or target")
+    multi = isinstance(self, PipelineScheduleMulti)
+    if (self._has_backward and (not multi or self._backward_requires_autograd)
+            and not torch.is_grad_enabled()):
+        raise RuntimeError("step() requires gradients to be enabled for backward "
+                           "computation; call eval() under torch.no_grad()")
+    stages = list(self._stages) if multi else [self._stage]
+    for stage in stages:
+        stage.has_backward = self._has_backward
+        stage.clear_runtime_states()
+    self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                            loss_kwargs=loss_kwargs)
+    for stage in stages:
+        if stage.is_last and return_outputs:
+            return self._merge_outputs(stage.output_chunks)
+    return None
+
+
+def _shim_pipeline_presplit() -> bool:
+    """Shim 7 -- pipeline schedules whose ``step`` takes pre-split microbatches.
+
+    TorchTitan assumes: torch's newer ``step(*, arg_mbs, kwarg_mbs, target_mbs)``
+    (pytorch/pytorch#188500), to which the trainer hands microbatch lists it made itself.
+    ``Trainer.pp_forward_backward_step`` (trainer.py:833) builds one entry per microbatch
+    (``local_batch_size // pipeline_parallel_microbatch_size`` of them, each a
+    ``pipeline_parallel_microbatch_size`` batch from the dataloader) and calls
+    ``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=...,
+    loss_kwargs=...)`` (trainer.py:856); ``Validator`` calls ``pp_schedule.eval`` the same
+    way (components/validate.py:306). torch 2.13's ``step(*args, target=None, ...,
+    **kwargs)`` has no such parameters: the three lists land in ``**kwargs`` as if they
+    were the model's keyword arguments, and ``step`` splits them again
+    (pipelining/schedules.py:775 and :1975, ``_split_inputs``): ``microbatch.py:351``
+    makes as many chunks as the smallest dim 0 among the tensors inside (336), i.e. the
+    microbatch size (the empty positional inputs follow, 468), so ``_check_inputs``
+    (schedules.py:564) raises "Expecting 4 arg_mbs but got 1" (2 with microbatches of 2),
+    on any device and backend. The shim wraps
+    ``distributed/pipeline_parallel.py:_build_pipeline_schedule`` (called at line 125) so
+    that each schedule it returns gets :func:`_presplit_step` as its ``step`` (``eval``
+    calls ``self.step``, so it follows); torch's classes are not changed. With a torch
+    whose ``step`` takes ``arg_mbs`` it does nothing.
+    """
+    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
+                                                        PipelineScheduleSingle)
+    import torchtitan.distributed.pipeline_parallel as tt_pp
+
+    if all(_step_takes_microbatches(c) for c in (PipelineScheduleSingle,
+                                                  PipelineScheduleMulti)):
+        return False
+    original = tt_pp._build_pipeline_schedule
+    if getattr(original, "_neuron_shim", False):
+        return True
+
+    def _build_pipeline_schedule(*args, **kwargs):
+        schedule = original(*args, **kwargs)
+        if not _step_takes_microbatches(type(schedule)):
+            schedule.step = types.MethodType(_presplit_step, schedule)
+        return schedule
+
+    _build_pipeline_schedule._neuron_shim = True
+    _build_pipeline_schedule.__wrapped__ = original
+    tt_pp._build_pipeline_schedule = _build_pipeline_schedule
+    return True
+
+
+def _shim_gloo_sum_reduction(backend: str) -> bool:
+    """Shim 8 (``--backend gloo`` only, to compare) -- FSDP2 reduces with SUM.
+
+    TorchTitan assumes: a backend with ``PREMUL_SUM``. ``distributed/fsdp.py:316``
+    (``apply_fsdp_to_decoder``) calls ``disable_fsdp_gradient_division(model)``, which sets
+    every FSDP module's gradient divide factor to 1.0 (the loss is already divided by the
+    global token count), and torch's FSDP2 then reduce-scatters with
+    ``PREMUL_SUM(1/1.0)`` (``_fsdp_collectives.py:850``), which gloo refuses ("Cannot use
+    ReduceOp.PREMUL_SUM with Gloo"): gloo cannot run any configuration with dp_shard > 1.
+    For gloo the shim also calls FSDP2's ``set_force_sum_reduction_for_comms(True)`` on
+    those modules: the reductions become SUM and the division by 1.0 is skipped, the same
+    arithmetic (multiplying by 1.0 is exact). ``neuron`` runs are not touched: they use
+    PREMUL_SUM as TorchTitan asks.
+    """
+    if backend != "gloo":
+        return False
+    import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.fsdp import FSDPModule
+
+    original = tt_fsdp.disable_fsdp_gradient_division
+    if getattr(original, "_neuron_shim", False):
+        return True
+
+    def disable_fsdp_gradient_division(model):
+        original(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    disable_fsdp_gradient_division._neuron_shim = True
+    disable_fsdp_gradient_division.__wrapped__ = original
+    tt_fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+    return True
+
+
 def _modules_with_device_copies() -> list[str]:
     return [name for name, mod in list(sys.modules.items())
             if name.startswith("torchtitan") and mod is not None
@@ -315,7 +444,7 @@ def apply(backend: str = BACKEND) -> list[str]:
     """Apply every shim once (idempotent); returns their names.
 
     ``backend`` is the process-group backend shim 2 hands TorchTitan (``gloo`` only to
-    compare: its FSDP2 reduce-scatter needs PREMUL_SUM).
+    compare; shim 8 then makes FSDP2 reduce with SUM, as gloo has no PREMUL_SUM).
     """
     if not _applied:
         _shim_device()
@@ -329,6 +458,10 @@ def apply(backend: str = BACKEND) -> list[str]:
         _applied.extend(["attention=cpu-flex", "block_mask=eager"])
         if _shim_set_pg_timeouts():
             _applied.append("set_pg_timeouts=ProcessGroup.set_timeout")
+        if _shim_pipeline_presplit():
+            _applied.append("pp_step=pre-split")
+        if _shim_gloo_sum_reduction(backend):
+            _applied.append("fsdp_reduce=sum")
     return list(_applied)
 
 

@@ -74,7 +74,9 @@ def count_p2p():
     return calls
 
 
-def pipeline(rank, world, schedule):
+def pipeline(rank, world, schedule, presplit=False):
+    """One rank's part; with ``presplit`` the schedule's ``step`` is launch/titan_shims.py's
+    (shim 7), given the micro-batches ready-made, as TorchTitan's trainer gives them."""
     from torch.distributed import pipelining
 
     torch.set_num_threads(1)
@@ -96,6 +98,11 @@ def pipeline(rank, world, schedule):
         sched = cls(stage, n_microbatches=MICRO, loss_fn=mse)
         mods = {i: sub[j] for j, i in enumerate(mine)}
         last = rank == world - 1
+    if presplit:
+        import types
+
+        from launch.titan_shims import _presplit_step
+        sched.step = types.MethodType(_presplit_step, sched)
     params = [p for m in mods.values() for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     losses, grads = [], None
@@ -103,7 +110,11 @@ def pipeline(rank, world, schedule):
         x, y = batch(step)
         opt.zero_grad()
         mb_losses = []
-        if rank == 0:
+        if presplit:
+            sched.step(arg_mbs=[(a,) for a in x.chunk(MICRO)] if rank == 0 else None,
+                       target_mbs=list(y.chunk(MICRO)) if last else None,
+                       losses=mb_losses if last else None)
+        elif rank == 0:
             sched.step(x, target=y if last else None, losses=mb_losses if last else None)
         else:
             sched.step(target=y, losses=mb_losses)

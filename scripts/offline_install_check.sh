@@ -22,8 +22,8 @@
 # directory's, if a process started in the clone outlives its command, or if a neuron-*
 # shared-memory segment whose creator has exited appears in /dev/shm during the run.
 #
-#   bash scripts/offline_install_check.sh                  # everything: ~20-30 min on 2 cores
-#   bash scripts/offline_install_check.sh --quick          # main job + README test, no full suite
+#   bash scripts/offline_install_check.sh                  # everything: the suite's time + ~10 min
+#   bash scripts/offline_install_check.sh --quick          # main job + README test (~6 min on 2 cores)
 #   bash scripts/offline_install_check.sh --wheels DIR     # reuse (or fill and keep) DIR
 #   NEURON_DIST_TESTS_REQUIRE_ALL=1 bash scripts/offline_install_check.sh  # no skips, as CI
 set -euo pipefail

@@ -17,7 +17,11 @@ import os
 import threading
 import time
 
-_thread = threading.local()
+class _Role(threading.local):
+    background = False  # (set_background_thread)
+
+
+role = _Role()  # the calling thread's: ``role.background``
 SPIN_SECONDS = 50e-6
 
 
@@ -27,7 +31,7 @@ def set_background_thread() -> None:
     A spinning Python thread holds the GIL, so a progress thread that spun would stall
     the user's own thread (the one doing compute) for whole GIL switch intervals.
     """
-    _thread.background = True
+    role.background = True
 
 
 class Backoff:
@@ -35,7 +39,7 @@ class Backoff:
                  "background")
 
     def __init__(self, spin: int, yield_seconds: float, max_sleep: float, can_block: bool = False):
-        self.background = getattr(_thread, "background", False)
+        self.background = role.background
         self.spin = 0 if self.background else spin
         self.yield_seconds = yield_seconds
         self.max_sleep = max_sleep

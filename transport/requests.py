@@ -24,19 +24,23 @@ TIMEOUT_GRACE = 0.5
 
 class Completion:
     """A one-shot flag threads can wait on: ``threading.Event``'s interface, at the cost of
-    one lock. Every request makes one, and an ``Event`` (a Condition, its lock and its
-    waiter list) cost a tenth of a small message's time on this machine.
+    one lock, made only when a thread blocks on it. Every request makes one, and an
+    ``Event`` (a Condition, its lock and its waiter list) cost a tenth of a small message's
+    time on this machine; most requests complete while their waiter polls, never
+    blocking on the flag.
 
-    The lock is held from creation until ``set`` releases it; a waiter acquires it and
-    releases it at once, so every waiter passes.
+    The lock is made held by the first thread that blocks (under ``_MAKING``, so two
+    blocking at once share it), and ``set`` releases it; a waiter acquires it and releases
+    it at once, so every waiter passes. ``set`` raises the flag before it looks for the
+    lock and a waiter publishes the lock before it looks at the flag again, so one of the
+    two always sees the other (the GIL orders them).
     """
 
     __slots__ = ("_lock", "_set")
 
     def __init__(self):
         self._set = False
-        self._lock = threading.Lock()
-        self._lock.acquire()
+        self._lock = None
 
     def is_set(self) -> bool:
         return self._set
@@ -44,28 +48,41 @@ class Completion:
     def set(self) -> None:
         if not self._set:
             self._set = True
-            try:
-                self._lock.release()
-            except RuntimeError:  # two threads set it at once: one release is enough
-                pass
+            lock = self._lock
+            if lock is not None:
+                try:
+                    lock.release()
+                except RuntimeError:  # two threads set it at once: one release is enough
+                    pass
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._set:
             return True
+        lock = self._lock
+        if lock is None:
+            with _MAKING:
+                lock = self._lock
+                if lock is None:
+                    lock = threading.Lock()
+                    lock.acquire()
+                    self._lock = lock
+            if self._set:
+                return True  # (set before the lock was there: nobody releases it)
         if timeout is None:
-            got = self._lock.acquire()
+            got = lock.acquire()
         elif timeout <= 0:
-            got = self._lock.acquire(False)
+            got = lock.acquire(False)
         else:
-            got = self._lock.acquire(True, timeout)
+            got = lock.acquire(True, timeout)
         if got:
             try:
-                self._lock.release()
+                lock.release()
             except RuntimeError:  # a racing second set() released it already
                 pass
         return self._set
 
 
+_MAKING = threading.Lock()  # (the lock of a Completion is made once, by one thread)
 _DONE = Completion()
 _DONE.set()
 
@@ -113,9 +130,10 @@ class Request:
         return req
 
     def _finish(self, error=None) -> None:
-        if not self._event.is_set():
+        event = self._event
+        if not event._set:
             self.error = error
-            self._event.set()
+            event.set()
             if self.callback is not None and self._sink is not None and not self._waiting:
                 self._sink.put(self)
 
@@ -165,18 +183,22 @@ class Request:
 
     def wait(self, deadline: float) -> None:
         """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure."""
-        if not self._event.is_set():
+        if not self._event._set:
             start = time.monotonic()
             if not self._block(deadline) and not self._block(time.monotonic() + TIMEOUT_GRACE):
-                what = "send to" if self.is_send else "receive from"
-                who = f"rank {self.peer}" if self.peer is not None else "any rank"
-                error = PeerTimeout([self.peer] if self.peer is not None else [],
-                                    max(0.0, deadline - start),
-                                    f"{what} {who} ({self.nbytes} bytes, tag {self.tag}) over "
-                                    f"{self.VIA} did not complete in time", network=True)
-                raise error
+                raise self._timed_out(deadline, start)
         if self.error is not None:
             raise self.error
+
+    def _timed_out(self, deadline: float, start: float) -> PeerTimeout:
+        """The error of a wait from ``start`` that found it incomplete past ``deadline``
+        and the grace after it."""
+        what = "send to" if self.is_send else "receive from"
+        who = f"rank {self.peer}" if self.peer is not None else "any rank"
+        return PeerTimeout([self.peer] if self.peer is not None else [],
+                           max(0.0, deadline - start),
+                           f"{what} {who} ({self.nbytes} bytes, tag {self.tag}) over "
+                           f"{self.VIA} did not complete in time", network=True)
 
 
 def run_callbacks(callbacks) -> None:

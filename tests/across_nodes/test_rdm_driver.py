@@ -1111,6 +1111,94 @@ def test_a_message_that_landed_in_a_withdrawn_receive_goes_to_nobody(pair):
     assert anyone.buf.tolist() == [3] * 4
 
 
+def _count_whole(monkeypatch):
+    """Count the frames ``Endpoint.take_whole`` took (the one-step path) and declined."""
+    from neuron_dist.transport.rdm.protocol import Endpoint
+    real, seen = Endpoint.take_whole, {"took": 0, "declined": 0}
+
+    def counted(self, *args):
+        got = real(self, *args)
+        seen["declined" if got is None else "took"] += 1
+        return got
+    monkeypatch.setattr(Endpoint, "take_whole", counted)
+    return seen
+
+
+@pytest.mark.parametrize("mac", [False, True])
+def test_small_messages_land_alike_in_one_step_and_on_the_general_path(monkeypatch, mac):
+    """The one-step path (``_take_whole``: a whole small frame landed and its receive
+    completed with no event) and the general one it bypasses (with frame authentication,
+    every frame; and every case ``take_whole`` declines) deliver the same: receives posted
+    before their messages come and after, sizes that match their receives and that do not,
+    small messages behind a large one of the same stream in one burst (the general path
+    delivers the large one: the small ones must not complete its receive), a receive
+    withdrawn while its message is on the way (discarded, the stream going on with the
+    next receive: here the withdrawal fails the pair, so that comes last)."""
+    from neuron_dist.transport.errors import MessageSizeMismatch, PeerTimeout
+    seen = _count_whole(monkeypatch)
+    ts = _pair(rails=1, frame_mac=mac)
+    a, b = ts
+    try:
+        rng = np.random.default_rng(11)
+        sizes = [8, 1, 100, 600, 4096, 300 << 10, 8, 8, 5000, 0, 64 << 10, 1 << 20, 3, 9]
+        srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+        for cut in (len(sizes), 6, 0):  # receives posted before their messages come
+            dsts = [np.zeros(n, np.uint8) for n in sizes]
+            first = [b.irecv(0, 7, d) for d in dsts[:cut]]
+            sends = [a.isend(1, 7, src) for src in srcs]
+            time.sleep(0.05)
+            later = [b.irecv(0, 7, d) for d in dsts[cut:]]  # after: early messages
+            for req in first + later + sends:
+                req.wait(time.monotonic() + 10)
+            for k, (src, dst) in enumerate(zip(srcs, dsts)):
+                assert np.array_equal(src, dst), (cut, k)
+        small = b.irecv(0, 8, np.zeros(4, np.uint8))  # posted larger than the message
+        a.isend(1, 8, np.arange(3, dtype=np.uint8))
+        with pytest.raises(MessageSizeMismatch, match="sent 3 bytes, the receive expects 4"):
+            small.wait(time.monotonic() + 5)
+        # withdrawn while its message may be on the way: nothing lands in it afterwards
+        gone = np.zeros(8, np.uint8)
+        req = b.irecv(0, 9, gone)
+        a.isend(1, 9, np.full(8, 5, np.uint8))
+        assert b.cancel(req, PeerTimeout([0], 0, "gave up"))
+        time.sleep(0.2)
+        assert not gone.any()
+    finally:
+        for t in ts:
+            t.close()
+    if mac:
+        assert seen["took"] == 0  # (frames with tags are read stage by stage)
+    else:
+        assert seen["took"] >= 20 and seen["declined"] >= 3, seen
+
+
+def test_a_withdrawn_receive_declines_the_one_step_path_and_the_next_receive_gets_the_next(
+        monkeypatch):
+    """A receive withdrawn in the endpoint (its position cancelled) before its small
+    message comes: ``take_whole`` declines the frame (the general path acks and discards
+    it) and the next message of the stream, taken in one step, completes the next receive,
+    not the withdrawn one."""
+    seen = _count_whole(monkeypatch)
+    ts = _pair(rails=1)
+    a, b = ts
+    try:
+        gone, kept = np.zeros(4, np.uint8), np.zeros(4, np.uint8)
+        with b._lock:  # withdrawn in the endpoint only, as cancel() does before failing
+            req = b.irecv(0, 3, gone)
+            b.ep.cancel_recv(0, 3, b._positions.pop(req))
+            b._recvs[(0, 3)].remove(req)
+        nxt = b.irecv(0, 3, kept)
+        a.isend(1, 3, np.full(4, 1, np.uint8))
+        a.isend(1, 3, np.full(4, 2, np.uint8))
+        nxt.wait(time.monotonic() + 5)
+        assert kept.tolist() == [2] * 4 and not gone.any() and not req.done()
+        assert b.ep.stats["discarded"] == 1
+        assert seen["took"] >= 1 and seen["declined"] >= 1, seen
+    finally:
+        for t in ts:
+            t.close()
+
+
 _FD_PROBE = r"""
 import json, resource, sys
 from neuron_dist.transport.errors import DescriptorLimit

@@ -20,7 +20,8 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from neuron_dist.transport.rdm import frames as F
 from neuron_dist.transport.rdm.protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected,
                                                 MessageReceived, MessageRefused, PeerFailed,
-                                                ProtocolError, SendCompleted, SendRefused)
+                                                ProtocolError, SendCompleted, SendRefused,
+                                                Transmit)
 
 DT = 0.002
 
@@ -183,44 +184,60 @@ def test_messages_framed_at_once_mix_with_queued_ones_under_loss(seed):
     """``send_now`` (the driver's fast path for small messages) beside ``send``, on a network
     that drops, duplicates and reorders: exactly once, in per-(src, tag) order, resent
     like the rest. It declines while messages wait to go to the peer (or the window is
-    full), so a message framed at once never overtakes one queued before it."""
+    full), so a message framed at once never overtakes one queued before it. Those framed
+    with ``notify=False`` are acknowledged like the others but report no completion."""
     eps = make(2, window_bytes=2048)
     net = Net(eps, seed=seed, drop=0.2, dup=0.1)
     rng = random.Random(seed)
     sent, ids = {}, {}
-    counts = {"now": 0, "queued": 0}
+    counts = {"now": 0, "queued": 0, "quiet": 0}
     per_pair = 80
 
     def more(net):
         for ep in eps:
             peer = 1 - ep.rank
-            if len(ids.get((ep.rank, peer), ())) >= per_pair:
+            if sum(len(v) for k, v in sent.items() if k[:2] == (ep.rank, peer)) >= per_pair:
                 continue
             for _ in range(rng.randrange(1, 4)):
                 tag = rng.choice((0, 1))
                 data = payload(rng, rng.choice((0, 5, 200, 256)))
                 state = ep._peers.get(peer)
                 waiting = state is not None and bool(state.queue)
-                got = ep.send_now(peer, tag, data, net.now)
+                notify = rng.random() < 0.5
+                got = ep.send_now(peer, tag, data, net.now, notify)
                 if got is None:
                     counts["queued"] += 1
                     msg_id = ep.send(peer, tag, data)
+                    ids.setdefault((ep.rank, peer), set()).add(msg_id)
                 else:
                     assert not waiting, "framed at once past a queued message"
                     counts["now"] += 1
-                    msg_id, tx = got
-                    net._put(ep.rank, tx)
+                    msg_id, rail, header, body, trailer = got
+                    net._put(ep.rank, Transmit(peer, rail, header, body, trailer))
+                    if notify:
+                        ids.setdefault((ep.rank, peer), set()).add(msg_id)
+                    else:
+                        counts["quiet"] += 1
+                        quiet.add((ep.rank, msg_id))
                 sent.setdefault((ep.rank, peer, tag), []).append(data)
-                ids.setdefault((ep.rank, peer), set()).add(msg_id)
 
+    quiet = set()
     net.on_step.append(more)
     delivered = all_delivered(net, sent, ids)
-    net.run(lambda: all(len(ids.get((r, 1 - r), ())) >= per_pair for r in (0, 1)) and delivered())
+    net.run(lambda: min(len(v) for v in sent_per_pair(sent)) >= per_pair and delivered()
+            and not any(ep.inflight_bytes(1 - ep.rank) for ep in eps))
     check_delivery(net, sent, ids)
     assert counts["now"] >= 10 and counts["queued"] >= 10  # both paths, and the window filled
+    assert counts["quiet"] >= 3
+    assert not any((r, e.msg_id) in quiet for r in net.events for e in net.of(r, SendCompleted))
     assert eps[0].stats["retransmits"] > 0
     for ep in eps:
         assert net.max_inflight[ep.rank] <= ep.window_bytes
+
+
+def sent_per_pair(sent):
+    """Messages sent by each of the two ranks of a pair (``sent``: as ``send_traffic``)."""
+    return [[d for k, v in sent.items() if k[:2] == (r, 1 - r) for d in v] for r in (0, 1)]
 
 
 def test_three_ranks_all_pairs_lossy():
@@ -543,6 +560,48 @@ def test_whole_frames_land_in_one_step_and_only_where_the_general_path_would():
     assert not _whole(ep, msg(5, b"ab", tag=5, seq=0, total=4))
     assert _whole(ep, msg(6, b"z", tag=6, seq=0))
     assert small == bytearray(1)
+
+
+def test_take_whole_reports_its_delivery_as_its_result_and_checks_the_header_itself():
+    """``take_whole`` (the driver's one-step path) on frames read ahead back to back in one
+    buffer: each taken frame's delivery is its result, not an event (the acks it carried
+    complete their sends as events); a frame not whole in the buffer, from another rank,
+    to another, with a CRC or unknown flags, or to an endpoint that requires CRCs, is
+    declined untouched, for the general path to judge."""
+    a, b = Endpoint(0, 3, 1, 64, 1024), Endpoint(1, 3, 1, 64, 1024)
+    ping = bytearray(4)
+    assert b.post_recv(0, 4, ping) == 0
+    msg_id = a.send(1, 4, b"ping")
+    (tx,) = a.poll_transmit(0.0)
+    got = b.take_whole(tx.rail, 0, memoryview(tx.data), 0, len(tx.data), 0.0)
+    assert got[1:3] == (4, msg_id) and got[0] == F.HEADER_SIZE + 4
+    assert got[3].obj is ping and ping == b"ping" and got[4] is True and b.events() == []
+    reply = b.send_now(0, 4, b"pong", 0.0)  # (the ack of "ping" rides on it)
+    assert reply[4] == F.ACK_ENTRY.pack(msg_id, 0)
+    buf = bytearray(8)
+    assert a.post_recv(1, 4, memoryview(buf)) == 0
+    frame = reply[2] + reply[3] + reply[4]
+    two = memoryview(frame + F.encode(F.DATA, 1, 0, msg_id=1, tag=4, seq=1, payload=b"x"))
+    got = a.take_whole(0, 1, two, 0, len(two), 0.0)
+    assert got[0] == len(frame) and got[4] is True and buf == b"pong" + bytes(4)
+    assert a.events() == [SendCompleted(1, msg_id)] and a.inflight_bytes(1) == 0
+    assert a.take_whole(0, 1, two, got[0], len(two) - 1, 0.0) is None  # not whole yet
+    got = a.take_whole(0, 1, two, got[0], len(two), 0.0)
+    assert got[0] == len(two) and bytes(got[3]) == b"x"
+    assert got[4] is False and a.take_early(1, 4) == b"x" and a.take_early(1, 4) is None
+    before = dict(b.stats), b.reassembly_bytes
+    for bad in (F.encode(F.DATA, 2, 1, msg_id=0, tag=1, payload=b"a"),  # another rank's
+                F.encode(F.DATA, 0, 2, msg_id=1, tag=1, payload=b"a"),  # to another rank
+                F.encode(F.DATA, 0, 1, msg_id=1, tag=1, payload=b"a", crc=True),
+                F.encode(F.ACK, 0, 1, payload=F.pack_acks([(0, 0)]))):
+        assert b.take_whole(0, 0, memoryview(bad), 0, len(bad), 0.0) is None
+    flagged = bytearray(F.encode(F.DATA, 0, 1, msg_id=1, tag=1, payload=b"a"))
+    flagged[4] = 0x80
+    assert b.take_whole(0, 0, memoryview(flagged), 0, len(flagged), 0.0) is None
+    assert (dict(b.stats), b.reassembly_bytes) == before and b.events() == []
+    crc = Endpoint(1, 3, 1, 64, 1024, crc=True)
+    ok = F.encode(F.DATA, 0, 1, msg_id=0, tag=1, payload=b"a")
+    assert crc.take_whole(0, 0, memoryview(ok), 0, len(ok), 0.0) is None
 
 
 def test_a_cancelled_send_is_never_sent_or_resent_again():

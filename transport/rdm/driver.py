@@ -34,17 +34,21 @@ thread drives it only while nobody waits.
   coming, the rail's ``SO_RCVLOWAT`` is raised to what is left of it (at most links.py's
   ``_LOWAT``), so epoll wakes the reader once per 256 KiB instead of for every few
   packets, which saves CPU on large messages (docs/design.md, "Thresholds and why"); it
-  drops back to 1 byte for the next header. A small frame found whole in the
-  read-ahead buffer (header, payload and acks from one ``recv``) is offered to
-  ``Endpoint.land_whole`` first, which copies and delivers a one-segment message that is
-  next in its stream in one step. ACKs, duplicates and odd frames are read aside and go
-  through ``Endpoint.receive``. Once the socket has nothing more, the
-  acks of everything just read go out in one frame. A header that fails validation means
+  drops back to 1 byte for the next header. A frame found whole in the read-ahead
+  buffer (prefix, header, payload and acks from one ``recv``) is first offered, before its
+  header is even copied out, to ``_take_whole``: ``Endpoint.take_whole`` checks it,
+  copies a one-segment message that is next in its stream into its posted receive (or a
+  private copy) and hands back the delivery, and the receive waiting for it completes
+  right there, with no event in between (the path of almost every small message). ACKs,
+  duplicates and odd frames are read aside and go through ``Endpoint.receive``. Once the
+  socket has nothing more, the acks of everything just read go out in one frame. A header that fails validation means
   the byte stream cannot be trusted any more: the rail is closed (and logged); its
   unacknowledged segments are resent on the other rails.
 * **Writing**: frames go out as soon as the endpoint hands them over, with one
   scatter-gather ``sendmsg`` (header + a view of the user's buffer: no copy); what the
-  socket does not take waits in the rail's queue until the engine sees it writable.
+  socket does not take waits in the rail's queue until the engine sees it writable. A
+  small send (``isend``) is framed by ``Endpoint.send_now`` and written by
+  ``Link.send_frame`` in the same call, when nothing waits to go to the peer before it.
 * **Timers**: the engine calls ``poll_transmit`` at the endpoint's next deadline (a
   retransmission, or acks held for ``ack_delay`` that found no DATA frame to ride on).
 
@@ -84,7 +88,7 @@ from collections import deque
 
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, Claimed, MessageSizeMismatch,
                       PeerAborted, PeerTimeout, PeerUnreachable)
-from ..requests import Request as _Request
+from ..requests import TIMEOUT_GRACE, Request as _Request
 from . import frames as F
 from . import handshake, links, progress
 from .links import (_ASIDE, _HEADER, _OUT, _PAYLOAD, _TRAILER, AHEAD_AFTER_LARGE, CLEAN_EOF,
@@ -92,7 +96,7 @@ from .links import (_ASIDE, _HEADER, _OUT, _PAYLOAD, _TRAILER, AHEAD_AFTER_LARGE
 from .railmac import TAG as _MAC_TAG, RailMac
 from .listener import HANDSHAKE_TIMEOUT
 from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived,
-                       MessageRefused, PeerFailed, SendCompleted, SendRefused)
+                       MessageRefused, PeerFailed, SendCompleted, SendRefused, Transmit)
 
 log = logging.getLogger("neuron_dist.rdm")
 
@@ -110,6 +114,7 @@ EAGER_BYTES = DELAYED_ACK_BYTES
 # few cores and one call takes milliseconds (docs/design.md, "Thresholds and why").
 ACK_DELAY = 0.1
 _SMALL_COPY = 512  # eager copies up to this size come from Python's small-object allocator
+_HEAD = links.PREFIX + F.HEADER_SIZE  # a frame's bytes on a rail before its payload
 # Eager sends complete at once while less than this (or the send window, if smaller) waits
 # unacknowledged to their peer; beyond it they wait for their acks like large ones. It bounds
 # the copies a sender that runs ahead holds per peer, apart from the send window, which only
@@ -205,6 +210,21 @@ class Request(_Request):
         super().on_complete(callback)
         if not self._event.is_set():
             self._owner._engine.kick()  # someone waits for it without driving
+
+    def wait(self, deadline: float) -> None:
+        event = self._event
+        if not event._set and self.callback is None:
+            # (the usual wait, in one step: no callback to run on the way out)
+            start = time.monotonic()
+            owner = self._owner
+            if (not owner._engine.drive(event.is_set, deadline, event, owner.spin)
+                    and not self._block(time.monotonic() + TIMEOUT_GRACE)):
+                raise self._timed_out(deadline, start)
+        elif not event._set:
+            super().wait(deadline)
+            return
+        if self.error is not None:
+            raise self.error
 
     def _block(self, deadline: float) -> bool:
         event = self._event
@@ -811,8 +831,23 @@ class RdmTransport:
         view = memoryview(buf).cast("B")
         n = view.nbytes
         with self._lock:
-            self._check_usable(peer)
+            if self._closed or peer in self._failed or peer not in self._expected:
+                self._check_usable(peer)  # (raises)
             ep = self.ep
+            if n <= _SMALL_COPY or (type(buf) is bytes and n <= EAGER_BYTES):
+                # The commonest send, in one step: framed by the endpoint and written here,
+                # from a copy that needs nothing when its ack comes (notify=False).
+                data = buf if type(buf) is bytes else bytes(view)
+                now = time.monotonic()
+                sent = ep.send_now(peer, tag, data, now, False)
+                if sent is not None:
+                    self._write_now(peer, sent, now)
+                    if callback is None:
+                        return _Request.completed(peer, tag, view)
+                    req = Request(peer, tag, view, True, self)
+                    req.callback = callback
+                    req._finish()
+                    return req
             if n > EAGER_BYTES or ep.backlog_bytes(peer) >= self._eager_window:
                 req = Request(peer, tag, view, True, self)
                 req.callback = callback
@@ -840,22 +875,40 @@ class RdmTransport:
                 if ep.mid_transfer():
                     self._engine.kick()
             else:
-                msg_id, tx = sent
                 if pooled is not None:
-                    self._copies[(peer, msg_id)] = pooled
-                self._put(tx)
-                due = self._due
-                if due is None or due > now + ep.rto:
-                    self._due = due = ep.next_deadline()
-                    self._engine.due_changed(due)
-                if ep.has_work:
-                    self._pump()
+                    self._copies[(peer, sent[0])] = pooled
+                self._write_now(peer, sent, now)
         if callback is None:
             return _Request.completed(peer, tag, view)
         req = Request(peer, tag, view, True, self)
         req.callback = callback
         req._finish()
         return req
+
+    def _write_now(self, peer: int, sent: tuple, now: float) -> None:
+        """Under the lock: put the frame ``Endpoint.send_now`` returned (``sent``) on its
+        rail, and keep the engine's timer no later than its retransmission deadline."""
+        msg_id, index, header, payload, trailer = sent
+        rails = self._rails.get(peer)
+        rail = rails[index] if rails else None
+        if rail is None or not rail.alive:
+            pass  # (resent on another rail: the endpoint learns of the failure)
+        elif rail.mac is None:
+            if trailer:
+                rail.link.send_frame(rail, [self._prefix + header, payload, trailer],
+                                     _HEAD + len(payload) + len(trailer))
+            else:
+                rail.link.send_frame(rail, [self._prefix + header, payload],
+                                     _HEAD + len(payload))
+        else:
+            self._put(Transmit(peer, index, header, payload, trailer))
+        ep = self.ep
+        due = self._due
+        if due is None or due > now + ep.rto:
+            self._due = due = ep.next_deadline()
+            self._engine.due_changed(due)
+        if ep.has_work:
+            self._pump()
 
     def _put(self, tx) -> None:
         """Under the lock: write frame ``tx`` now if its rail's socket is free, else queue it
@@ -890,16 +943,25 @@ class RdmTransport:
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            # A message that arrived whole is delivered even if its sender has since closed
-            # or failed: a peer that sends its last message and exits is normal.
-            early = self.ep.take_early(peer, tag)
-            if early is not None:
-                self._complete_recv(req, early)
+            ep = self.ep
+            if peer in self._failed or peer not in self._expected:
+                # A message that arrived whole is delivered even if its sender has since
+                # closed or failed: a peer that sends its last message and exits is normal.
+                early = ep.take_early(peer, tag)
+                if early is not None:
+                    self._complete_recv(req, early)
+                    return req
+                self._check_usable(peer)  # (raises)
+            got = ep.post_recv(peer, tag, view)  # (the oldest early message, or a position)
+            if type(got) is not int:
+                self._complete_recv(req, got)
                 return req
-            self._check_usable(peer)
-            self._positions[req] = self.ep.post_recv(peer, tag, view)
-            self._recvs.setdefault((peer, tag), deque()).append(req)
-            if self.ep.has_events():  # (a message known to be too large for it was refused)
+            self._positions[req] = got
+            waiting = self._recvs.get((peer, tag))
+            if waiting is None:
+                waiting = self._recvs[(peer, tag)] = deque()
+            waiting.append(req)
+            if ep._events:  # (a message known to be too large for it was refused)
                 self._pump()
         if req.nbytes > EAGER_BYTES or callback is not None:
             self._engine.kick()  # see _bulk_pending
@@ -1102,6 +1164,38 @@ class RdmTransport:
                 if not self._closed:
                     self._pump(deadline_passed=True)
 
+    def _take_whole(self, rail: Rail, peer: int, buf, lo: int, hi: int, touched: set) -> int:
+        """Under the lock (links.read): a frame for this group from ``peer`` starts at
+        ``buf[lo]`` (its prefix) and ``buf[:hi]`` is read. When the endpoint takes it whole
+        (``Endpoint.take_whole``: a small message next in its stream) the receive waiting
+        for it completes here, and the frame's end is returned; else 0 (nothing done: the
+        link reads it stage by stage, ``_on_header``). ``touched`` gets this transport if
+        the endpoint has more for ``_pump``."""
+        ep = self.ep
+        if ep._events:  # (earlier frames' deliveries complete their receives first)
+            self._handle_events()
+        got = ep.take_whole(rail.index, peer, buf, lo + links.PREFIX, hi, time.monotonic())
+        if got is None:
+            return 0
+        end, tag, msg_id, data, posted = got
+        if posted:  # (the oldest receive of the stream is the one bound to it: _on_message)
+            waiting = self._recvs.get((peer, tag))
+            if waiting:
+                req = waiting.popleft()
+                del self._positions[req]
+                if data.nbytes == req.nbytes:
+                    req._finish()
+                else:
+                    self._complete_recv(req, data)
+        elif tag == ABORT_TAG or self._any:
+            self._on_message(MessageReceived(peer, tag, msg_id, data, False))
+        # (_pump acts on the acks' events and on held acks' deadline: ack_delay)
+        hint = ep._ack_hint
+        if ep._events or ep.has_work or (hint != math.inf and (self._due is None
+                                                                 or hint < self._due)):
+            touched.add(self)
+        return end
+
     def _on_header(self, rail: Rail) -> None:
         """Under the lock: the header of a frame for this group is read on ``rail`` (its
         prefix named this group, and the link checked its tag: links.py); place the rest."""
@@ -1192,7 +1286,8 @@ class RdmTransport:
         """Under the lock: act on the endpoint's events (completing requests), then write
         the frames it wants sent."""
         ep = self.ep
-        self._handle_events()
+        if ep._events:
+            self._handle_events()
         if ep.has_work or deadline_passed:
             touched = set()
             for tx in ep.poll_transmit(time.monotonic()):

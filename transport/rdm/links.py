@@ -83,6 +83,7 @@ _CONTROL_MAGIC = b"NC"
 _BLOCK = struct.Struct("!2sBBB3xIIQ32s8x")  # a control block (64 bytes, like a header)
 assert _BLOCK.size == F.HEADER_SIZE
 _ROUTE = struct.Struct("!Q12xI")  # the prefix's context and the header's dst (offset 12)
+_WHOLE_MIN = PREFIX + F.HEADER_SIZE  # a frame may be whole in the read-ahead buffer
 _ZERO_PREFIX = bytes(PREFIX)
 
 _IN = select.EPOLLIN | select.EPOLLRDHUP
@@ -224,8 +225,8 @@ class Link:
                 return
             if mask & _OUT:
                 self.flush(rail)
-            touched = set()
             if mask & ~_OUT and rail.alive:
+                touched = set()
                 try:
                     self.read(rail, touched)
                 except OSError as e:
@@ -233,11 +234,9 @@ class Link:
                 except Exception as e:  # noqa: BLE001 - never a rail that dies unnoticed
                     log.exception("neuron %s: reading rail %d failed", self.label, rail.index)
                     self.rail_down(rail, f"reader failed: {type(e).__name__}: {e}")
-            for t, _ in list(self.members.values()):
-                touched.add(t)
-            for t in touched:
-                if not t._closed:
-                    t._pump()
+                for t in touched:  # (the members that took frames and have work left)
+                    if not t._closed:
+                        t._pump()
 
     # -------------------------------------------------------------- reading
 
@@ -249,8 +248,15 @@ class Link:
         as the socket holds, and they are cut from it. The rest of a payload of ``_DIRECT``
         bytes or more is read straight into its place. A read that returns less than it
         asked for emptied the socket: stop there (epoll says when more comes); so does a
-        visit that has read ``_VISIT_BYTES`` (epoll reports the socket again)."""
-        sock, inbuf = rail.sock, rail.inbuf
+        visit that has read ``_VISIT_BYTES`` (epoll reports the socket again).
+
+        A frame that starts in the read-ahead buffer is first offered whole to its member
+        (``RdmTransport._take_whole``: a small message, landed and delivered in one step,
+        header unread by this link); what it declines is read stage by stage (``advance``).
+        """
+        sock, inbuf, hview = rail.sock, rail.inbuf, rail.hview
+        whole = rail.mac is None  # (frames with tags take the general path)
+        members = self.members
         drained = False
         budget = _VISIT_BYTES
         while rail.alive:
@@ -259,6 +265,17 @@ class Link:
             if need:
                 have = rail.hi - rail.lo
                 if have:
+                    if whole and view is hview and have >= _WHOLE_MIN and not rail.got:
+                        # A frame starts here: its member may take it whole in one step.
+                        lo = rail.lo
+                        member = members.get(_ROUTE.unpack_from(inbuf, lo))
+                        if member is not None:
+                            end = member[0]._take_whole(rail, member[1], inbuf, lo, rail.hi,
+                                                        touched)
+                            if end:
+                                rail.lo = end
+                                rail.ahead = inbuf  # (it was small)
+                                continue
                     k = have if have < need else need
                     lo = rail.lo
                     view[rail.got:rail.got + k] = inbuf[lo:lo + k]
@@ -334,6 +351,7 @@ class Link:
             else:
                 stage_to(rail, _HEADER, rail.hview)
             return
+        touched.add(rail.reader)
         rail.reader._on_stage(rail)
 
     def _skip(self, rail: Rail) -> None:
@@ -384,6 +402,35 @@ class Link:
             self.engine.modify(rail.fd, want)
             if out:
                 self.engine.kick()  # bytes wait behind a full socket
+
+    def send_frame(self, rail: Rail, views: list, nbytes: int) -> None:
+        """Under the lock: put one frame, the byte views ``views`` (``nbytes`` in all), on
+        ``rail``: written now as far as the socket takes it when nothing waits there, the
+        rest queued behind what does (``flush``). Dropped on a rail that is down (the
+        endpoint resends it elsewhere)."""
+        if not rail.alive:
+            return
+        sent = 0
+        if not rail.out:
+            try:
+                sent = _send_some(rail.sock, views)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                self.rail_down(rail, f"send failed: {e}")
+                return
+            if sent == nbytes:
+                return
+        out = rail.out
+        for v in views:
+            v = memoryview(v).cast("B")
+            if sent >= v.nbytes:
+                sent -= v.nbytes
+                continue
+            out.append(v[sent:] if sent else v)
+            sent = 0
+        if not rail.events & _OUT:
+            self.flush(rail)
 
     def send_block(self, rail: Rail, kind: int, src: int, dst: int, context: int,
                    proof: bytes = bytes(32)) -> None:
@@ -505,6 +552,6 @@ def wake_at(rail: Rail, nbytes: int) -> None:
         rail.lowat = nbytes
 
 
-def _send_some(sock: socket.socket, views: list) -> int:
-    """One non-blocking scatter-gather write; the bytes the socket took."""
-    return sock.sendmsg(views)
+# One non-blocking scatter-gather write, ``_send_some(sock, views)``: the bytes the socket
+# took. (The socket's own method, called as a function: tests replace it to hold writes.)
+_send_some = socket.socket.sendmsg

@@ -6,14 +6,18 @@ Rails are non-blocking sockets registered here (``register``), each with the lin
 rails to one peer process, shared by the groups that have both processes: links.py) it
 belongs to. ``poll(timeout)`` waits in ``epoll`` until a rail is readable or writable, or a
 transport's timer (a retransmission, held acks) is due, and lets the link or transport
-handle it (``_on_ready``, ``_on_tick``) under the process's one network lock
-(``NET_LOCK``: a rail carries several groups' frames, so their transports share it). The
-engine also keeps the links other groups may join (``publish``, ``find_link``).
+handle it (``_on_ready``; ``_on_tick`` once the transport's ``_due`` has passed) under
+the process's one network lock (``NET_LOCK``: a rail carries several groups' frames, so
+their transports share it). The engine also keeps the links other groups may join
+(``publish``, ``find_link``).
 
 Whoever needs progress drives it. A thread waiting for a request polls for itself
 (``drive``), so the bytes that complete its request are read by the thread that wants
-them: no hand-off to another thread on a message's path. One thread polls at a time
-(the *leader*, holding ``_poll``); another thread that waits meanwhile sleeps on its own
+them: no hand-off to another thread on a message's path. Its first poll is made at once,
+without sleeping and without counting it as a waiter (the message it waits for has
+usually come already: one ``epoll`` and one read complete it); only a wait that poll did
+not end takes the way described next. One thread polls at a time (the *leader*, holding
+``_poll``); another thread that waits meanwhile sleeps on its own
 request's completion and checks every millisecond whether it may lead. The engine's one
 background thread polls only when no thread has waited for a while, so that a thread that
 waits back to back, one operation after another, keeps driving it, and asynchronous work,
@@ -69,7 +73,7 @@ import time
 
 from ..errors import TransportError
 from ..requests import run_callbacks
-from ..backoff import Backoff
+from ..backoff import Backoff, role
 from .listener import Listener
 
 log = logging.getLogger("neuron_dist.rdm")
@@ -97,6 +101,7 @@ class Progress:
         self._polling = None  # the thread in epoll, and until when it sleeps there
         self._poll_until = 0.0
         self._stop = False
+        self.now = time.monotonic()  # when the last poll ended
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._listeners: dict = {}  # host -> Listener, shared by every group
@@ -225,27 +230,32 @@ class Progress:
         message that completes a waiter's request is not read after other rails' bulk."""
         if self._stop:
             return
-        now = time.monotonic()
-        for t in self._transports:
-            due = t._next_due()
-            if due is not None and due - now < timeout:
-                timeout = max(0.0, due - now)
-        self._poll_until = now + timeout
-        self._polling = threading.get_ident()
+        if timeout > 0:  # (a poll that does not sleep needs no deadline and no waking)
+            now = time.monotonic()
+            for t in self._transports:
+                due = t._due
+                if due is not None and due - now < timeout:
+                    timeout = max(0.0, due - now)
+            self._poll_until = now + timeout
+            self._polling = threading.get_ident()
         try:
             events = self._epoll.poll(timeout)
         except InterruptedError:
             events = []
         finally:
             self._polling = None
+        if len(events) == 1:  # (nothing to order: see below)
+            fd, mask = events[0]
+            handler = self._handlers.get(fd)
+            if handler is not None:
+                handler[0]._on_ready(handler[1], mask)
+            elif fd == self._wake_r:
+                self._drain_wake()
+            events = ()
         bulk = []
         for fd, mask in events:
             if fd == self._wake_r:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except (BlockingIOError, OSError):
-                    pass
+                self._drain_wake()
                 continue
             handler = self._handlers.get(fd)
             if handler is not None:
@@ -260,9 +270,18 @@ class Progress:
             if done is not None and done():
                 break
             handler[0]._on_ready(handler[1], mask)
-        now = time.monotonic()
+        self.now = now = time.monotonic()
         for t in list(self._transports):
-            t._on_tick(now)
+            due = t._due
+            if due is not None and now >= due:
+                t._on_tick(now)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
 
     def drive(self, done, deadline: float, event=None, spin: int = 0) -> bool:
         """Make progress from the calling thread until ``done()`` or ``deadline``; the
@@ -272,7 +291,19 @@ class Progress:
         The leader first polls without sleeping (``spin`` polls, at most ``SPIN_SECONDS``),
         then yields the CPU between polls for up to ``_YIELD_SECONDS``, and only then sleeps
         in ``epoll``: see "Waiting" in the module docstring. A background thread
-        (``backoff.set_background_thread``) sleeps at once."""
+        (``backoff.set_background_thread``) sleeps at once.
+
+        The first poll is made at once when nobody leads (the message a waiter wants has
+        usually come already), by any thread but a background one: only when it was not
+        enough does the thread count as a waiter and take the loop below."""
+        if not self._bg_leads and not role.background and self._poll.acquire(False):
+            try:
+                self.poll(0.0, done)
+            finally:
+                self._poll.release()
+            if done():
+                self._last_wait = self.now  # (the background thread stays parked)
+                return True
         with self._lock:
             self._waiters += 1
             bg = self._bg_leads

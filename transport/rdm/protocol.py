@@ -33,7 +33,9 @@ Acknowledgement: per segment, batched
     takes with it only acks of segments it carried, which the sender resends anyway.
     Per-segment acks are idempotent and order-free, which suits unordered multi-rail
     delivery better than a cumulative ack. When the last segment of a message is acked,
-    the sender reports ``SendCompleted(peer, msg_id)``. Rail numbers name the same path
+    the sender reports ``SendCompleted(peer, msg_id)`` (unless it was sent with
+    ``send_now(..., notify=False)``: a driver that completed it at once, holding nothing
+    to free). Rail numbers name the same path
     at both ends (the driver's connection ``i`` to a peer is rail ``i`` on both sides).
 
 Delayed acks (``ack_delay`` > 0)
@@ -79,10 +81,12 @@ Buffer ownership (one writer per byte, nothing after the end)
     as it arrives (acked, delivered nowhere), and the rails still holding claims on it are
     returned, so the driver can wait until their readers are out of it before it gives
     the buffer back. ``cancel_send`` forgets a message: none of its segments is sent or
-    resent again. ``land_whole`` is the one-step form for a whole one-segment frame the
-    driver already holds: the copy happens inside the call, so it needs no claim, and it
-    declines (leaving the general path to decide) anything but a message next in its
-    stream whose position is neither taken nor withdrawn.
+    resent again. ``take_whole`` is the one-step form for a whole one-segment frame the
+    driver has read ahead: it checks the header, copies the payload and delivers the
+    message inside the call, so it needs no claim, and it declines (leaving the general
+    path to decide) anything but a message next in its stream whose position is neither
+    taken nor withdrawn. It reports that delivery as its result instead of an event, so
+    a driver completes the waiting receive at once.
 
 Ordering guarantee
     Messages are delivered (``MessageReceived``) exactly once, intact, and per
@@ -312,6 +316,7 @@ class _OutMessage:
     nsegs: int
     next_seg: int = 0
     unacked: int = 0
+    notify: bool = True  # report SendCompleted (send_now's callers may not need it)
 
 
 @dataclass(eq=False, slots=True)
@@ -537,9 +542,10 @@ class Endpoint:
         self.has_work = True
         return msg.msg_id
 
-    def send_now(self, peer: int, tag: int, data, now: float):
+    def send_now(self, peer: int, tag: int, data, now: float, notify: bool = True):
         """``send`` a message of one segment and frame it at once, when nothing waits to go
-        to ``peer`` before it: ``(msg_id, frame to put on the wire)``, or None when the
+        to ``peer`` before it: ``(msg_id, rail, header, payload, trailer)``, the frame to
+        put on ``rail`` (as a ``Transmit`` of those fields would carry it), or None when the
         message was not taken (then ``send`` it: it queues behind what waits, or raises
         what ``send`` raises).
 
@@ -547,6 +553,8 @@ class Endpoint:
         it, without visiting every peer. Acks waiting for ``peer`` ride on the frame; the
         segment's retransmission deadline is ``now + rto`` (``next_deadline`` may now be
         earlier than the driver thought). ``data`` must not change until acknowledged.
+        ``notify=False``: no ``SendCompleted`` is reported for it (a driver that completed
+        the send already, holding no buffer to free on the ack, has nothing to do then).
         """
         state = self._peers.get(peer)
         n = len(data)
@@ -558,15 +566,25 @@ class Endpoint:
             return None
         seq = state.tag_seq.get(tag, 0)
         state.tag_seq[tag] = seq + 1
-        msg = _OutMessage(state.next_msg_id, tag, seq, memoryview(data), max(n, 1), 1, 1, 1)
-        state.next_msg_id += 1
-        state.open[msg.msg_id] = msg
-        seg = _Segment(msg, 0, n, self._pick_rail(state))
+        msg_id = state.next_msg_id
+        state.next_msg_id = msg_id + 1
+        msg = _OutMessage(msg_id, tag, seq, memoryview(data), n or 1, 1, 1, 1, notify)
+        state.open[msg_id] = msg
+        load = state.rail_bytes
+        # (_pick_rail, whose first choice is rail 0 when it is live and not full)
+        rail = 0 if state.rails[0] and load[0] < FILL_BYTES else self._pick_rail(state)
         cost = n + F.HEADER_SIZE  # (_Segment.cost)
-        state.rail_bytes[seg.rail] += cost
+        load[rail] += cost
         state.inflight += cost
-        state.unacked[(msg.msg_id, 0)] = seg
-        return msg.msg_id, self._transmit(peer, seg, now)
+        deadline = now + self.rto  # (_transmit's, for a first send: max_rto >= rto)
+        state.unacked[(msg_id, 0)] = _Segment(msg, 0, n, rail, deadline)
+        if deadline < state.scan_at:
+            state.scan_at = deadline
+        trailer = self._take_acks(state) if state.acks_out else b""
+        self.stats["sent"] += 1
+        return msg_id, rail, F.HEADER.pack(F.MAGIC, F.VERSION, F.DATA, 0, rail,
+                                           len(trailer) >> 4, self.rank, peer, msg_id, tag,
+                                           seq, n, 0, n, 0), data, trailer
 
     def post_recv(self, src: int, tag: int, buffer):
         """Offer ``buffer`` for the next message of ``(src, tag)`` not yet taken or matched.
@@ -589,6 +607,18 @@ class Endpoint:
             for private memory, it is refused at once (see "Refusal"): ``events()`` then
             holds its ``MessageRefused`` if it is next in the stream.
         """
+        state = self._peers.get(src)
+        stream = None if state is None else state.streams.get(tag)
+        if (stream is not None and not stream.early and not state.oversized
+                and type(buffer) is memoryview and buffer.ndim == 1 and buffer.format == "B"
+                and buffer.c_contiguous and not buffer.readonly):
+            # the commonest case, in one step: a byte view for a stream with nothing early
+            position = stream.next_post
+            if position < stream.next_deliver:
+                position = stream.next_deliver
+            stream.bound[position] = buffer
+            stream.next_post = position + 1
+            return position
         view = _byte_view(buffer, writable=True)
         early = self.take_early(src, tag)
         if early is not None:
@@ -864,61 +894,97 @@ class Endpoint:
         if r.complete:
             self._finish(header.src, state, r)
 
-    def land_whole(self, rail: int, header_bytes, header: F.Header, payload, trailer,
-                   now: float) -> bool:
-        """The fast path of the commonest frame: a whole one-segment message, next in its
-        stream, read (with its piggybacked acks) in one piece. It is copied into its posted
-        receive buffer, or, when none is posted yet, into a private copy kept as an early
-        message (within ``max_reassembly_bytes``), and delivered: what ``data_target``, the
-        copy and ``data_landed`` would do, without a reassembly record or a claim (the copy
-        happens inside this call, so no other rail can meet the range meanwhile). False
-        (nothing done) whenever any other case applies: then take the general path.
+    def take_whole(self, rail: int, src: int, buf: memoryview, start: int, end: int,
+                   now: float):
+        """The fast path of the commonest frame, for a stream driver that reads ahead: the
+        frame at ``buf[start:]`` (what came on ``rail`` from ``src``; bytes up to ``end``
+        are in), taken in one step when it is a whole one-segment DATA message, payload and
+        piggybacked acks included, that is next in its stream and whose position is neither
+        taken nor withdrawn. It is copied into its posted receive buffer, or, when none is
+        posted yet, into a private copy kept as an early message (within
+        ``max_reassembly_bytes``), and delivered: what ``decode_header``, ``data_target``,
+        the copy and ``data_landed`` would do, without a reassembly record or a claim (the
+        copy happens inside this call, so no other rail can meet the range meanwhile).
+
+        Returns None (nothing done, not even the header checked: take the general path,
+        which decides) whenever any other case applies, the header included: anything
+        ``decode_header`` would not pass as such a frame. Else ``(stop, tag, msg_id, data,
+        posted)``: the frame ended at ``buf[stop]``, and its delivery is this result, as a
+        ``MessageReceived(src, tag, msg_id, data, posted)`` would report it, and not an
+        event; the events the call queued (``SendCompleted`` of the acks it carried) come
+        after it. ``buf`` must be a byte ``memoryview`` (slices of it are views).
         """
-        if (self.crc or header.offset or header.length != header.total or not header.length
-                or header.type != F.DATA or header.dst != self.rank
-                or header.flags & F.FLAG_CRC):
-            return False
-        src, msg_id, seq, total = header.src, header.msg_id, header.seq, header.total
+        if end - start < F.HEADER_SIZE or self.crc:
+            return None
+        (magic, version, ftype, flags, _, nacks, fsrc, dst, msg_id, tag, seq, total, offset,
+         length, crc) = F.HEADER.unpack_from(buf, start)
+        body = start + F.HEADER_SIZE
+        mid = body + length
+        stop = mid + nacks * F.ACK_ENTRY.size
+        if (stop > end or ftype != F.DATA or flags or crc or offset or length != total
+                or not length or fsrc != src or dst != self.rank or magic != F.MAGIC
+                or version != F.VERSION or nacks > F.MAX_ACKS_PER_FRAME
+                or length > self.segment_bytes or total > self.max_message_bytes or tag < 0):
+            return None
         state = self._peers.get(src)  # (None: failed, or not heard from yet)
-        if (state is None or msg_id in state.partial or msg_id in state.recv_done
-                or msg_id >= state.recv_done.low + self.max_open_messages):
-            return False
-        stream = state.streams.get(header.tag)
+        if state is None or msg_id in state.partial:
+            return None
+        done = state.recv_done
+        low = done.low
+        if msg_id < low or msg_id >= low + self.max_open_messages or msg_id in done.above:
+            return None
+        stream = state.streams.get(tag)
         if stream is None:
             if seq or state.held_messages >= self.max_held_messages:
-                return False  # (the general path drops the latter, and counts that)
-            stream = self._stream(state, header.tag)
-        elif seq != stream.next_deliver or seq in stream.owner or seq in stream.cancelled:
-            return False
+                return None  # (the general path drops the latter, and counts that)
+            stream = self._stream(state, tag)
+        elif (seq != stream.next_deliver or stream.ready or seq in stream.owner
+              or seq in stream.cancelled):
+            return None
         posted = stream.bound.get(seq)
         if posted is None:
             if (state.held + total > self.max_reassembly_bytes
                     or state.held_messages >= self.max_held_messages):
-                return False  # (the general path drops it, and counts that)
+                return None  # (the general path drops it, and counts that)
             try:
-                data = bytearray(payload)
+                data = bytearray(buf[body:mid])
             except MemoryError:
-                return False  # (the general path drops it unacked: the sender retries)
+                return None  # (the general path drops it unacked: the sender retries)
             state.held += total
             state.held_messages += 1
             self.reassembly_bytes += total
         elif posted.nbytes < total:
-            return False
+            return None
         else:
             data = posted[:total]
-            data[:] = payload
+            data[:] = buf[body:mid]
             del stream.bound[seq]
-        if header.nacks:
-            self._on_ack(src, state, F.ACK_ENTRY.iter_unpack(trailer))
-        state.recv_done.add(msg_id)
+        if nacks:
+            self._on_ack(src, state, F.ACK_ENTRY.iter_unpack(buf[mid:stop]))
+        if msg_id == low and not done.above:
+            done.low = low + 1  # (_IdWindow.add, in order)
+        else:
+            done.add(msg_id)
         self._ack(state, rail, msg_id, 0, total, now)
         stream.next_deliver = seq + 1
         if posted is None:
             self._arrivals += 1
             stream.early.append((self._arrivals, data))
-        self._events.append(MessageReceived(src, header.tag, msg_id, data, posted is not None))
-        if stream.ready:
-            self._deliver_ready(src, state, stream)
+            return stop, tag, msg_id, data, False
+        return stop, tag, msg_id, data, True
+
+    def land_whole(self, rail: int, header_bytes, header: F.Header, payload, trailer,
+                   now: float) -> bool:
+        """``take_whole`` for a frame held as its header (``header_bytes``, decoded as
+        ``header``), ``payload`` and piggybacked acks ``trailer``, with the delivery
+        reported as a ``MessageReceived`` event instead (after the events of its acks);
+        False when declined. (It copies the frame first: drivers use ``take_whole``.)"""
+        frame = memoryview(b"".join((header_bytes, payload, trailer)))
+        got = self.take_whole(rail, header.src, frame, 0, frame.nbytes, now)
+        if got is None:
+            return False
+        _, tag, msg_id, data, posted = got
+        self._events.append(MessageReceived(header.src, tag, msg_id, data, posted))
         return True
 
     def poll_transmit(self, now: float) -> list[Transmit]:
@@ -1085,6 +1151,13 @@ class Endpoint:
     def _take_acks(self, state: _Peer) -> bytes:
         """Every ack waiting for this peer (up to a frame's worth), packed to ride behind a
         DATA frame's payload."""
+        if state.acks_held == 1:  # (the commonest: the ack of the message being answered)
+            for entries in state.acks_out.values():
+                if entries:
+                    state.acks_out, state.acks_due, state.acks_held = {}, math.inf, 0
+                    state.acks_bytes = 0
+                    self.stats["acks_piggybacked"] += 1
+                    return F.ACK_ENTRY.pack(*entries[0])
         entries = [e for es in state.acks_out.values() for e in es]
         take = entries[:F.MAX_ACKS_PER_FRAME]
         rest = entries[F.MAX_ACKS_PER_FRAME:]
@@ -1155,18 +1228,26 @@ class Endpoint:
     def _on_ack(self, peer: int, state: _Peer, entries) -> None:
         if state.queue:
             self.has_work = True  # the window may open
+        unacked = state.unacked
         for key in entries:
-            seg = state.unacked.pop(key, None)
+            seg = unacked.pop(key, None)
             if seg is None:
                 continue  # a duplicate ack, or for a segment long done
-            state.inflight -= seg.cost
-            state.rail_bytes[seg.rail] -= seg.cost
+            cost = seg.length + F.HEADER_SIZE  # (_Segment.cost)
+            state.inflight -= cost
+            state.rail_bytes[seg.rail] -= cost
             msg = seg.msg
             msg.unacked -= 1
             if msg.unacked == 0 and msg.next_seg == msg.nsegs:
-                del state.open[msg.msg_id]
-                state.sent_done.add(msg.msg_id)
-                self._events.append(SendCompleted(peer, msg.msg_id))
+                msg_id = msg.msg_id
+                del state.open[msg_id]
+                done = state.sent_done
+                if msg_id == done.low and not done.above:
+                    done.low = msg_id + 1  # (_IdWindow.add, in order)
+                else:
+                    done.add(msg_id)
+                if msg.notify:
+                    self._events.append(SendCompleted(peer, msg_id))
 
     def _ack(self, state: _Peer, rail: int, msg_id: int, offset: int, total: int, now: float,
              urgent: bool = False) -> None:

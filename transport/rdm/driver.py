@@ -41,9 +41,9 @@ thread drives it only while nobody waits.
   private copy) and hands back the delivery, and the receive waiting for it completes
   right there, with no event in between (the path of almost every small message). ACKs,
   duplicates and odd frames are read aside and go through ``Endpoint.receive``. Once the
-  socket has nothing more, the acks of everything just read go out in one frame. A header that fails validation means
-  the byte stream cannot be trusted any more: the rail is closed (and logged); its
-  unacknowledged segments are resent on the other rails.
+  socket has nothing more, the acks of everything just read go out in one frame. A header
+  that fails validation means the byte stream cannot be trusted any more: the rail is
+  closed (and logged); its unacknowledged segments are resent on the other rails.
 * **Writing**: frames go out as soon as the endpoint hands them over, with one
   scatter-gather ``sendmsg`` (header + a view of the user's buffer: no copy); what the
   socket does not take waits in the rail's queue until the engine sees it writable. A
@@ -888,7 +888,7 @@ class RdmTransport:
     def _write_now(self, peer: int, sent: tuple, now: float) -> None:
         """Under the lock: put the frame ``Endpoint.send_now`` returned (``sent``) on its
         rail, and keep the engine's timer no later than its retransmission deadline."""
-        msg_id, index, header, payload, trailer = sent
+        _, index, header, payload, trailer = sent
         rails = self._rails.get(peer)
         rail = rails[index] if rails else None
         if rail is None or not rail.alive:

@@ -322,7 +322,8 @@ class RdmTransport:
         self._failed: dict[int, Exception] = {}
         self._closed = False
         self._close_error = None  # what closed it (close(error)), named by later calls
-        self._due = None  # the endpoint's next deadline, as last computed
+        self._due = None  # the endpoint's next deadline, as last computed: the engine
+        # calls _on_tick once it has passed (and sleeps in epoll no longer than until it)
         self._hosts = [host] if isinstance(host, str) else list(host)
         self._link_timeout = link_timeout
         self._engine = progress.attach(self)
@@ -1152,10 +1153,6 @@ class RdmTransport:
                 return True
         return any(req.nbytes > EAGER_BYTES or req.callback is not None
                    for q in list(self._any.values()) for req in list(q))
-
-    def _next_due(self):
-        """When the engine must call ``_on_tick`` next (None: no deadline)."""
-        return self._due
 
     def _on_tick(self, now: float) -> None:
         due = self._due

@@ -570,11 +570,9 @@ class Endpoint:
         state.next_msg_id = msg_id + 1
         msg = _OutMessage(msg_id, tag, seq, memoryview(data), n or 1, 1, 1, 1, notify)
         state.open[msg_id] = msg
-        load = state.rail_bytes
-        # (_pick_rail, whose first choice is rail 0 when it is live and not full)
-        rail = 0 if state.rails[0] and load[0] < FILL_BYTES else self._pick_rail(state)
+        rail = self._pick_rail(state)
         cost = n + F.HEADER_SIZE  # (_Segment.cost)
-        load[rail] += cost
+        state.rail_bytes[rail] += cost
         state.inflight += cost
         deadline = now + self.rto  # (_transmit's, for a first send: max_rto >= rto)
         state.unacked[(msg_id, 0)] = _Segment(msg, 0, n, rail, deadline)

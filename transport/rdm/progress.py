@@ -13,11 +13,8 @@ their transports share it). The engine also keeps the links other groups may joi
 
 Whoever needs progress drives it. A thread waiting for a request polls for itself
 (``drive``), so the bytes that complete its request are read by the thread that wants
-them: no hand-off to another thread on a message's path. Its first poll is made at once,
-without sleeping and without counting it as a waiter (the message it waits for has
-usually come already: one ``epoll`` and one read complete it); only a wait that poll did
-not end takes the way described next. One thread polls at a time (the *leader*, holding
-``_poll``); another thread that waits meanwhile sleeps on its own
+them: no hand-off to another thread on a message's path. One thread polls at a time (the
+*leader*, holding ``_poll``); another thread that waits meanwhile sleeps on its own
 request's completion and checks every millisecond whether it may lead. The engine's one
 background thread polls only when no thread has waited for a while, so that a thread that
 waits back to back, one operation after another, keeps driving it, and asynchronous work,
@@ -73,7 +70,7 @@ import time
 
 from ..errors import TransportError
 from ..requests import run_callbacks
-from ..backoff import Backoff, role
+from ..backoff import Backoff
 from .listener import Listener
 
 log = logging.getLogger("neuron_dist.rdm")
@@ -101,7 +98,6 @@ class Progress:
         self._polling = None  # the thread in epoll, and until when it sleeps there
         self._poll_until = 0.0
         self._stop = False
-        self.now = time.monotonic()  # when the last poll ended
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._listeners: dict = {}  # host -> Listener, shared by every group
@@ -270,7 +266,7 @@ class Progress:
             if done is not None and done():
                 break
             handler[0]._on_ready(handler[1], mask)
-        self.now = now = time.monotonic()
+        now = time.monotonic()
         for t in list(self._transports):
             due = t._due
             if due is not None and now >= due:
@@ -291,19 +287,10 @@ class Progress:
         The leader first polls without sleeping (``spin`` polls, at most ``SPIN_SECONDS``),
         then yields the CPU between polls for up to ``_YIELD_SECONDS``, and only then sleeps
         in ``epoll``: see "Waiting" in the module docstring. A background thread
-        (``backoff.set_background_thread``) sleeps at once.
-
-        The first poll is made at once when nobody leads (the message a waiter wants has
-        usually come already), by any thread but a background one: only when it was not
-        enough does the thread count as a waiter and take the loop below."""
-        if not self._bg_leads and not role.background and self._poll.acquire(False):
-            try:
-                self.poll(0.0, done)
-            finally:
-                self._poll.release()
-            if done():
-                self._last_wait = self.now  # (the background thread stays parked)
-                return True
+        (``backoff.set_background_thread``) sleeps at once. A waiter counts as one from its
+        first poll on: polled uncounted, a wait's first visits kick the background thread
+        to lead (``kick``), and a large transfer then loses a sixth of its speed to the
+        threads handing the lead back and forth (docs/design.md, "Tried and dropped")."""
         with self._lock:
             self._waiters += 1
             bg = self._bg_leads

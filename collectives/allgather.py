@@ -29,13 +29,10 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
     """Copy every rank's uint8 ``inp`` into ``outs[rank]`` on every rank."""
     algo = choose(ctx.selection, ctx.channel, max(o.numel() for o in outs), not ctx.checked)
     ctx.chose(algo)
-    _run(ctx, algo, outs, inp)
+    ALGORITHMS[algo](ctx, outs, inp)
 
 
-def _run(ctx: Context, algo: str, outs: list, inp) -> None:
-    if algo == "single_copy":
-        single_copy.all_gather(ctx, outs, inp)
-        return
+def _slots(ctx: Context, outs: list, inp) -> None:
     cap = ctx.channel.slot_bytes
     sizes = [o.numel() for o in outs]
     for i in range(steps_for(max(sizes), cap)):
@@ -53,14 +50,35 @@ def _run(ctx: Context, algo: str, outs: list, inp) -> None:
 
 def all_gather_into(ctx: Context, out, inp) -> None:
     """All-gather the 1-D ``inp`` of every rank into the 1-D ``out`` (rank k's at block k)."""
-    n = inp.numel()
-    nbytes = n * inp.element_size()
-    algo = choose(ctx.selection, ctx.channel, nbytes, not ctx.checked)
+    algo = choose(ctx.selection, ctx.channel, inp.numel() * inp.element_size(), not ctx.checked)
     ctx.chose(algo)
-    if algo == "slots" and nbytes <= ctx.channel.slot_bytes:
+    INTO[algo](ctx, out, inp)
+
+
+def single_step(selection, channel, inp):
+    """The single-step plan class (``OneSlot``) the ``all_gather`` table's algorithm runs
+    ``all_gather_into`` of ``inp`` with, or None if it runs it otherwise (express.py)."""
+    nbytes = inp.numel() * inp.element_size()
+    if nbytes > channel.slot_bytes:  # (a plan holds one slot)
+        return None
+    return PLANS.get(choose(selection, channel, nbytes))
+
+
+def _blocks(ctx: Context, out, inp) -> list:
+    """``out``'s block of every rank (``inp``'s length each)."""
+    n = inp.numel()
+    return [out[k * n:(k + 1) * n] for k in range(ctx.size)]
+
+
+def _slots_into(ctx: Context, out, inp) -> None:
+    if inp.numel() * inp.element_size() <= ctx.channel.slot_bytes:  # one slot: the plan
         OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp)
         return
-    _run(ctx, algo, [out[k * n:(k + 1) * n] for k in range(ctx.size)], inp)
+    _slots(ctx, _blocks(ctx, out, inp), inp)
+
+
+def _single_copy_into(ctx: Context, out, inp) -> None:
+    single_copy.all_gather(ctx, _blocks(ctx, out, inp), inp)
 
 
 class OneSlot(SlotViews):
@@ -79,3 +97,11 @@ class OneSlot(SlotViews):
         ctx.one_step = True
         ctx.step()
         torch.cat(views, out=out)
+
+
+# the ``all_gather`` table's algorithms (selection.py): name -> what runs it, for a list of
+# outputs (``all_gather``) and into one tensor (``all_gather_into``)
+ALGORITHMS = {"slots": _slots, "single_copy": single_copy.all_gather}
+INTO = {"slots": _slots_into, "single_copy": _single_copy_into}
+# algorithm -> its single-step plan, for an input that fits one slot
+PLANS = {"slots": OneSlot}

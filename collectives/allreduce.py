@@ -39,23 +39,38 @@ def choose(selection, channel, numel: int, element_size: int, first: bool = True
 
 def all_reduce(ctx: Context, out, inp, spec) -> None:
     """Reduce the contiguous tensor ``inp`` across ranks into ``out`` (same shape; may alias)."""
-    n = inp.numel()
-    es = inp.element_size()
-    algo = choose(ctx.selection, ctx.channel, n, es, not ctx.checked)
+    algo = choose(ctx.selection, ctx.channel, inp.numel(), inp.element_size(), not ctx.checked)
     ctx.chose(algo)
-    if algo == "one_step" and n * es <= ctx.channel.slot_bytes:
+    ALGORITHMS[algo](ctx, out, inp, spec)
+
+
+def single_step(selection, channel, t):
+    """The single-step plan class (``OneSlot``) the ``all_reduce`` table's algorithm runs
+    ``t``'s all_reduce with, or None if it runs it otherwise (express.py serves a call with
+    the plan the algorithm itself would run)."""
+    numel, es = t.numel(), t.element_size()
+    if numel * es > channel.slot_bytes:  # (a plan holds one slot)
+        return None
+    return PLANS.get(choose(selection, channel, numel, es))
+
+
+def _one_step(ctx: Context, out, inp, spec) -> None:
+    if inp.numel() * inp.element_size() <= ctx.channel.slot_bytes:  # one slot: the plan
         OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp, spec)
         return
     out, inp = flat(out), flat(inp)
-    if algo == "single_copy":
-        single_copy.all_reduce(ctx, out, inp, spec)
-        return
-    cap = ctx.channel.slot_bytes // es
-    if algo == "one_step":
-        _one_step(ctx, out, inp, spec, cap)
-    else:
-        _two_step(ctx, out, inp, spec, cap)
+    _one_step_chunks(ctx, out, inp, spec, ctx.channel.slot_bytes // inp.element_size())
     ctx.finish()
+
+
+def _two_step(ctx: Context, out, inp, spec) -> None:
+    out, inp = flat(out), flat(inp)
+    _two_step_chunks(ctx, out, inp, spec, ctx.channel.slot_bytes // inp.element_size())
+    ctx.finish()
+
+
+def _single_copy(ctx: Context, out, inp, spec) -> None:
+    single_copy.all_reduce(ctx, flat(out), flat(inp), spec)
 
 
 class OneSlot(SlotViews):
@@ -90,7 +105,7 @@ def _own_in_place(views: list, out, rank: int, spec) -> list:
     return mine
 
 
-def _one_step(ctx, out, inp, spec, cap) -> None:
+def _one_step_chunks(ctx, out, inp, spec, cap) -> None:
     dtype = inp.dtype
     in_place = out.data_ptr() == inp.data_ptr()  # (flat views of one tensor)
     for o in range(0, inp.numel(), cap):
@@ -104,7 +119,7 @@ def _one_step(ctx, out, inp, spec, cap) -> None:
         reduce_into(part, views, spec, ctx.size, ctx.scratch)
 
 
-def _two_step(ctx, out, inp, spec, cap) -> None:
+def _two_step_chunks(ctx, out, inp, spec, cap) -> None:
     dtype = inp.dtype
     align = max(1, ALIGN_BYTES // inp.element_size())
     r = ctx.rank
@@ -129,3 +144,9 @@ def _two_step(ctx, out, inp, spec, cap) -> None:
         for k, (s, length) in enumerate(slices):
             if length:
                 out[o + s:o + s + length].copy_(ctx.peer_slot(k, dtype)[s:s + length])
+
+
+# the ``all_reduce`` table's algorithms (selection.py): name -> what runs it
+ALGORITHMS = {"one_step": _one_step, "two_step": _two_step, "single_copy": _single_copy}
+# algorithm -> its single-step plan, for a message that fits one slot
+PLANS = {"one_step": OneSlot}

@@ -47,8 +47,16 @@ def choose(selection, channel, nbytes: int, first: bool = True) -> str:
 
 def even_block(selection, channel, block: int) -> bool:
     """Is ``block`` bytes to and from every rank served by ``EvenSplit`` (one step)?"""
-    return (block <= layout(channel.size, channel.slot_bytes)[1]
-            and choose(selection, channel, block) == EvenSplit.ALGORITHM)
+    return single_step(selection, channel, block) is EvenSplit
+
+
+def single_step(selection, channel, block: int):
+    """The single-step plan class (``EvenSplit``) the ``all_to_all`` table's algorithm runs
+    an even split of ``block`` bytes per rank with, or None if it runs it otherwise
+    (express.py serves a call with the plan the algorithm itself would run)."""
+    if block > layout(channel.size, channel.slot_bytes)[1]:  # (a plan holds one step)
+        return None
+    return PLANS.get(choose(selection, channel, block))
 
 
 def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
@@ -57,15 +65,14 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     r = ctx.rank
     block = ins[r].numel()
     first = not ctx.checked
-    if (first and all(t.numel() == block for t in ins) and all(t.numel() == block for t in outs)
-            and even_block(ctx.selection, ctx.channel, block)):
-        ctx.chose(EvenSplit.ALGORITHM)
-        plan = EvenSplit.prepared(ctx.plans, ctx.channel, block)
-        plan.run(ctx, [t.data_ptr() for t in outs], [t.data_ptr() for t in ins], element_size)
-        return
+    if first and all(t.numel() == block for t in ins) and all(t.numel() == block for t in outs):
+        plan = single_step(ctx.selection, ctx.channel, block)
+        if plan is not None:
+            ctx.chose(plan.ALGORITHM)
+            plan.prepared(ctx.plans, ctx.channel, block).run(
+                ctx, [t.data_ptr() for t in outs], [t.data_ptr() for t in ins], element_size)
+            return
     header, per = layout(n, ctx.channel.slot_bytes)
-    largest = per  # until the first step tells us the real sizes
-    i = 0
     # Bytes move by memmove between data pointers: for the small blocks typical of
     # all_to_all, slicing and copying through torch costs several times the copy itself.
     src_ptr = [t.data_ptr() for t in ins]
@@ -73,55 +80,87 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     words = ctypes.c_int64 * (2 * n)
     # Posting our blocks' addresses costs nothing; whether they are used is decided from
     # the sizes every rank sees after the first step.
-    post = can_run("single_copy", n, cma=ctx.channel.cma, first=first, addresses=n)
-    algo = None
-    while i < steps_for(largest, per):
-        o = i * per
-        slot = ctx.my_slot().data_ptr()
-        if i == 0:
-            words.from_address(slot)[:] = [t.numel() for t in ins] + [t.numel() for t in outs]
-        for k, src in enumerate(ins):
-            m = max(0, min(per, src.numel() - o))
-            if m and k != r:
-                ctypes.memmove(slot + header + k * per, src_ptr[k] + o, m)
-        ctx.step(tuple(src_ptr) if post and i == 0 else ())
-        if i == 0:
-            table = [list(words.from_address(ctx.peer_slot(k).data_ptr())) for k in range(n)]
-            check_splits(table, n, element_size, ctx)
-            if outs[r].numel():
-                outs[r].copy_(ins[r])
-            largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
-            # the same on every rank; single copy only if it can run (then we posted)
-            algo = choose(ctx.selection, ctx.channel, largest, first)
-            ctx.chose(algo)
-        for k, dst in enumerate(outs):
-            m = max(0, min(per, dst.numel() - o))
-            if m and k != r:
-                ctypes.memmove(dst_ptr[k] + o, ctx.peer_slot(k).data_ptr() + header + r * per, m)
-        if algo == "single_copy":
-            _read_rest(ctx, outs, dst_ptr, per)
-            return
-        i += 1
+    post = can_run("all_to_all", "single_copy", n, cma=ctx.channel.cma, first=first,
+                   addresses=n)
+    slot = ctx.my_slot().data_ptr()
+    words.from_address(slot)[:] = [t.numel() for t in ins] + [t.numel() for t in outs]
+    for k, src in enumerate(ins):
+        m = min(per, src.numel())
+        if m and k != r:
+            ctypes.memmove(slot + header + k * per, src_ptr[k], m)
+    ctx.step(tuple(src_ptr) if post else ())
+    table = [list(words.from_address(ctx.peer_slot(k).data_ptr())) for k in range(n)]
+    check_splits(table, n, element_size, ctx)
+    if outs[r].numel():
+        outs[r].copy_(ins[r])
+    largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
+    # the same on every rank; single copy only if it can run (then we posted)
+    algo = choose(ctx.selection, ctx.channel, largest, first)
+    ctx.chose(algo)
+    for k, dst in enumerate(outs):
+        m = min(per, dst.numel())
+        if m and k != r:
+            ctypes.memmove(dst_ptr[k], ctx.peer_slot(k).data_ptr() + header + r * per, m)
+    ALGORITHMS[algo].rest(ctx, outs, ins, dst_ptr, src_ptr, largest)
 
 
-def _read_rest(ctx: Context, outs: list, dst_ptr: list, done: int) -> None:
-    """Read every block's bytes past ``done`` from its sender's input (whose addresses came
-    with the first step), then step so that no rank returns while it is being read."""
-    n, r = ctx.size, ctx.rank
-    for k in range(n):
-        left = outs[k].numel() - done
-        if k != r and left > 0:
-            ctx.channel.read_peer(k, dst_ptr[k] + done, ctx.peer_extra(k, n)[r] + done, left)
-    ctx.step()
+class _Slots:
+    """``slots`` after the first step: the rest a slot's block per step."""
+
+    @staticmethod
+    def rest(ctx: Context, outs: list, ins: list, dst_ptr: list, src_ptr: list,
+             largest: int) -> None:
+        """Move every block's bytes past the first step's piece, a piece per step."""
+        n, r = ctx.size, ctx.rank
+        header, per = layout(n, ctx.channel.slot_bytes)
+        for i in range(1, steps_for(largest, per)):
+            o = i * per
+            slot = ctx.my_slot().data_ptr()
+            for k, src in enumerate(ins):
+                m = max(0, min(per, src.numel() - o))
+                if m and k != r:
+                    ctypes.memmove(slot + header + k * per, src_ptr[k] + o, m)
+            ctx.step()
+            for k, dst in enumerate(outs):
+                m = max(0, min(per, dst.numel() - o))
+                if m and k != r:
+                    ctypes.memmove(dst_ptr[k] + o,
+                                   ctx.peer_slot(k).data_ptr() + header + r * per, m)
+
+    @staticmethod
+    def steps(largest: int, per: int) -> int:
+        """Steps ``rest`` takes for blocks of at most ``largest`` bytes."""
+        return steps_for(largest, per) - 1
+
+
+class _SingleCopy:
+    """``single_copy`` after the first step (which posted every input block's address)."""
+
+    @staticmethod
+    def rest(ctx: Context, outs: list, ins: list, dst_ptr: list, src_ptr: list,
+             largest: int) -> None:
+        """Read every block's bytes past the first step's piece from its sender's input,
+        then step so that no rank returns while it is being read."""
+        n, r = ctx.size, ctx.rank
+        done = layout(n, ctx.channel.slot_bytes)[1]
+        for k in range(n):
+            left = outs[k].numel() - done
+            if k != r and left > 0:
+                ctx.channel.read_peer(k, dst_ptr[k] + done, ctx.peer_extra(k, n)[r] + done,
+                                      left)
+        ctx.step()
+
+    @staticmethod
+    def steps(largest: int, per: int) -> int:
+        """Steps ``rest`` takes: the one that keeps the senders until they are read."""
+        return 1
 
 
 def _steps_after_first(ctx: Context, table, n: int, per: int) -> int:
     """Steps ``all_to_all`` takes after its first for the split ``table``, on a rank that
     had nothing left to move after the first (its blocks all fit it)."""
     largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
-    if choose(ctx.selection, ctx.channel, largest) == "single_copy":
-        return 1  # _read_rest's
-    return steps_for(largest, per) - 1
+    return ALGORITHMS[choose(ctx.selection, ctx.channel, largest)].steps(largest, per)
 
 
 class EvenSplit:
@@ -183,3 +222,10 @@ def check_splits(table, n, element_size, ctx) -> None:
     if problems:
         raise CollectiveMismatch(f"all_to_all #{ctx.seq} split sizes disagree: "
                                  + "; ".join(problems[:4]), ctx.call, {})
+
+
+# the ``all_to_all`` table's algorithms (selection.py): name -> what moves the rest of a
+# call after its first step, and how many steps that takes
+ALGORITHMS = {"slots": _Slots, "single_copy": _SingleCopy}
+# algorithm -> its single-step plan, for an even split whose blocks fit one step
+PLANS = {"slots": EvenSplit}

@@ -35,16 +35,26 @@ def choose(selection, channel, nbytes: int, inputs: int, first: bool = True) -> 
 
 def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     """``out`` (rank r's result) = reduction over ranks of their ``inputs[r]``; typed, flat."""
-    dtype = out.dtype
-    es = out.element_size()
-    n = ctx.size
-    per = block_elements(ctx.channel, es)
-    sizes = [t.numel() for t in inputs]
-    algo = choose(ctx.selection, ctx.channel, max(sizes) * es, len(inputs), not ctx.checked)
+    nbytes = max(t.numel() for t in inputs) * out.element_size()
+    algo = choose(ctx.selection, ctx.channel, nbytes, len(inputs), not ctx.checked)
     ctx.chose(algo)
-    if algo == "single_copy":
-        single_copy.reduce_scatter(ctx, out, inputs, spec)
-        return
+    ALGORITHMS[algo](ctx, out, inputs, spec)
+
+
+def single_step(selection, channel, count: int, element_size: int):
+    """The single-step plan class (``OneStep``) the ``reduce_scatter`` table's algorithm
+    runs an even reduce_scatter of ``count`` elements per rank with, or None if it runs it
+    otherwise (express.py serves a call with the plan the algorithm itself would run)."""
+    if count > block_elements(channel, element_size):  # (a plan holds one slot's block)
+        return None
+    return PLANS.get(choose(selection, channel, count * element_size, channel.size))
+
+
+def _slots(ctx: Context, out, inputs: list, spec) -> None:
+    dtype = out.dtype
+    n = ctx.size
+    per = block_elements(ctx.channel, out.element_size())
+    sizes = [t.numel() for t in inputs]
     count = out.numel()
     if spec.kind != PREMUL_SUM and count <= per and all(m == count for m in sizes):
         plan = OneStep.prepared(ctx.plans, ctx.channel, dtype, count)
@@ -99,3 +109,9 @@ class OneStep:
         ctx.one_step = True
         ctx.step()
         reduce_into(out, self.views[p], spec, ctx.size, ctx.scratch)
+
+
+# the ``reduce_scatter`` table's algorithms (selection.py): name -> what runs it
+ALGORITHMS = {"slots": _slots, "single_copy": single_copy.reduce_scatter}
+# algorithm -> its single-step plan, for equal blocks that fit one slot's block
+PLANS = {"slots": OneStep}

@@ -203,10 +203,11 @@ RUNS = {
 }
 
 
-def can_run(algorithm: str, ranks: int, **situation) -> bool:
-    """Can ``algorithm`` run among ``ranks`` ranks (``RUNS``; the other fields of
-    ``Situation`` as keywords)? For an algorithm that must prepare in the call's first step
-    what it needs if the table picks it later (all_to_all's single copy: the addresses)."""
+def can_run(table: str, algorithm: str, ranks: int, **situation) -> bool:
+    """Can ``table``'s ``algorithm`` run among ``ranks`` ranks (``RUNS``; the other fields
+    of ``Situation`` as keywords)? For an algorithm that must prepare in the call's first
+    step what it needs if the table picks it later (all_to_all's single copy: the
+    addresses)."""
     return RUNS.get(algorithm, _always)(Situation(0, ranks, **situation))
 
 

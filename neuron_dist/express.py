@@ -103,15 +103,16 @@ class ExpressLane:
 
     def _all_reduce_entry(self, t, op):
         channel, n = self._channel, t.numel() * t.element_size()
-        # the general path's choice (selection.py), served when it is its one-slot plan
-        if not (self._fits(t, channel.slot_bytes) and allreduce.choose(
-                self._selection, channel, t.numel(), t.element_size()) == "one_step"):
+        # the general path's choice (selection.py), served when it runs a single-step plan
+        plan = (allreduce.single_step(self._selection, channel, t)
+                if self._fits(t, channel.slot_bytes) else None)
+        if plan is None:
             return None
         spec = self._spec(op, t.dtype)
         if spec is None:
             return None
         return _Entry("all_reduce", Call("all_reduce", t.dtype, t.numel(), reduce=spec.kind), n,
-                      allreduce.OneSlot.prepared(self._plans, channel, t), spec)
+                      plan.prepared(self._plans, channel, t), spec)
 
     def _broadcast_entry(self, t, root):
         channel = self._channel
@@ -124,22 +125,25 @@ class ExpressLane:
 
     def _all_gather_entry(self, out, inp):
         channel = self._channel
-        nbytes = inp.numel() * inp.element_size()
         if not (out.dtype == inp.dtype and out.numel() == inp.numel() * channel.size
-                and self._fits(inp, channel.slot_bytes)
-                and allgather.choose(self._selection, channel, nbytes) == "slots"):
+                and self._fits(inp, channel.slot_bytes)):
+            return None
+        flat = inp.reshape(-1)
+        plan = allgather.single_step(self._selection, channel, flat)
+        if plan is None:
             return None
         return _Entry("all_gather_into_tensor", Call("all_gather", inp.dtype, out.numel()),
                       inp.numel() * inp.element_size(),
-                      allgather.OneSlot.prepared(self._plans, channel, inp.reshape(-1)))
+                      plan.prepared(self._plans, channel, flat))
 
     def _reduce_scatter_entry(self, out, inp, op):
         channel, n = self._channel, self._channel.size
         es = out.element_size()
         if not (out.dtype == inp.dtype and out.dim() == 1 and inp.numel() == out.numel() * n
-                and out.numel() <= reduce_scatter.block_elements(channel, es)
-                and self._fits(inp, channel.slot_bytes)
-                and reduce_scatter.choose(self._selection, channel, out.numel() * es, n) == "slots"):
+                and self._fits(inp, channel.slot_bytes)):
+            return None
+        plan = reduce_scatter.single_step(self._selection, channel, out.numel(), es)
+        if plan is None:
             return None
         spec = self._spec(op, out.dtype)
         if spec is None:
@@ -147,8 +151,7 @@ class ExpressLane:
         return _Entry("reduce_scatter_tensor",
                       Call("reduce_scatter", out.dtype, inp.numel(), reduce=spec.kind),
                       inp.numel() * inp.element_size(),
-                      reduce_scatter.OneStep.prepared(self._plans, channel, out.dtype,
-                                                      out.numel()), spec)
+                      plan.prepared(self._plans, channel, out.dtype, out.numel()), spec)
 
     def _all_to_all_entry(self, out, inp):
         channel, n = self._channel, self._channel.size
@@ -157,11 +160,14 @@ class ExpressLane:
         # NEURON_DIST_SMALL_BYTES (a threshold between all_reduce algorithms).
         if not (out.dtype == inp.dtype and out.numel() == inp.numel()
                 and self._fits(inp, channel.slot_bytes) and nbytes % n == 0
-                and inp.dim() and out.dim() and inp.shape[0] % n == 0 and out.shape[0] % n == 0
-                and alltoall.even_block(self._selection, channel, nbytes // n)):
+                and inp.dim() and out.dim() and inp.shape[0] % n == 0
+                and out.shape[0] % n == 0):
+            return None
+        plan = alltoall.single_step(self._selection, channel, nbytes // n)
+        if plan is None:
             return None
         return _Entry("all_to_all_single", Call("all_to_all", inp.dtype, 0), nbytes,
-                      alltoall.EvenSplit.prepared(self._plans, channel, nbytes // n))
+                      plan.prepared(self._plans, channel, nbytes // n))
 
     # ------------------------------------------------------------ calls
     @staticmethod
@@ -260,20 +266,17 @@ class ExpressLane:
         0)`` (``op``: "all_reduce" or "broadcast") and the arguments its plan's ``run``
         takes after the context, as ``all_reduce`` / ``broadcast`` would hand them over.
         Nothing runs. Raises LookupError when the lane does not serve that call."""
-        if op == "all_reduce":
-            key = ("all_reduce", t.dtype, t.shape)
-            make = lambda: self._all_reduce_entry(t, _SUM)  # noqa: E731
-        elif op == "broadcast":
-            key = ("broadcast", t.dtype, t.shape, 0)
-            make = lambda: self._broadcast_entry(t, 0)  # noqa: E731
-        else:
-            raise ValueError(f"planned: no {op!r} (all_reduce, broadcast)")
+        try:
+            key, make, args = _PLANNED[op]
+        except KeyError:
+            raise ValueError(f"planned: no {op!r} (all_reduce, broadcast)") from None
+        key = key(t)
         entry = self._entries.get(key, _MISSING)
         if entry is _MISSING:
-            entry = self._remember(key, make())
+            entry = self._remember(key, make(self, t))
         if entry is None or not self._usable(t):
             raise LookupError(f"the express lane does not serve this {op}")
-        return entry, ((t, t, entry.spec) if op == "all_reduce" else (t,))
+        return entry, args(t, entry)
 
     def _run(self, entry: _Entry, outputs: list, seconds: float, *args):
         """Run ``entry.plan.run(ctx, *args)`` as the group's next collective now, or
@@ -294,6 +297,18 @@ class ExpressLane:
 
         return (work if self._engine.run_now(run, work, entry.name, call, entry.nbytes, entry.algo)
                 else None)
+
+
+# ``planned``'s collectives: op -> (the entry's key, how to make the entry, the plan's
+# arguments after the context), as ``all_reduce`` (SUM) and ``broadcast`` (root 0) do them
+_PLANNED = {
+    "all_reduce": (lambda t: ("all_reduce", t.dtype, t.shape),
+                   lambda lane, t: lane._all_reduce_entry(t, _SUM),
+                   lambda t, entry: (t, t, entry.spec)),
+    "broadcast": (lambda t: ("broadcast", t.dtype, t.shape, 0),
+                  lambda lane, t: lane._broadcast_entry(t, 0),
+                  lambda t, entry: (t,)),
+}
 
 
 def _flat(t):

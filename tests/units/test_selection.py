@@ -86,7 +86,7 @@ def test_one_node_all_to_all_defaults():
     # the first step posts the addresses exactly where the table may pick single copy
     for ranks, cma, first in ((4, True, True), (8, True, True), (9, True, True),
                               (1, True, True), (4, False, True), (4, True, False)):
-        assert sel.can_run("single_copy", ranks, cma=cma, first=first, addresses=ranks) == (
+        assert sel.can_run("all_to_all", "single_copy", ranks, cma=cma, first=first, addresses=ranks) == (
             a2a(D, 1 << 30, ranks, cma, first) == "single_copy"), (ranks, cma, first)
 
 

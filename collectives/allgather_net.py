@@ -31,14 +31,17 @@ from .context import Context
 
 def all_gather(ctx: Context, outs: list, inp) -> None:
     """Every rank gets every rank's uint8 ``inp`` in ``outs[rank]``."""
-    net_call = ctx.net_call
-    topo = net_call.topo
+    topo = ctx.net_call.topo
     layout = ctx.selection.select("all_gather/nodes", max(o.numel() for o in outs), ctx.size,
                                   even=topo.even)
     ctx.chose(layout)
-    if layout == "columns":
-        _columns_all_gather(ctx, outs, inp)
-        return
+    LAYOUTS[layout](ctx, outs, inp)
+
+
+def _leader_all_gather(ctx: Context, outs: list, inp) -> None:
+    """Uneven nodes (see the module docstring)."""
+    net_call = ctx.net_call
+    topo = net_call.topo
     allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
     remote = [g for b, node in enumerate(topo.nodes) if b != topo.my_node for g in node]
     if ctx.rank == 0:
@@ -62,7 +65,7 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     phase (it may be one of the outputs)."""
     net_call = ctx.net_call
     topo = net_call.topo
-    j, mine = ctx.rank, topo.my_node
+    j = ctx.rank
     me = topo.rank
     alone = len(topo.local) == 1
     column = [node[j] for node in topo.nodes]
@@ -73,22 +76,18 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     ctx.chose(algo)
     if not alone:
         allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)
-    else:
-        if algo == "direct":
-            net_call.deferrable()  # every message posted before the one wait
-        if outs[me].data_ptr() != inp.data_ptr():
-            outs[me].copy_(inp)
-    if algo == "mpi":
-        net_mpi.all_gather(net_call, [outs[g] for g in column], mine)
-    elif algo != "direct":
-        net_call.run(_NETWORK[algo](net_call, [outs[g] for g in column], outs[me], column,
-                                    mine))
-    if algo != "direct":
-        if alone:
-            ctx.finish()
-        else:
-            _gather_columns(ctx, outs)
-        return
+    elif outs[me].data_ptr() != inp.data_ptr():
+        outs[me].copy_(inp)
+    NETWORK[algo](ctx, outs, column, alone)
+
+
+def _direct(ctx: Context, outs: list, column: list, alone: bool) -> None:
+    """Each rank of the column sends its block to every other, in one round."""
+    net_call = ctx.net_call
+    topo = net_call.topo
+    mine, me = topo.my_node, topo.rank
+    if alone:
+        net_call.deferrable()  # every message posted before the one wait
     for b, g in enumerate(column):
         if b != mine:
             net_call.recv(g, outs[g])
@@ -102,6 +101,30 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     _gather_columns(ctx, outs)
 
 
+def _exchange(run):
+    """An exchange among the column that waits for what it posted (``run(net_call,
+    blocks, column)``, ``blocks``: the column's outputs), then the local rest."""
+    def exchange(ctx: Context, outs: list, column: list, alone: bool) -> None:
+        run(ctx.net_call, [outs[g] for g in column], column)
+        if alone:
+            ctx.finish()
+        else:
+            _gather_columns(ctx, outs)
+    return exchange
+
+
+def _generator(algorithm):
+    """An algorithm of one file (a generator over the call's NetCall)."""
+    def run(net_call, blocks: list, column: list) -> None:
+        mine = net_call.topo.my_node
+        net_call.run(algorithm(net_call, blocks, blocks[mine], column, mine))
+    return run
+
+
+def _mpi(net_call, blocks: list, column: list) -> None:
+    net_mpi.all_gather(net_call, blocks, net_call.topo.my_node)
+
+
 def _gather_columns(ctx: Context, outs: list) -> None:
     """Per other node, a local all-gather of the blocks its ranks sent this node's ranks."""
     topo = ctx.net_call.topo
@@ -110,8 +133,15 @@ def _gather_columns(ctx: Context, outs: list) -> None:
             allgather.all_gather(ctx, [outs[g] for g in node], outs[node[ctx.rank]])
 
 
-# the ``all_gather/network`` algorithms other than the direct exchange
-_NETWORK = {"bruck": net_bruck.all_gather, "recursive_doubling": net_recursive_doubling.all_gather}
+# the ``all_gather/nodes`` table's algorithms (selection.py): name -> what runs it
+LAYOUTS = {"columns": _columns_all_gather, "leader": _leader_all_gather}
+# the ``all_gather/network`` table's algorithms: name -> the column's exchange and the rest
+NETWORK = {
+    "direct": _direct,
+    "mpi": _exchange(_mpi),
+    "bruck": _exchange(_generator(net_bruck.all_gather)),
+    "recursive_doubling": _exchange(_generator(net_recursive_doubling.all_gather)),
+}
 
 
 def _pack(blocks) -> torch.Tensor:

@@ -67,14 +67,16 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
 
         _exchange_reduce(ctx, out, [node[0] for node in topo.nodes], later, rest)
         return
-    if layout == "hierarchical":
-        _hierarchical(ctx, out, inp, first, later)
-    else:
-        allreduce.all_reduce(ctx, out, inp, first)
-        if ctx.rank == 0:
-            _exchange_reduce(ctx, out, [topo.leader(b) for b in range(len(topo.nodes))], later)
-        bcast.broadcast(ctx, out.view(torch.uint8), 0)
+    LAYOUTS[layout](ctx, out, inp, first, later)
     finish_phases(out, spec, topo.size)
+
+
+def _leader(ctx, out, inp, first, later) -> None:
+    topo = ctx.net_call.topo
+    allreduce.all_reduce(ctx, out, inp, first)
+    if ctx.rank == 0:
+        _exchange_reduce(ctx, out, [topo.leader(b) for b in range(len(topo.nodes))], later)
+    bcast.broadcast(ctx, out.view(torch.uint8), 0)
 
 
 def _hierarchical(ctx, out, inp, first, later) -> None:
@@ -111,11 +113,14 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None
                                 len(peers), numel=buf.numel(),
                                 native=net_mpi.serves(net_call.net, peers))
     ctx.chose(algo)
-    if algo != "direct":
-        _NETWORK[algo](ctx, buf, peers, spec)
-        if rest is not None:
-            rest()
-        return
+    NETWORK[algo](ctx, buf, peers, spec, rest)
+
+
+def _direct(ctx: Context, buf, peers: list, spec: ReduceSpec, rest) -> None:
+    """Each rank sends its buffer to every other and reduces what came, in node order."""
+    net_call = ctx.net_call
+    me = net_call.topo.rank
+    others = [p for p in peers if p != me]
     if rest is not None:
         net_call.deferrable()  # every message posted before the one wait
     got = {p: net_call.buffer(f"got{i}", buf.numel(), buf.dtype) for i, p in enumerate(others)}
@@ -166,6 +171,7 @@ def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
 
 
 def _generator(algorithm):
+    """An algorithm of one file (a generator over the call's NetCall) as an exchange."""
     def run(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
         net_call = ctx.net_call
         net_call.run(algorithm(net_call, buf, peers, peers.index(net_call.topo.rank), spec))
@@ -176,11 +182,24 @@ def _mpi(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     net_mpi.all_reduce(ctx.net_call, buf, peers, spec)
 
 
-# the ``all_reduce/network`` algorithms other than the direct exchange
-_NETWORK = {
-    "mpi": _mpi,
-    "halves": _halves,
-    "ring": _generator(net_ring.all_reduce),
-    "recursive_doubling": _generator(net_recursive_doubling.all_reduce),
-    "rabenseifner": _generator(net_rabenseifner.all_reduce),
+def _then_rest(exchange):
+    """``exchange`` (which waits for what it posted), then the rest of the call, if any."""
+    def run(ctx: Context, buf, peers: list, spec: ReduceSpec, rest) -> None:
+        exchange(ctx, buf, peers, spec)
+        if rest is not None:
+            rest()
+    return run
+
+
+# the ``all_reduce/nodes`` table's algorithms (selection.py): name -> what runs it
+LAYOUTS = {"hierarchical": _hierarchical, "leader": _leader}
+# the ``all_reduce/network`` table's algorithms: name -> what runs the exchange and then
+# the rest of a call alone on its node (the direct exchange may defer it with its wait)
+NETWORK = {
+    "direct": _direct,
+    "mpi": _then_rest(_mpi),
+    "halves": _then_rest(_halves),
+    "ring": _then_rest(_generator(net_ring.all_reduce)),
+    "recursive_doubling": _then_rest(_generator(net_recursive_doubling.all_reduce)),
+    "rabenseifner": _then_rest(_generator(net_rabenseifner.all_reduce)),
 }

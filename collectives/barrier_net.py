@@ -15,10 +15,6 @@ from __future__ import annotations
 from . import net_dissemination, net_mpi, net_recursive_doubling
 from .context import Context
 
-_NETWORK = {"dissemination": net_dissemination.barrier,
-            "recursive_doubling": net_recursive_doubling.barrier}
-
-
 def barrier(ctx: Context) -> None:
     """Nobody leaves before everybody arrived."""
     net_call = ctx.net_call
@@ -29,8 +25,22 @@ def barrier(ctx: Context) -> None:
         algo = ctx.selection.select("barrier/network", 0, len(topo.nodes),
                                     native=net_mpi.serves(net_call.net, leaders))
         ctx.chose(algo)
-        if algo == "mpi":
-            net_mpi.barrier(net_call)
-        else:
-            net_call.run(_NETWORK[algo](net_call, leaders, topo.my_node))
+        NETWORK[algo](net_call, leaders, topo.my_node)
     ctx.step()
+
+
+def _generator(algorithm):
+    """An algorithm of one file (a generator over the call's NetCall)."""
+    def run(net_call, leaders: list, mine: int) -> None:
+        net_call.run(algorithm(net_call, leaders, mine))
+    return run
+
+
+def _mpi(net_call, leaders: list, mine: int) -> None:
+    net_mpi.barrier(net_call)
+
+
+# the ``barrier/network`` table's algorithms (selection.py): name -> what runs it among
+# the node leaders
+NETWORK = {"mpi": _mpi, "dissemination": _generator(net_dissemination.barrier),
+           "recursive_doubling": _generator(net_recursive_doubling.barrier)}

@@ -28,9 +28,20 @@ def broadcast(ctx: Context, buf, root: int) -> None:
     ctx.chose(algo)
     here = node_root(topo, root)
     if ctx.rank == here:
-        if algo == "mpi":
-            net_mpi.broadcast(net_call, buf, root_node)
-        else:
-            net_call.run(net_binomial.broadcast(net_call, buf, speakers(topo, root),
-                                                topo.my_node, root_node))
+        NETWORK[algo](net_call, buf, root, root_node)
     bcast.broadcast(ctx, buf, here)
+
+
+def _mpi(net_call, buf, root: int, root_node: int) -> None:
+    net_mpi.broadcast(net_call, buf, root_node)
+
+
+def _binomial(net_call, buf, root: int, root_node: int) -> None:
+    topo = net_call.topo
+    net_call.run(net_binomial.broadcast(net_call, buf, speakers(topo, root), topo.my_node,
+                                        root_node))
+
+
+# the ``broadcast/network`` table's algorithms (selection.py): name -> what runs it among
+# the speakers
+NETWORK = {"mpi": _mpi, "binomial": _binomial}

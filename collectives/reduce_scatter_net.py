@@ -35,14 +35,18 @@ from .reduce_ops import PREMUL_SUM, finish_phases, phase_specs, reduce_into
 
 def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     """``out`` = reduction over all ranks of their ``inputs[rank]`` (flat typed)."""
-    net_call = ctx.net_call
-    topo = net_call.topo
-    layout = ctx.selection.select("reduce_scatter/nodes", max(t.numel() for t in inputs) * out.element_size(), ctx.size,
+    topo = ctx.net_call.topo
+    layout = ctx.selection.select("reduce_scatter/nodes",
+                                  max(t.numel() for t in inputs) * out.element_size(), ctx.size,
                                   even=topo.even)
     ctx.chose(layout)
-    if layout == "columns":
-        _columns_reduce_scatter(ctx, out, inputs, spec)
-        return
+    LAYOUTS[layout](ctx, out, inputs, spec)
+
+
+def _leader_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+    """Uneven nodes (see the module docstring)."""
+    net_call = ctx.net_call
+    topo = net_call.topo
     first, later = phase_specs(spec)
     order = [g for node in topo.nodes for g in node]  # node-major
     full = torch.cat([inputs[g] for g in order]) if order else out[:0]
@@ -88,7 +92,8 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
                                 len(column), uniform=len(sizes) == 1,
                                 native=net_mpi.serves(net_call.net, column))
     ctx.chose(algo)
-    if alone and algo == "direct":  # every message posted before the one wait
+    exchange = NETWORK[algo]
+    if alone and exchange.deferrable:  # every message posted before the one wait
         net_call.deferrable()
     # ``out`` is written only once every input has been read and sent: it may alias one of
     # the inputs (an in-place reduce_scatter).
@@ -106,19 +111,44 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
         partial[b] = dest
     if len(topo.local) == 1:
         ctx.finish()
-    if algo == "mpi":
-        net_mpi.reduce_scatter(net_call, out, [partial[b] for b in range(len(column))], mine,
-                               later)
-        finish_phases(out, spec, topo.size)
-        return
-    if algo == "halving":
-        m = out.numel()
-        work = net_call.buffer("rhwork", m * len(column), out.dtype)
-        for b in range(len(column)):
-            work[b * m:(b + 1) * m].copy_(partial[b])
-        net_call.run(net_halving.reduce_scatter(net_call, out, work, column, mine, later))
-        finish_phases(out, spec, topo.size)
-        return
+    exchange.run(ctx, out, [partial[b] for b in range(len(column))], column, later, spec)
+
+
+class _Exchange:
+    """A ``reduce_scatter/network`` algorithm: ``run(ctx, out, partials, column, later,
+    spec)`` reduce-scatters the node partials (``partials[b]``: this node's partial of node
+    b's block) among the column with ``later`` (reduce_ops.phase_specs) and finishes the
+    call's ``spec``; ``deferrable``: a call alone on its node may defer its
+    one wait (every message is posted before it)."""
+
+    __slots__ = ("run", "deferrable")
+
+    def __init__(self, run, deferrable: bool = False):
+        self.run, self.deferrable = run, deferrable
+
+
+def _mpi(ctx: Context, out, partials: list, column: list, later, spec) -> None:
+    net_call = ctx.net_call
+    net_mpi.reduce_scatter(net_call, out, partials, net_call.topo.my_node, later)
+    finish_phases(out, spec, net_call.topo.size)
+
+
+def _halving(ctx: Context, out, partials: list, column: list, later, spec) -> None:
+    net_call = ctx.net_call
+    m = out.numel()
+    work = net_call.buffer("rhwork", m * len(column), out.dtype)
+    for b in range(len(column)):
+        work[b * m:(b + 1) * m].copy_(partials[b])
+    net_call.run(net_halving.reduce_scatter(net_call, out, work, column,
+                                            net_call.topo.my_node, later))
+    finish_phases(out, spec, net_call.topo.size)
+
+
+def _direct(ctx: Context, out, partials: list, column: list, later, spec) -> None:
+    """Each rank sends every other its partial and reduces its own block's, in node order."""
+    net_call = ctx.net_call
+    topo = net_call.topo
+    mine = topo.my_node
     got = {}
     for b in range(len(topo.nodes)):
         if b != mine:
@@ -126,10 +156,10 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
             net_call.recv(column[b], got[b])
     for b in range(len(topo.nodes)):
         if b != mine:
-            net_call.send(column[b], partial[b])
+            net_call.send(column[b], partials[b])
 
     def rest() -> None:
-        views = [partial[mine] if b == mine else got[b] for b in range(len(topo.nodes))]
+        views = [partials[mine] if b == mine else got[b] for b in range(len(topo.nodes))]
         if len(views) == 2:  # elementwise, so out may alias views[0] (an in-place call)
             reduce_into(out, views, later, 2, ctx.scratch)
         else:
@@ -139,3 +169,10 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
         finish_phases(out, spec, topo.size)
 
     net_call.wait_then(rest)
+
+
+# the ``reduce_scatter/nodes`` table's algorithms (selection.py): name -> what runs it
+LAYOUTS = {"columns": _columns_reduce_scatter, "leader": _leader_reduce_scatter}
+# the ``reduce_scatter/network`` table's algorithms: name -> the column's exchange
+NETWORK = {"direct": _Exchange(_direct, deferrable=True), "mpi": _Exchange(_mpi),
+           "halving": _Exchange(_halving)}

@@ -48,13 +48,24 @@ def reduce(ctx: Context, out, inp, spec, root: int) -> None:
     part = torch.empty_like(inp) if ctx.rank == here else inp
     rooted.reduce(ctx, part, inp, first, here)
     if ctx.rank == here:
-        ctx.chose(ctx.selection.select("reduce/network", part.numel() * part.element_size(),
-                                       len(topo.nodes)))
-        net_call.run(net_binomial.reduce(net_call, part, speakers(topo, root), topo.my_node,
-                                         topo.node_of(root), later))
+        algo = ctx.selection.select("reduce/network", part.numel() * part.element_size(),
+                                    len(topo.nodes))
+        ctx.chose(algo)
+        REDUCE_NETWORK[algo](net_call, part, root, later)
     if topo.rank == root:
         out.copy_(part)
         finish_phases(out, spec, topo.size)
+
+
+def _binomial_reduce(net_call, part, root: int, spec) -> None:
+    topo = net_call.topo
+    net_call.run(net_binomial.reduce(net_call, part, speakers(topo, root), topo.my_node,
+                                     topo.node_of(root), spec))
+
+
+# the ``reduce/network`` table's algorithms (selection.py): name -> what runs it among the
+# speakers
+REDUCE_NETWORK = {"binomial": _binomial_reduce}
 
 
 def gather(ctx: Context, outs: list, inp, root: int) -> None:

@@ -255,8 +255,8 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch, selection=DEFAULT) -
 
     monkeypatch.setattr(allreduce_net.rs, "reduce_scatter", record("hierarchical"))
     monkeypatch.setattr(allreduce_net.allreduce, "all_reduce", record("leader"))
-    for name in allreduce_net._NETWORK:
-        monkeypatch.setitem(allreduce_net._NETWORK, name, network(name))
+    for name in allreduce_net.NETWORK:
+        monkeypatch.setitem(allreduce_net.NETWORK, name, network(name))
     topo = Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
     net_call = SimpleNamespace(topo=topo, buffer=network("direct"), deferrable=lambda: None,
                                net=SimpleNamespace(column=None))

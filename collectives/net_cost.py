@@ -140,60 +140,110 @@ def shape(collective: str, algorithm: str, ranks: int, nbytes: int) -> Shape:
     P, n = ranks, float(nbytes)
     if P < 2:
         return Shape(0, 0, 0, 0.0)
-    key = (collective, algorithm)
-    if algorithm == "direct":  # every rank sends to and receives from every other at once
-        per = P - 1
-        msgs = per * (1 + _big(n))
-        reduced = per * n if collective in ("all_reduce", "reduce_scatter") else 0.0
-        return Shape(1, msgs, msgs, per * n, reduced)
-    if key == ("all_reduce", "recursive_doubling"):
-        k, f = _levels(P)
-        msgs = (k + f) * (1 + _big(n))
-        # (the fold-in overlaps the first exchange of the partner that did not fold)
-        return Shape(k + f, msgs, msgs, (k + f) * n, (k + f) * n)
-    if key == ("all_reduce", "rabenseifner"):
-        k, f = _levels(P)
-        p = 1 << k
-        desc = sum(_big(n / 2 ** (j + 1)) for j in range(k)) + f * _big(n)
-        msgs = 2 * k + f + desc
-        return Shape(2 * k + 2 * f, msgs, msgs, 2 * n * (p - 1) / p + f * n,
-                     n * (p - 1) / p + f * n)
-    if key == ("all_reduce", "ring"):
-        msgs = 2 * (P - 1) + _big(n / P)
-        return Shape(2 * (P - 1), msgs, msgs, 2 * n * (P - 1) / P, n * (P - 1) / P)
-    if key == ("all_reduce", "halves"):
-        msgs = 2 + _big(n / 2)
-        return Shape(2, msgs, msgs, n, n / 2)
-    if key == ("all_gather", "recursive_doubling"):
-        k, f = _levels(P)
-        desc = sum(_big(n * 2 ** j) for j in range(k))
-        return Shape(k + 2 * f, k + f + desc + f * _big(P * n), k + f + desc + f * _big(n),
-                     (P - 1) * n + f * P * n, copied=2 * P * n)
-    if key == ("barrier", "recursive_doubling"):
-        k, f = _levels(P)
-        return Shape(k + 2 * f, k + f, k + f, 0.0)
-    if key == ("all_gather", "bruck"):
-        d = _depth(P)
-        msgs = d + sum(_big(n * min(2 ** j, P - 2 ** j)) for j in range(d))
-        return Shape(d, msgs, msgs, (P - 1) * n, copied=2 * P * n)
-    if key == ("reduce_scatter", "halving"):
-        k, f = _levels(P)
-        p = 1 << k
-        total = P * n
-        desc = sum(_big(total / 2 ** j) for j in range(1, k + 1))
-        return Shape(k + 2 * f, k + f + desc + f * _big(n), k + f + desc + f * _big(total),
-                     total * (p - 1) / p + f * total, total * (p - 1) / p + f * total,
-                     copied=total)
-    if key == ("broadcast", "binomial"):  # the root sends to its ceil(log2 P) children
-        d = _depth(P)
-        return Shape(_tree_depth(P), d * (1 + _big(n)), 1 + _big(n), d * n)
-    if key == ("reduce", "binomial"):
-        d = _depth(P)
-        return Shape(_tree_depth(P), 1 + _big(n), d * (1 + _big(n)), d * n, d * n)
-    if key == ("barrier", "dissemination"):
-        d = _depth(P)
-        return Shape(d, d, d, 0.0)
-    raise ValueError(f"no cost model for {collective} {algorithm}")
+    price = SHAPES.get((collective, algorithm)) or _ANY_COLLECTIVE.get(algorithm)
+    if price is None:
+        raise ValueError(f"no cost model for {collective} {algorithm}")
+    return price(collective, P, n)
+
+
+def _direct(collective: str, P: int, n: float) -> Shape:
+    """Every rank sends to and receives from every other at once."""
+    per = P - 1
+    msgs = per * (1 + _big(n))
+    reduced = per * n if collective in _REDUCING else 0.0
+    return Shape(1, msgs, msgs, per * n, reduced)
+
+
+_REDUCING = frozenset({"all_reduce", "reduce_scatter"})  # collectives that add what comes
+
+
+def _all_reduce_recursive_doubling(collective: str, P: int, n: float) -> Shape:
+    k, f = _levels(P)
+    msgs = (k + f) * (1 + _big(n))
+    # (the fold-in overlaps the first exchange of the partner that did not fold)
+    return Shape(k + f, msgs, msgs, (k + f) * n, (k + f) * n)
+
+
+def _all_reduce_rabenseifner(collective: str, P: int, n: float) -> Shape:
+    k, f = _levels(P)
+    p = 1 << k
+    desc = sum(_big(n / 2 ** (j + 1)) for j in range(k)) + f * _big(n)
+    msgs = 2 * k + f + desc
+    return Shape(2 * k + 2 * f, msgs, msgs, 2 * n * (p - 1) / p + f * n,
+                 n * (p - 1) / p + f * n)
+
+
+def _all_reduce_ring(collective: str, P: int, n: float) -> Shape:
+    msgs = 2 * (P - 1) + _big(n / P)
+    return Shape(2 * (P - 1), msgs, msgs, 2 * n * (P - 1) / P, n * (P - 1) / P)
+
+
+def _all_reduce_halves(collective: str, P: int, n: float) -> Shape:
+    msgs = 2 + _big(n / 2)
+    return Shape(2, msgs, msgs, n, n / 2)
+
+
+def _all_gather_recursive_doubling(collective: str, P: int, n: float) -> Shape:
+    k, f = _levels(P)
+    desc = sum(_big(n * 2 ** j) for j in range(k))
+    return Shape(k + 2 * f, k + f + desc + f * _big(P * n), k + f + desc + f * _big(n),
+                 (P - 1) * n + f * P * n, copied=2 * P * n)
+
+
+def _barrier_recursive_doubling(collective: str, P: int, n: float) -> Shape:
+    k, f = _levels(P)
+    return Shape(k + 2 * f, k + f, k + f, 0.0)
+
+
+def _all_gather_bruck(collective: str, P: int, n: float) -> Shape:
+    d = _depth(P)
+    msgs = d + sum(_big(n * min(2 ** j, P - 2 ** j)) for j in range(d))
+    return Shape(d, msgs, msgs, (P - 1) * n, copied=2 * P * n)
+
+
+def _reduce_scatter_halving(collective: str, P: int, n: float) -> Shape:
+    k, f = _levels(P)
+    p = 1 << k
+    total = P * n
+    desc = sum(_big(total / 2 ** j) for j in range(1, k + 1))
+    return Shape(k + 2 * f, k + f + desc + f * _big(n), k + f + desc + f * _big(total),
+                 total * (p - 1) / p + f * total, total * (p - 1) / p + f * total,
+                 copied=total)
+
+
+def _broadcast_binomial(collective: str, P: int, n: float) -> Shape:
+    """The root sends to its ceil(log2 P) children."""
+    d = _depth(P)
+    return Shape(_tree_depth(P), d * (1 + _big(n)), 1 + _big(n), d * n)
+
+
+def _reduce_binomial(collective: str, P: int, n: float) -> Shape:
+    d = _depth(P)
+    return Shape(_tree_depth(P), 1 + _big(n), d * (1 + _big(n)), d * n, d * n)
+
+
+def _barrier_dissemination(collective: str, P: int, n: float) -> Shape:
+    d = _depth(P)
+    return Shape(d, d, d, 0.0)
+
+
+# (collective, algorithm) -> its critical path ``price(collective, ranks, nbytes)``: adding
+# an algorithm to a ``_modelled`` row of selection.py means an entry here
+SHAPES = {
+    ("all_reduce", "recursive_doubling"): _all_reduce_recursive_doubling,
+    ("all_reduce", "rabenseifner"): _all_reduce_rabenseifner,
+    ("all_reduce", "ring"): _all_reduce_ring,
+    ("all_reduce", "halves"): _all_reduce_halves,
+    ("all_gather", "recursive_doubling"): _all_gather_recursive_doubling,
+    ("barrier", "recursive_doubling"): _barrier_recursive_doubling,
+    ("all_gather", "bruck"): _all_gather_bruck,
+    ("reduce_scatter", "halving"): _reduce_scatter_halving,
+    ("broadcast", "binomial"): _broadcast_binomial,
+    ("reduce", "binomial"): _reduce_binomial,
+    ("barrier", "dissemination"): _barrier_dissemination,
+}
+# algorithm -> its price in any collective
+_ANY_COLLECTIVE = {"direct": _direct}
 
 
 def cheapest(collective: str, candidates, ranks: int, nbytes: int, link: Link) -> str:

@@ -20,14 +20,16 @@ from . import single_copy
 from .context import Context, SlotViews, steps_for
 
 
-def choose(selection, channel, nbytes: int, first: bool = True) -> str:
-    """The ``all_gather`` table's algorithm for contributions of at most ``nbytes``."""
-    return selection.select("all_gather", nbytes, channel.size, cma=channel.cma, first=first)
+def choose(selection, channel, nbytes: int) -> str:
+    """The ``all_gather`` table's algorithm for contributions of at most ``nbytes`` (the
+    same in any phase of a call: a two-level collective's later all_gather chooses for
+    itself)."""
+    return selection.select("all_gather", nbytes, channel.size, cma=channel.cma)
 
 
 def all_gather(ctx: Context, outs: list, inp) -> None:
     """Copy every rank's uint8 ``inp`` into ``outs[rank]`` on every rank."""
-    algo = choose(ctx.selection, ctx.channel, max(o.numel() for o in outs), not ctx.checked)
+    algo = choose(ctx.selection, ctx.channel, max(o.numel() for o in outs))
     ctx.chose(algo)
     ALGORITHMS[algo](ctx, outs, inp)
 
@@ -50,7 +52,7 @@ def _slots(ctx: Context, outs: list, inp) -> None:
 
 def all_gather_into(ctx: Context, out, inp) -> None:
     """All-gather the 1-D ``inp`` of every rank into the 1-D ``out`` (rank k's at block k)."""
-    algo = choose(ctx.selection, ctx.channel, inp.numel() * inp.element_size(), not ctx.checked)
+    algo = choose(ctx.selection, ctx.channel, inp.numel() * inp.element_size())
     ctx.chose(algo)
     INTO[algo](ctx, out, inp)
 

@@ -29,17 +29,19 @@ from .context import ALIGN_BYTES, Context, SlotViews, flat, partition
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
 
-def choose(selection, channel, numel: int, element_size: int, first: bool = True) -> str:
-    """The ``all_reduce`` table's algorithm for ``numel`` elements on ``channel``."""
+def choose(selection, channel, numel: int, element_size: int) -> str:
+    """The ``all_reduce`` table's algorithm for ``numel`` elements on ``channel`` (the same
+    in any phase of a call: single copy publishes its addresses with whichever step comes
+    first, single_copy.py)."""
     size = channel.size
     return selection.select("all_reduce", numel * element_size, size, numel=numel,
                             block=-(-numel // size) * element_size,  # each rank's block
-                            cma=channel.cma, first=first)
+                            cma=channel.cma)
 
 
 def all_reduce(ctx: Context, out, inp, spec) -> None:
     """Reduce the contiguous tensor ``inp`` across ranks into ``out`` (same shape; may alias)."""
-    algo = choose(ctx.selection, ctx.channel, inp.numel(), inp.element_size(), not ctx.checked)
+    algo = choose(ctx.selection, ctx.channel, inp.numel(), inp.element_size())
     ctx.chose(algo)
     ALGORITHMS[algo](ctx, out, inp, spec)
 

@@ -27,16 +27,17 @@ def block_elements(channel, element_size: int) -> int:
     return (channel.slot_bytes // channel.size) // ALIGN_BYTES * ALIGN_BYTES // element_size
 
 
-def choose(selection, channel, nbytes: int, inputs: int, first: bool = True) -> str:
-    """The ``reduce_scatter`` table's algorithm for blocks of at most ``nbytes``."""
+def choose(selection, channel, nbytes: int, inputs: int) -> str:
+    """The ``reduce_scatter`` table's algorithm for blocks of at most ``nbytes`` (the same
+    in any phase of a call)."""
     return selection.select("reduce_scatter", nbytes, channel.size, cma=channel.cma,
-                            first=first, addresses=inputs)
+                            addresses=inputs)
 
 
 def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     """``out`` (rank r's result) = reduction over ranks of their ``inputs[r]``; typed, flat."""
     nbytes = max(t.numel() for t in inputs) * out.element_size()
-    algo = choose(ctx.selection, ctx.channel, nbytes, len(inputs), not ctx.checked)
+    algo = choose(ctx.selection, ctx.channel, nbytes, len(inputs))
     ctx.chose(algo)
     ALGORITHMS[algo](ctx, out, inputs, spec)
 

@@ -4,10 +4,16 @@ How selection works
 -------------------
 Each table is an ordered list of rows ``(algorithm, condition)``. ``Selection.select``
 returns the algorithm of the first row whose condition holds for the call *and* that can
-run in it (``RUNS``: e.g. single copy needs cross-memory attach and the call's first step);
+run in it (``RUNS``: e.g. single copy needs cross-memory attach; ``RUNS_IN``: what an
+algorithm needs in one table only, e.g. all_to_all's single copy the call's first step);
 every table ends with a row that always holds and always runs. The algorithm modules ask
 (``ctx.selection.select("all_reduce", ...)``) instead of comparing thresholds themselves,
-and ``bench/costmodel.py`` asks the same tables for the algorithm it models.
+and ``bench/costmodel.py`` asks the same tables for the algorithm it models. Each module
+runs the name it is given from its registry (name -> function: ``ALGORITHMS``,
+``LAYOUTS``, ``NETWORK``), so adding an algorithm is a row here and an entry there; no
+module outside this one compares algorithm names (tests/units/test_selection.py). Every
+phase of a collective asks its own table: the all_gather that ends a hierarchical
+all_reduce chooses as an all_gather of its size would.
 
 A collective has one table per stage it goes through:
 
@@ -71,7 +77,7 @@ class Situation:
     """What a table's conditions read: ``nbytes`` and ``ranks`` (see the module docstring),
     ``numel`` (elements of the buffer), ``block`` (bytes of the largest per-rank block),
     ``cma`` (the node's ranks can read each other's memory), ``first`` (the algorithm
-    begins with the call's first step), ``even`` (nodes of equal size), ``addresses``
+    begins with the call's first step: all_to_all), ``even`` (nodes of equal size), ``addresses``
     (tensors a single-copy algorithm must publish), ``uniform`` (every rank's block has the
     same size), ``native`` (the network phase's ranks are a column the transport runs its
     own collectives on: net_mpi.serves), and the group's ``small_bytes``, ``slot_bytes``
@@ -99,7 +105,7 @@ def _modelled(table: str, algorithm: str):
     can run here (``RUNS``) and that the cost model predicts fastest."""
     def holds(s: Situation) -> bool:
         candidates = [name for name, cond in TABLES[table]
-                      if getattr(cond, "modelled", False) and RUNS.get(name, _always)(s)]
+                      if getattr(cond, "modelled", False) and _runs(table, name)(s)]
         return net_cost.cheapest(collective(table), candidates, s.ranks, s.nbytes,
                                  s.link) == algorithm
     holds.modelled = True
@@ -190,8 +196,9 @@ TABLES: dict[str, tuple] = {
 # algorithm -> can it run in this situation (absent: always). A row whose algorithm cannot
 # run is skipped, overrides included.
 RUNS = {
-    "single_copy": lambda s: (s.cma and s.ranks > 1 and s.first
-                              and s.addresses <= MAX_ADDRESSES),
+    # (the addresses travel in the call descriptor or, in a later phase, in a slot:
+    # single_copy.py; the descriptor holds MAX_ADDRESSES)
+    "single_copy": lambda s: s.cma and s.ranks > 1 and s.addresses <= MAX_ADDRESSES,
     "hierarchical": lambda s: s.even,
     "columns": lambda s: s.even,
     "ring": lambda s: s.ranks >= 2 and s.numel >= s.ranks,
@@ -202,13 +209,30 @@ RUNS = {
     "mpi": lambda s: s.native and s.uniform,
 }
 
+# table -> algorithm -> what else it needs in that table only
+RUNS_IN = {
+    # all_to_all decides after its first step (once every rank knows every size), and its
+    # single copy reads the addresses every rank posted with that step: it can run only
+    # in a call that began there (alltoall.py)
+    "all_to_all": {"single_copy": lambda s: s.first},
+}
+
+
+def _runs(table: str, algorithm: str):
+    """Can ``table``'s ``algorithm`` run in a situation (``RUNS`` and ``RUNS_IN``)?"""
+    anywhere = RUNS.get(algorithm, _always)
+    here = RUNS_IN.get(table, {}).get(algorithm)
+    if here is None:
+        return anywhere
+    return lambda s: anywhere(s) and here(s)
+
 
 def can_run(table: str, algorithm: str, ranks: int, **situation) -> bool:
     """Can ``table``'s ``algorithm`` run among ``ranks`` ranks (``RUNS``; the other fields
     of ``Situation`` as keywords)? For an algorithm that must prepare in the call's first
     step what it needs if the table picks it later (all_to_all's single copy: the
     addresses)."""
-    return RUNS.get(algorithm, _always)(Situation(0, ranks, **situation))
+    return _runs(table, algorithm)(Situation(0, ranks, **situation))
 
 
 def collective(table: str) -> str:
@@ -297,7 +321,9 @@ class Selection:
         for table, rows in TABLES.items():
             front = tuple((o.algorithm, _in_range(o.lo, o.hi)) for o in overrides
                           if o.table == table)
-            self._rows[table] = front + rows
+            # (algorithm, condition, can it run)
+            self._rows[table] = tuple((algorithm, holds, _runs(table, algorithm))
+                                      for algorithm, holds in front + rows)
         # (table, nbytes, ranks, situation) -> algorithm: the rows are pure functions of
         # these, and a dict lookup costs less than building a Situation and its rows' calls
         self._memo: dict = {}
@@ -317,8 +343,8 @@ class Selection:
     def _select(self, table: str, nbytes: int, ranks: int, situation: dict) -> str:
         s = Situation(nbytes, ranks, small_bytes=self.small_bytes, slot_bytes=self.slot_bytes,
                       link=self.link, **situation)
-        for algorithm, holds in self._rows[table]:
-            if holds(s) and RUNS.get(algorithm, _always)(s):
+        for algorithm, holds, runs in self._rows[table]:
+            if holds(s) and runs(s):
                 return algorithm
         raise AssertionError(f"selection table {table} has no row for {nbytes} B")  # pragma: no cover
 

@@ -4,8 +4,10 @@ With cross-memory attach (transport/shm/cma.py, ``channel.read_peer``) a rank ca
 tensor, so a byte crosses memory once instead of twice (into a shared slot, then out).
 Every algorithm here has the same shape:
 
-1. First step: each rank posts the addresses of its tensors in its call descriptor (after
-   the words that are checked for a matching call).
+1. Each rank posts the addresses of its tensors: with the call's first step in its call
+   descriptor (after the words that are checked for a matching call), or, in a later
+   phase of a call (the all_gather of a two-level all_reduce), in its slot of the next
+   step. Either way one step, so every phase of a call may choose single copy itself.
 2. Each rank reads what it needs from its peers' memory, each into a part of its own output
    that no peer reads at the same time.
 3. A last step: nobody returns (and lets its caller change or free the tensors) while a
@@ -25,6 +27,8 @@ path. Used when the node's ranks agreed CMA works and the message is large: sele
 
 from __future__ import annotations
 
+import ctypes
+
 from .context import ALIGN_BYTES, Context, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, reduce_into
 
@@ -33,11 +37,26 @@ from .reduce_ops import PREMUL_SUM, ReduceSpec, reduce_into
 CHUNK_BYTES = 1 << 20
 
 
+# n -> ctypes.c_int64 * n, kept: ctypes holds an array type only weakly, and one made per
+# call would be left for the cycle collector
+_WORDS: dict = {}
+
+
 def _publish(ctx: Context, addresses) -> list:
-    """First step: post our addresses; return every rank's (ours included)."""
-    ctx.step(tuple(addresses))
+    """Post our addresses with the next step; return every rank's (ours included)."""
     n = len(addresses)
-    return [tuple(addresses) if k == ctx.rank else ctx.peer_extra(k, n) for k in range(ctx.size)]
+    if not ctx.checked:  # the call's first step: in the call descriptor
+        ctx.step(tuple(addresses))
+        return [tuple(addresses) if k == ctx.rank else ctx.peer_extra(k, n)
+                for k in range(ctx.size)]
+    # A later step: in our slot (the descriptor is posted with the first step only). Every
+    # rank of the call runs the same phases, so all publish the same way.
+    words = _WORDS.get(n) or _WORDS.setdefault(n, ctypes.c_int64 * n)
+    words.from_address(ctx.my_slot().data_ptr())[:] = addresses
+    ctx.step()
+    return [tuple(addresses) if k == ctx.rank
+            else tuple(words.from_address(ctx.peer_slot(k).data_ptr()))
+            for k in range(ctx.size)]
 
 
 def _read(ctx: Context, k: int, local: int, remote: int, nbytes: int) -> None:

@@ -28,6 +28,10 @@ ACROSS = {
     "all_reduce=hierarchical,all_reduce=ring": ["hierarchical", "ring"],
     "all_reduce=hierarchical,all_reduce=halves": ["hierarchical", "halves"],
     "all_reduce=direct": ["hierarchical", "direct"],
+    # the all_gather that ends the hierarchical all_reduce chooses for itself, after the
+    # call's first step (the reduce_scatter phase took it): single copy where CMA works
+    "all_reduce=hierarchical,all_gather=single_copy": [
+        "hierarchical", "direct", "single_copy" if cma_expected() else "slots"],
 }
 ONE_NODE = {
     "all_reduce=one_step": ["one_step"],

@@ -3,9 +3,12 @@ NEURON_DIST_ALGO overrides, and the errors a bad override gives at init."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from neuron_dist.collectives import alltoall, selection as sel
 from neuron_dist.collectives.selection import (HALVES_BYTES, HIERARCHICAL_MIN_ELEMENTS,
@@ -35,6 +38,7 @@ def test_every_table_ends_with_a_row_that_always_holds_and_runs():
     for table, rows in sel.TABLES.items():
         algorithm, holds = rows[-1]
         assert holds(anything) and algorithm not in sel.RUNS, table
+        assert algorithm not in sel.RUNS_IN.get(table, {}), table
         assert "/" not in algorithm and algorithm == algorithm.lower()
 
 
@@ -53,7 +57,8 @@ def test_one_node_all_reduce_defaults():
     assert ar(D, 4 * SINGLE_COPY_BYTES, ranks=4, cma=True) == "single_copy"
     assert ar(D, SLOT + 4) == ar(D, 2 * SINGLE_COPY_BYTES - 8, cma=True) == "one_step"
     assert ar(D, 2 * SINGLE_COPY_BYTES, cma=False) == "one_step"
-    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=True, first=False) == "one_step"  # a later phase
+    # a later phase of a call (a hierarchical all_reduce's) chooses as a call would
+    assert ar(D, 2 * SINGLE_COPY_BYTES, cma=True, first=False) == "single_copy"
     assert ar(D, SLOT + 4, ranks=3) == ar(D, 4 * SINGLE_COPY_BYTES, ranks=4) == "two_step"
     # NEURON_DIST_SMALL_BYTES above the slot: one step only up to a slot
     assert ar(Selection(4 << 20, SLOT), SLOT, ranks=8) == "one_step"
@@ -172,7 +177,8 @@ def test_overrides_force_an_algorithm_where_it_can_run():
     assert net(s, 8, 2) == net(s, 8, 3) == "rabenseifner"
     s = over("all_reduce=single_copy")
     assert ar(s, 8, cma=True) == "single_copy"
-    assert ar(s, 8, cma=False) == ar(s, 8, cma=True, first=False) == "one_step"
+    assert ar(s, 8, cma=False) == ar(s, 8, ranks=1, cma=True) == "one_step"
+    assert ar(s, 8, cma=True, first=False) == "single_copy"  # (any phase: single_copy.py)
     s = over("all_reduce=two_step")
     assert ar(s, 8) == ar(s, 8, ranks=1) == "two_step"
     s = over("all_reduce=hierarchical")
@@ -255,7 +261,7 @@ def test_a_remembered_choice_is_the_choice_for_that_very_situation():
     big = 4 * SINGLE_COPY_BYTES
     assert ar(s, big, cma=True) == "single_copy"
     assert ar(s, big, cma=False) != "single_copy"  # (cma differs: not the remembered one)
-    assert ar(s, big, cma=True, first=False) != "single_copy"
+    assert ar(s, big, ranks=1, cma=True) != "single_copy"
     assert ar(s, big, cma=True) == "single_copy"
     assert net(s, 8, 16) == "recursive_doubling" and net(s, 8, 2) == "direct"
     forced = over("all_reduce=two_step")
@@ -300,3 +306,122 @@ def test_mpi_collectives_where_the_transport_has_the_column():
     assert s.select("broadcast/network", 257, 5, native=True) == "binomial"
     forced = over("all_reduce=recursive_doubling")
     assert forced.select("all_reduce/network", 8, 8, numel=2, native=True) == "recursive_doubling"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _registries() -> dict:
+    """table -> the registry (name -> what runs it) of the module that runs its algorithms."""
+    from neuron_dist.collectives import (allgather, allgather_net, allreduce, allreduce_net,
+                                         barrier_net, broadcast_net, reduce_scatter,
+                                         reduce_scatter_net, rooted_net)
+    return {
+        "all_reduce": [allreduce.ALGORITHMS],
+        "all_gather": [allgather.ALGORITHMS, allgather.INTO],
+        "reduce_scatter": [reduce_scatter.ALGORITHMS],
+        "all_to_all": [alltoall.ALGORITHMS],
+        "all_reduce/nodes": [allreduce_net.LAYOUTS],
+        "all_gather/nodes": [allgather_net.LAYOUTS],
+        "reduce_scatter/nodes": [reduce_scatter_net.LAYOUTS],
+        "all_reduce/network": [allreduce_net.NETWORK],
+        "all_gather/network": [allgather_net.NETWORK],
+        "reduce_scatter/network": [reduce_scatter_net.NETWORK],
+        "broadcast/network": [broadcast_net.NETWORK],
+        "reduce/network": [rooted_net.REDUCE_NETWORK],
+        "barrier/network": [barrier_net.NETWORK],
+    }
+
+
+def test_every_algorithm_of_a_table_runs_from_its_modules_registry():
+    """Adding an algorithm is a row and a registry entry: each table's algorithms are
+    exactly the names its module's registries run, and the cost model prices every
+    algorithm of a modelled row."""
+    from neuron_dist.collectives import net_cost
+    registries = _registries()
+    assert set(registries) == set(sel.TABLES)
+    for table, regs in registries.items():
+        for reg in regs:
+            assert set(reg) == set(sel.algorithms(table)), table
+        for name, cond in sel.TABLES[table]:
+            if getattr(cond, "modelled", False):
+                net_cost.shape(sel.collective(table), name, 4, 1024)  # (raises if unpriced)
+
+
+def _compares_names(source: str, names: set) -> list:
+    """The lines where ``source`` compares something with an algorithm name (``==``, ``!=``, ``in``,
+    ``not in`` with a name or a tuple, list or set holding one) or with a plan's
+    ``ALGORITHM``."""
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return isinstance(node, ast.Attribute) and node.attr == "ALGORITHM"
+
+    def transport(node) -> bool:  # ("mpi" names a transport too: NEURON_DIST_TRANSPORT)
+        return isinstance(node, ast.Attribute) and node.attr == "transport"
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Compare) and not transport(node.left)
+                and any(named(x) for x in [node.left, *node.comparators])):
+            found.append(node.lineno)
+        if isinstance(node, ast.Match):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_module_outside_selection_py_compares_algorithm_names():
+    """Algorithm choice is only in the tables: the modules that run algorithms look the
+    chosen name up in a registry, and never compare it (no if-chains on names)."""
+    names = {name for table in sel.TABLES for name in sel.algorithms(table)} | set(sel.RUNS)
+    found = []
+    for folder in ("collectives", "neuron_dist", "transport"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path == REPO / "collectives" / "selection.py":
+                continue
+            found += [f"{path.relative_to(REPO)}:{line}"
+                      for line in _compares_names(path.read_text(), names)]
+    assert not found, found
+    # (the check sees what it is for, as the code before the registries had it)
+    old = ('if algo == "one_step" and n <= cap:\n    pass\n'
+           'x = algo != "direct"\ny = plan.ALGORITHM == algo\n'
+           'z = algo in ("mpi", "halves")\n'
+           'ok = settings.transport == "mpi"\n')
+    assert sorted(_compares_names(old, names)) == [1, 3, 4, 5]
+
+
+def test_a_later_phase_of_a_two_level_all_reduce_chooses_for_itself(monkeypatch):
+    """The all_gather that ends a hierarchical all_reduce asks the all_gather table as an
+    all_gather of its size would: after the call's first step (which the reduce_scatter
+    phase took) it still runs single copy where the table picks it (single_copy.py
+    publishes its addresses through the slots then)."""
+    from neuron_dist.collectives import allgather, allreduce_net
+    from neuron_dist.collectives.reduce_ops import SUM, ReduceSpec
+    from neuron_dist.topology import Topology
+
+    ran, names = [], []
+    for name in allgather.ALGORITHMS:
+        monkeypatch.setitem(allgather.ALGORITHMS, name,
+                            lambda ctx, outs, inp, name=name: ran.append((name, ctx.checked)))
+
+    def reduce_scatter_phase(ctx, out, inputs, spec):
+        ctx.checked = True  # it took the call's first step
+
+    monkeypatch.setattr(allreduce_net.rs, "reduce_scatter", reduce_scatter_phase)
+    monkeypatch.setattr(allreduce_net, "_exchange_reduce", lambda *args, **kwargs: None)
+    topo = Topology.from_names(0, ["a", "a", "b", "b"])
+    net_call = SimpleNamespace(topo=topo, wait=lambda: None,
+                               buffer=lambda name, n, dtype: torch.empty(n, dtype=dtype))
+    for cma, slice_bytes, want in ((True, SINGLE_COPY_BYTES, "single_copy"),
+                                   (True, SINGLE_COPY_BYTES // 2, "slots"),
+                                   (False, SINGLE_COPY_BYTES, "slots")):
+        ran.clear()
+        names.clear()
+        ctx = SimpleNamespace(net_call=net_call, rank=0, size=2, checked=False, selection=D,
+                              chose=names.append,
+                              channel=SimpleNamespace(size=2, cma=cma, slot_bytes=SLOT))
+        buf = torch.zeros(2 * slice_bytes // 4)  # float32: two slices of slice_bytes
+        allreduce_net.all_reduce(ctx, buf, buf, ReduceSpec(SUM))
+        assert ran == [(want, True)] and names == ["hierarchical", want], (cma, ran, names)

@@ -34,6 +34,10 @@ A collective has one table per stage it goes through:
     fastest for this many nodes and bytes on the group's ``Link`` (``NEURON_DIST_NET_COST``,
     by default the measured one).
 
+``LANES`` has tables of the same rows for what is not an algorithm but a path: which calls
+a lane serves (``express/nodes``: the express lane of a group that spans nodes), asked by
+``Selection.serves`` and out of the overrides' reach.
+
 Every rank of a call must choose the same algorithm: conditions only read what every rank
 of the call agrees on (sizes, dtypes, the node layout, what the node's ranks agreed about
 cross-memory attach, the group's settings).
@@ -53,6 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import net_cost, net_mpi
+from .net import PIGGYBACK_BYTES
 
 # ------------------------------------------------------------------------ thresholds
 # Single copy (single_copy.py) from this block size: below it, memmove through a slot that
@@ -193,6 +198,20 @@ TABLES: dict[str, tuple] = {
     ),
 }
 
+# ------------------------------------------------------------------------ the lanes
+# Which path runs a call, where a lane could: not an algorithm (a lane runs the general
+# path's own algorithm, without the set-up a repeated call does not need), so no
+# NEURON_DIST_ALGO override reaches these; ``Selection.serves`` asks them. Rows as above.
+LANES: dict[str, tuple] = {
+    # a group that spans nodes (neuron_dist/express_net.py): data that travels with its
+    # call's descriptor, in one message per peer; beyond it the transfer, not the set-up the
+    # lane saves, is the call's time
+    "express/nodes": (
+        ("express", lambda s: s.nbytes <= PIGGYBACK_BYTES),
+        ("general", _always),
+    ),
+}
+
 # algorithm -> can it run in this situation (absent: always). A row whose algorithm cannot
 # run is skipped, overrides included.
 RUNS = {
@@ -318,7 +337,7 @@ class Selection:
                  overrides: tuple = (), link: net_cost.Link = net_cost.MEASURED):
         self.small_bytes, self.slot_bytes, self.link = small_bytes, slot_bytes, link
         self._rows = {}
-        for table, rows in TABLES.items():
+        for table, rows in {**TABLES, **LANES}.items():
             front = tuple((o.algorithm, _in_range(o.lo, o.hi)) for o in overrides
                           if o.table == table)
             # (algorithm, condition, can it run)
@@ -339,6 +358,11 @@ class Selection:
                 self._memo.clear()
             self._memo[key] = algorithm
         return algorithm
+
+    def serves(self, lane: str, nbytes: int, ranks: int, **situation) -> bool:
+        """Does ``lane`` (a table of ``LANES``) serve a call of ``nbytes`` among ``ranks``
+        ranks (the other fields of ``Situation`` as keywords)?"""
+        return self.select(lane, nbytes, ranks, **situation) == "express"
 
     def _select(self, table: str, nbytes: int, ranks: int, situation: dict) -> str:
         s = Situation(nbytes, ranks, small_bytes=self.small_bytes, slot_bytes=self.slot_bytes,

@@ -13,18 +13,17 @@ is the general path's algorithm itself (``allreduce_net.all_reduce``,
 ``broadcast_net.broadcast``, ``allgather_net.all_gather``,
 ``reduce_scatter_net.reduce_scatter``, with the same selection tables), so ranks may take either
 path for the same call, and the flight recorder names the algorithm as the algorithm
-chooses it. Served: contiguous CPU tensors up to ``PIGGYBACK_BYTES`` (their data travels
-with the call's descriptor, in one message per peer); anything else (async_op, the
-profiler on, PREMUL_SUM, larger tensors, an engine with work queued) takes the general
-path.
+chooses it. Served: contiguous CPU tensors of the sizes the ``express/nodes`` lane table
+of collectives/selection.py gives it (by default those whose data travels with the call's
+descriptor, in one message per peer); anything else (async_op, the profiler on,
+PREMUL_SUM, larger tensors, an engine with work queued) takes the general path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .collectives.descriptor import Call
-from .collectives.net import PIGGYBACK_BYTES
+from .collectives.descriptor import DTYPE_CODES, Call
 from .express import ExpressLane, _Entry, _flat
 
 
@@ -51,8 +50,14 @@ class NetExpressLane(ExpressLane):
         self._all_reduce = _Algorithm(algos.all_reduce)
         self._size = net_call.topo.size
 
+    def _served(self, t) -> bool:
+        """Does the lane serve a call on ``t`` (the ``express/nodes`` lane table)?"""
+        return (t.layout is torch.strided and t.dtype in DTYPE_CODES
+                and self._selection.serves("express/nodes", t.numel() * t.element_size(),
+                                           self._size))
+
     def _all_reduce_entry(self, t, op):
-        if not self._fits(t, PIGGYBACK_BYTES):
+        if not self._served(t):
             return None
         spec = self._spec(op, t.dtype)
         if spec is None:
@@ -61,8 +66,7 @@ class NetExpressLane(ExpressLane):
                       t.numel() * t.element_size(), self._all_reduce, spec)
 
     def _broadcast_entry(self, t, root):
-        if not (type(root) is int and 0 <= root < self._size
-                and self._fits(t, PIGGYBACK_BYTES)):
+        if not (type(root) is int and 0 <= root < self._size and self._served(t)):
             return None
         broadcast = self._algos.broadcast
         return _Entry("broadcast", Call("broadcast", t.dtype, t.numel(), root=root),
@@ -73,7 +77,7 @@ class NetExpressLane(ExpressLane):
     def _all_gather_entry(self, out, inp):
         size = self._size
         if not (out.dtype == inp.dtype and out.numel() == inp.numel() * size
-                and self._fits(inp, PIGGYBACK_BYTES)):
+                and self._served(inp)):
             return None
         n = inp.numel() * inp.element_size()
         all_gather = self._algos.all_gather
@@ -84,7 +88,7 @@ class NetExpressLane(ExpressLane):
     def _reduce_scatter_entry(self, out, inp, op):
         size = self._size
         if not (out.dtype == inp.dtype and inp.numel() == out.numel() * size
-                and self._fits(inp, PIGGYBACK_BYTES)):
+                and self._served(inp)):
             return None
         spec = self._spec(op, out.dtype)
         if spec is None:

@@ -35,7 +35,7 @@ def net(s: Selection, nbytes: int, peers: int) -> str:
 
 def test_every_table_ends_with_a_row_that_always_holds_and_runs():
     anything = sel.Situation(0, 0, even=False)
-    for table, rows in sel.TABLES.items():
+    for table, rows in {**sel.TABLES, **sel.LANES}.items():
         algorithm, holds = rows[-1]
         assert holds(anything) and algorithm not in sel.RUNS, table
         assert algorithm not in sel.RUNS_IN.get(table, {}), table
@@ -425,3 +425,18 @@ def test_a_later_phase_of_a_two_level_all_reduce_chooses_for_itself(monkeypatch)
         buf = torch.zeros(2 * slice_bytes // 4)  # float32: two slices of slice_bytes
         allreduce_net.all_reduce(ctx, buf, buf, ReduceSpec(SUM))
         assert ran == [(want, True)] and names == ["hierarchical", want], (cma, ran, names)
+
+
+def test_the_express_lane_between_nodes_serves_what_its_lane_table_says():
+    """Which calls the network express lane serves is a row of the ``express/nodes`` lane
+    table (data that travels with its descriptor), not a size cap of express_net.py; a
+    lane is not an algorithm, so NEURON_DIST_ALGO cannot name it."""
+    from neuron_dist.collectives.net import PIGGYBACK_BYTES
+    assert D.serves("express/nodes", 8, 4) and D.serves("express/nodes", PIGGYBACK_BYTES, 2)
+    assert not D.serves("express/nodes", PIGGYBACK_BYTES + 1, 4)
+    assert over("all_reduce=ring").serves("express/nodes", 8, 4)
+    for text in ("express", "general", "express/nodes=general"):
+        with pytest.raises(ValueError):
+            sel.parse_overrides(text, parse_bytes)
+    for name in ("express.py", "express_net.py"):
+        assert "PIGGYBACK_BYTES" not in (REPO / "neuron_dist" / name).read_text()

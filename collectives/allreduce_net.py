@@ -103,9 +103,7 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None
     then ``rest()``, if given: the rest of a call alone on its node (local work only), which
     the direct exchange may defer with its wait (net.py, ``wait_then``)."""
     net_call = ctx.net_call
-    me = net_call.topo.rank
-    others = [p for p in peers if p != me]
-    if not others:
+    if len(peers) == 1:  # (only this rank: ``peers`` holds it)
         if rest is not None:
             rest()
         return

@@ -111,13 +111,13 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
         partial[b] = dest
     if len(topo.local) == 1:
         ctx.finish()
-    exchange.run(ctx, out, [partial[b] for b in range(len(column))], column, later, spec)
+    exchange.run(ctx, out, partial, column, later, spec)
 
 
 class _Exchange:
     """A ``reduce_scatter/network`` algorithm: ``run(ctx, out, partials, column, later,
     spec)`` reduce-scatters the node partials (``partials[b]``: this node's partial of node
-    b's block) among the column with ``later`` (reduce_ops.phase_specs) and finishes the
+    b's block, for b in node order) among the column with ``later`` (reduce_ops.phase_specs) and finishes the
     call's ``spec``; ``deferrable``: a call alone on its node may defer its
     one wait (every message is posted before it)."""
 
@@ -127,13 +127,14 @@ class _Exchange:
         self.run, self.deferrable = run, deferrable
 
 
-def _mpi(ctx: Context, out, partials: list, column: list, later, spec) -> None:
+def _mpi(ctx: Context, out, partials: dict, column: list, later, spec) -> None:
     net_call = ctx.net_call
-    net_mpi.reduce_scatter(net_call, out, partials, net_call.topo.my_node, later)
+    net_mpi.reduce_scatter(net_call, out, [partials[b] for b in range(len(column))],
+                           net_call.topo.my_node, later)
     finish_phases(out, spec, net_call.topo.size)
 
 
-def _halving(ctx: Context, out, partials: list, column: list, later, spec) -> None:
+def _halving(ctx: Context, out, partials: dict, column: list, later, spec) -> None:
     net_call = ctx.net_call
     m = out.numel()
     work = net_call.buffer("rhwork", m * len(column), out.dtype)
@@ -144,7 +145,7 @@ def _halving(ctx: Context, out, partials: list, column: list, later, spec) -> No
     finish_phases(out, spec, net_call.topo.size)
 
 
-def _direct(ctx: Context, out, partials: list, column: list, later, spec) -> None:
+def _direct(ctx: Context, out, partials: dict, column: list, later, spec) -> None:
     """Each rank sends every other its partial and reduces its own block's, in node order."""
     net_call = ctx.net_call
     topo = net_call.topo

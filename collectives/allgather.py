@@ -52,9 +52,10 @@ def _slots(ctx: Context, outs: list, inp) -> None:
 
 def all_gather_into(ctx: Context, out, inp) -> None:
     """All-gather the 1-D ``inp`` of every rank into the 1-D ``out`` (rank k's at block k)."""
-    algo = choose(ctx.selection, ctx.channel, inp.numel() * inp.element_size())
+    nbytes = inp.numel() * inp.element_size()
+    algo = choose(ctx.selection, ctx.channel, nbytes)
     ctx.chose(algo)
-    INTO[algo](ctx, out, inp)
+    INTO[algo](ctx, out, inp, nbytes)
 
 
 def single_step(selection, channel, inp):
@@ -72,14 +73,14 @@ def _blocks(ctx: Context, out, inp) -> list:
     return [out[k * n:(k + 1) * n] for k in range(ctx.size)]
 
 
-def _slots_into(ctx: Context, out, inp) -> None:
-    if inp.numel() * inp.element_size() <= ctx.channel.slot_bytes:  # one slot: the plan
+def _slots_into(ctx: Context, out, inp, nbytes: int) -> None:
+    if nbytes <= ctx.channel.slot_bytes:  # one slot: the plan
         OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp)
         return
     _slots(ctx, _blocks(ctx, out, inp), inp)
 
 
-def _single_copy_into(ctx: Context, out, inp) -> None:
+def _single_copy_into(ctx: Context, out, inp, nbytes: int) -> None:
     single_copy.all_gather(ctx, _blocks(ctx, out, inp), inp)
 
 
@@ -102,7 +103,8 @@ class OneSlot(SlotViews):
 
 
 # the ``all_gather`` table's algorithms (selection.py): name -> what runs it, for a list of
-# outputs (``all_gather``) and into one tensor (``all_gather_into``)
+# outputs (``all_gather``: ``f(ctx, outs, inp)``) and into one tensor (``all_gather_into``:
+# ``f(ctx, out, inp, nbytes)``, ``nbytes`` the input's)
 ALGORITHMS = {"slots": _slots, "single_copy": single_copy.all_gather}
 INTO = {"slots": _slots_into, "single_copy": _single_copy_into}
 # algorithm -> its single-step plan, for an input that fits one slot

@@ -41,9 +41,10 @@ def choose(selection, channel, numel: int, element_size: int) -> str:
 
 def all_reduce(ctx: Context, out, inp, spec) -> None:
     """Reduce the contiguous tensor ``inp`` across ranks into ``out`` (same shape; may alias)."""
-    algo = choose(ctx.selection, ctx.channel, inp.numel(), inp.element_size())
+    n, es = inp.numel(), inp.element_size()
+    algo = choose(ctx.selection, ctx.channel, n, es)
     ctx.chose(algo)
-    ALGORITHMS[algo](ctx, out, inp, spec)
+    ALGORITHMS[algo](ctx, out, inp, spec, n * es)
 
 
 def single_step(selection, channel, t):
@@ -56,8 +57,8 @@ def single_step(selection, channel, t):
     return PLANS.get(choose(selection, channel, numel, es))
 
 
-def _one_step(ctx: Context, out, inp, spec) -> None:
-    if inp.numel() * inp.element_size() <= ctx.channel.slot_bytes:  # one slot: the plan
+def _one_step(ctx: Context, out, inp, spec, nbytes: int) -> None:
+    if nbytes <= ctx.channel.slot_bytes:  # one slot: the plan
         OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp, spec)
         return
     out, inp = flat(out), flat(inp)
@@ -65,13 +66,13 @@ def _one_step(ctx: Context, out, inp, spec) -> None:
     ctx.finish()
 
 
-def _two_step(ctx: Context, out, inp, spec) -> None:
+def _two_step(ctx: Context, out, inp, spec, nbytes: int) -> None:
     out, inp = flat(out), flat(inp)
     _two_step_chunks(ctx, out, inp, spec, ctx.channel.slot_bytes // inp.element_size())
     ctx.finish()
 
 
-def _single_copy(ctx: Context, out, inp, spec) -> None:
+def _single_copy(ctx: Context, out, inp, spec, nbytes: int) -> None:
     single_copy.all_reduce(ctx, flat(out), flat(inp), spec)
 
 
@@ -148,7 +149,8 @@ def _two_step_chunks(ctx, out, inp, spec, cap) -> None:
                 out[o + s:o + s + length].copy_(ctx.peer_slot(k, dtype)[s:s + length])
 
 
-# the ``all_reduce`` table's algorithms (selection.py): name -> what runs it
+# the ``all_reduce`` table's algorithms (selection.py): name -> what runs it, as
+# ``f(ctx, out, inp, spec, nbytes)`` (``nbytes``: the message's)
 ALGORITHMS = {"one_step": _one_step, "two_step": _two_step, "single_copy": _single_copy}
 # algorithm -> its single-step plan, for a message that fits one slot
 PLANS = {"one_step": OneSlot}

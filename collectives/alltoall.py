@@ -13,8 +13,8 @@ first step has told every rank every size (so every rank gets the same answer) w
 largest block any rank sends another: single copy (by default from
 ``selection.SINGLE_COPY_BYTES``, see single_copy.py) or slots (the steps above). Whenever
 single copy can run (``selection.can_run``: the node's ranks can read each other's memory,
-at most ``selection.MAX_ADDRESSES`` ranks, the call's first step: ``RUNS_IN``) that first step also
-posts the address of every input block; if the table picks single copy, each rank reads
+at most ``selection.MAX_ADDRESSES`` ranks, the call's first step, ``selection.RUNS_IN``)
+that first step also posts the address of every input block; if the table picks single copy, each rank reads
 the rest of its blocks (past the piece that came through the slots) straight out of the
 senders' inputs, and a last step keeps everyone until its peers are done reading.
 

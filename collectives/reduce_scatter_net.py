@@ -116,10 +116,10 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
 
 class _Exchange:
     """A ``reduce_scatter/network`` algorithm: ``run(ctx, out, partials, column, later,
-    spec)`` reduce-scatters the node partials (``partials[b]``: this node's partial of node
-    b's block, for b in node order) among the column with ``later`` (reduce_ops.phase_specs) and finishes the
-    call's ``spec``; ``deferrable``: a call alone on its node may defer its
-    one wait (every message is posted before it)."""
+    spec)`` reduce-scatters the node partials (``partials[b]``: this node's partial of
+    node b's block) among the column with ``later`` (reduce_ops.phase_specs) and finishes
+    the call's ``spec``; ``deferrable``: a call alone on its node may defer its one wait
+    (every message is posted before it)."""
 
     __slots__ = ("run", "deferrable")
 

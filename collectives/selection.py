@@ -82,8 +82,8 @@ class Situation:
     """What a table's conditions read: ``nbytes`` and ``ranks`` (see the module docstring),
     ``numel`` (elements of the buffer), ``block`` (bytes of the largest per-rank block),
     ``cma`` (the node's ranks can read each other's memory), ``first`` (the algorithm
-    begins with the call's first step: all_to_all), ``even`` (nodes of equal size), ``addresses``
-    (tensors a single-copy algorithm must publish), ``uniform`` (every rank's block has the
+    begins with the call's first step: all_to_all), ``even`` (nodes of equal size),
+    ``addresses`` (tensors a single-copy algorithm must publish), ``uniform`` (every rank's block has the
     same size), ``native`` (the network phase's ranks are a column the transport runs its
     own collectives on: net_mpi.serves), and the group's ``small_bytes``, ``slot_bytes``
     and ``link`` (net_cost.Link)."""
@@ -247,8 +247,8 @@ def _runs(table: str, algorithm: str):
 
 
 def can_run(table: str, algorithm: str, ranks: int, **situation) -> bool:
-    """Can ``table``'s ``algorithm`` run among ``ranks`` ranks (``RUNS``; the other fields
-    of ``Situation`` as keywords)? For an algorithm that must prepare in the call's first
+    """Can ``table``'s ``algorithm`` run among ``ranks`` ranks (``RUNS``, ``RUNS_IN``; the
+    other fields of ``Situation`` as keywords)? For an algorithm that must prepare in the call's first
     step what it needs if the table picks it later (all_to_all's single copy: the
     addresses)."""
     return _runs(table, algorithm)(Situation(0, ranks, **situation))

@@ -91,7 +91,8 @@ def test_one_node_all_to_all_defaults():
     # the first step posts the addresses exactly where the table may pick single copy
     for ranks, cma, first in ((4, True, True), (8, True, True), (9, True, True),
                               (1, True, True), (4, False, True), (4, True, False)):
-        assert sel.can_run("all_to_all", "single_copy", ranks, cma=cma, first=first, addresses=ranks) == (
+        assert sel.can_run("all_to_all", "single_copy", ranks, cma=cma, first=first,
+                           addresses=ranks) == (
             a2a(D, 1 << 30, ranks, cma, first) == "single_copy"), (ranks, cma, first)
 
 
@@ -349,9 +350,9 @@ def test_every_algorithm_of_a_table_runs_from_its_modules_registry():
 
 
 def _compares_names(source: str, names: set) -> list:
-    """The lines where ``source`` compares something with an algorithm name (``==``, ``!=``, ``in``,
-    ``not in`` with a name or a tuple, list or set holding one) or with a plan's
-    ``ALGORITHM``."""
+    """The lines where ``source`` compares something with an algorithm name (``==``,
+    ``!=``, ``in``, ``not in`` with a name or a tuple, list or set holding one) or with a
+    plan's ``ALGORITHM``."""
     def named(node) -> bool:
         if isinstance(node, ast.Constant):
             return node.value in names

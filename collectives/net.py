@@ -47,6 +47,7 @@ import struct
 
 import torch
 
+from ..transport.base import Deferrable
 from ..transport.errors import MessageSizeMismatch, StepDeferred
 from .descriptor import NWORDS, Call, CollectiveMismatch
 from .reduce_ops import Scratch, reduce_into
@@ -64,8 +65,9 @@ _BOX_REUSE_BYTES = 4 << 10  # receive boxes from this size are reused across cal
 _BOXES_KEPT = 4  # ... this many per size (a fresh one is zero-filled memory, maybe new pages)
 
 
-class NetCall:
-    """The network half of one collective call: descriptor-checked sends and receives.
+class NetCall(Deferrable):
+    """The network half of one collective call: descriptor-checked sends and receives
+    (and what a deferred first run goes through: ``transport.base.Deferrable``).
 
     Parameters
     ----------
@@ -316,9 +318,7 @@ class NetCall:
 def _deferred_resumes(seq: int) -> StepDeferred:
     # (made here, not in the raising frame: a local naming the exception in the frame its
     # traceback holds would be a reference cycle)
-    deferred = StepDeferred(seq)
-    deferred.last = deferred.resumes = True
-    return deferred
+    return StepDeferred(seq, last=True, resumes=True)
 
 
 def _nbytes(data) -> int:

@@ -59,6 +59,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from . import stats
 from .collectives import one_thread
@@ -68,6 +69,9 @@ from .flight_recorder import COMPLETED, Record, recorder
 
 log = logging.getLogger("neuron_dist")
 from .transport.backoff import set_background_thread
+
+if TYPE_CHECKING:
+    from .transport.base import Deferrable
 
 
 class CollectiveEngine:
@@ -178,7 +182,8 @@ class CollectiveEngine:
             stats.add_call(nbytes, time.monotonic() - started)
         return True
 
-    def try_now(self, fn, work, name: str, channel, call=None, nbytes: int = 0) -> bool:
+    def try_now(self, fn, work, name: str, channel: Deferrable, call=None,
+                nbytes: int = 0) -> bool:
         """Run the async collective ``fn(seq, rec)`` now in the caller's thread, deferring
         its first step if a peer is behind (see the module docstring): True once it is
         complete or deferred; False, with nothing done, if the engine is not idle.
@@ -423,7 +428,7 @@ class _Deferred:
 
     __slots__ = ("engine", "work", "channel")
 
-    def __init__(self, engine: CollectiveEngine, work, channel):
+    def __init__(self, engine: CollectiveEngine, work, channel: Deferrable):
         self.engine, self.work, self.channel = engine, work, channel
 
     def drive(self, deadline: float) -> None:
@@ -444,6 +449,4 @@ class _Deferred:
     def abandon(self, error) -> None:
         """It will not run again: withdraw what its first run posted (a ``NetCall``'s
         messages; a step published in shared memory writes into nobody's buffer)."""
-        withdraw = getattr(self.channel, "withdraw", None)
-        if withdraw is not None:
-            withdraw(error)
+        self.channel.withdraw(error)

@@ -77,10 +77,10 @@ class AnySourceRecv:
         """Post on both paths, the shared-memory one first (it may complete at once);
         ``buf`` is the receiving memory as the transport takes it, ``net_tag`` its tag."""
         self.work = work
-        self.face._engine().post(self.shm)
+        self.face.shm_engine().post(self.shm)
         if self.token:
             try:
-                net = self.net = self.face._net.irecv_any(net_tag, buf, claim=self.claim)
+                net = self.net = self.face.shared_net.irecv_any(net_tag, buf, claim=self.claim)
             except PeerDied:
                 return  # every rank on other nodes is gone: this node's may still send
             if net.done():
@@ -98,7 +98,7 @@ class AnySourceRecv:
 
     def __call__(self) -> str:
         return (f"recv from any rank (tag {self.tag}, {self.nbytes} bytes) in group "
-                f"{self.face._label()}")
+                f"{self.face.label()}")
 
     # ------------------------------------------------------------- completion
     def _finish(self, error, source: int) -> None:
@@ -121,7 +121,7 @@ class AnySourceRecv:
             return  # the network bound a message: it completes the receive
         self._withdraw_net()
         if self.net is not None:
-            self.face._net.wake()  # a thread in drive() looks again
+            self.face.shared_net.wake()  # a thread in drive() looks again
         self._release_shm()
 
     def _net_done(self, req) -> None:
@@ -135,13 +135,13 @@ class AnySourceRecv:
             # there, but this node's ranks may still send. (If they are gone too, the
             # node's engine fails its request: then the receive fails.)
             self.net = None
-            self.face._net.wake()
+            self.face.shared_net.wake()
             return
         elif self.claim():
-            self._finish(self.face._on_error(req.error, self())[0], -1)
+            self._finish(self.face.on_error(req.error, self())[0], -1)
         else:
             return  # the node's engine bound a message: it completes the receive
-        self.face._shm_withdraw(self.shm)
+        self.face.withdraw_shm(self.shm)
         self._release_shm()
         if req.done():
             req.claim = None  # (no cycle is left)
@@ -153,7 +153,7 @@ class AnySourceRecv:
             return
         if not net.done():
             try:
-                self.face._net.cancel(net, Claimed())
+                self.face.shared_net.cancel(net, Claimed())
             except Exception:  # noqa: BLE001 - closed: it is finished with the rest
                 return
         net.claim = None  # (done: nothing calls it any more; no cycle is left)
@@ -167,16 +167,14 @@ class AnySourceRecv:
         """Fail the receive if no rank of this node is left to send it (nor, by now, on
         any other node), or one aborted the group."""
         face = self.face
-        ch = face._channel
         try:
-            ch.check_peers([k for k in range(ch.size) if k != ch.rank], float("inf"),
-                           any_suffices=True)
+            face.check_node_senders()
         except TransportError as e:
-            face._shm.poll()  # (a last message written just before its sender exited)
+            face.shm_engine().poll()  # (a last message written just before its sender exited)
             if self.work is not None and self.claim():
-                face._shm_withdraw(self.shm)
+                face.withdraw_shm(self.shm)
                 self._release_shm()
-                self._finish(face._on_error(e, self())[0], -1)
+                self._finish(face.on_error(e, self())[0], -1)
 
     # ---------------------------------------------------------------- Work.op
     def poll(self) -> None:
@@ -200,13 +198,14 @@ class AnySourceRecv:
                 continue
             if net is None:  # only the node's engine can still deliver
                 try:
-                    face._shm.drive(self.shm, min(end, time.monotonic() + LIVENESS_PERIOD))
+                    face.shm_engine().drive(self.shm,
+                                            min(end, time.monotonic() + LIVENESS_PERIOD))
                 except PeerTimeoutError:
                     pass
                 if self.work is not None and self.token:
                     self._check_local()
             else:
-                face._net.drive_until(lambda: self.work is None or net.done(), end)
+                face.shared_net.drive_until(lambda: self.work is None or net.done(), end)
             if self.work is None or time.monotonic() < end:
                 continue
             if deadline < self.deadline:
@@ -215,10 +214,10 @@ class AnySourceRecv:
                     raise PeerTimeoutError(f"{work.what}: Timed out in Work.wait")
                 return
             if self.claim():  # nothing was bound: withdraw both, then fail
-                face._shm_withdraw(self.shm)
+                face.withdraw_shm(self.shm)
                 self._release_shm()
                 self._withdraw_net()
                 self._finish(PeerTimeoutError(
-                    f"{self()}: Timed out after {face._timeout_text()}: no rank sent it"), -1)
+                    f"{self()}: Timed out after {face.timeout_text()}: no rank sent it"), -1)
                 return
             end = time.monotonic() + 0.05  # a path is completing it right now

@@ -17,11 +17,11 @@ How it works
   rank straight over the inter-node transport, tags offset by ``P2P_TAG_BASE``
   (collectives use ``collectives.net.COLLECTIVE_TAG``); a receive from any rank listens on
   both (p2p_any.py). (Over a transport that cannot share a receive from any rank with
-  shared memory, ``CLAIMS`` false: MPI, whose own shared memory serves ranks of one node,
-  everything goes over the transport.) Over the network, a small send completes
-  as it is posted; everything else completes for whoever looks at its Work (``wait``,
-  ``is_completed``, ...), so no thread hand-off is on a message's path, and a future or a
-  hook arms a completion callback. A receive that times out is withdrawn from the
+  shared memory, not a ``transport.base.SharedAnySource``: MPI, whose own shared memory
+  serves ranks of one node, everything goes over the transport.) Over the network, a small
+  send completes as it is posted; everything else completes for whoever looks at its Work
+  (``wait``, ``is_completed``, ...), so no thread hand-off is on a message's path, and a
+  future or a hook arms a completion callback. A receive that times out is withdrawn from the
   transport before its Work fails: the tensor is the caller's again.
 
 Send/recv never queue behind the group's collectives. Argument checks happen in
@@ -42,6 +42,7 @@ from .errors import GroupAbortedError, PeerTimeoutError
 from .flat import Flat
 from .p2p_any import AnySourceRecv
 from .p2p_engine import P2PEngine
+from .transport.base import SharedAnySource
 from .transport.errors import ChannelClosed, Claimed, PeerAborted, PeerDied, PeerTimeout
 from .work import NeuronWork
 
@@ -70,6 +71,11 @@ class PointToPoint:
     local : sequence of int, optional
         In a group that spans nodes: the group ranks on this node, in the order of the
         node's channel.
+
+    What a receive from any rank on both paths uses (p2p_any.py): ``label``,
+    ``on_error``, ``timeout_text`` (the parameters), ``shared_net`` (the transport, when
+    such receives listen on both paths, else None), ``shm_engine()``, ``withdraw_shm`` and
+    ``check_node_senders``.
     """
 
     def __init__(self, rank: int, size: int, channel, net, label, on_error, timeout,
@@ -80,12 +86,14 @@ class PointToPoint:
         # shared memory (every peer in a one-node group; see the module docstring)
         if net is None:
             self._local, self._names = {k: k for k in range(size)}, None
-        elif local is not None and len(local) > 1 and getattr(net, "CLAIMS", False):
+        elif local is not None and len(local) > 1 and isinstance(net, SharedAnySource):
             self._local, self._names = {g: i for i, g in enumerate(local)}, tuple(local)
         else:
             self._local, self._names = {}, None
-        self._label, self._on_error = label, on_error
-        self._timeout, self._timeout_text = timeout, timeout_text
+        # The transport, where a receive from any rank listens on both paths (p2p_any.py).
+        self.shared_net: SharedAnySource | None = net if self._names is not None else None
+        self.label, self.on_error = label, on_error
+        self._timeout, self.timeout_text = timeout, timeout_text
         self._shm = None  # P2PEngine, made on first use
         self._stopped = False
         self._spare = None  # the last Work of a send/recv that completed as posted (_done)
@@ -98,10 +106,10 @@ class PointToPoint:
         shm_dst = self._local.get(dst)
         if (nbytes <= EXPRESS_SEND_BYTES and shm_dst is not None and not self._stopped
                 and t.is_contiguous() and not _profiler._is_profiler_enabled
-                and self._engine().send_now(shm_dst, int(tag), t.data_ptr(), nbytes)):
+                and self.shm_engine().send_now(shm_dst, int(tag), t.data_ptr(), nbytes)):
             stats.add_call(nbytes)
             return self._done(t, lambda: f"send to rank {dst} (tag {tag}, {nbytes} bytes) "
-                                         f"in group {self._label()}")
+                                         f"in group {self.label()}")
         return self._post(t, dst, tag, True, "send")
 
     def _done(self, t, what, source: int = -1):
@@ -132,10 +140,10 @@ class PointToPoint:
         if (shm_src is not None and not self._stopped and t.is_contiguous()
                 and not _profiler._is_profiler_enabled):
             nbytes = t.numel() * t.element_size()
-            if self._engine().recv_now(shm_src, int(tag), t.data_ptr(), nbytes):
+            if self.shm_engine().recv_now(shm_src, int(tag), t.data_ptr(), nbytes):
                 stats.add_call(nbytes)
                 return self._done(t, lambda: f"recv from rank {src} (tag {tag}, {nbytes} "
-                                             f"bytes) in group {self._label()}", src)
+                                             f"bytes) in group {self.label()}", src)
         return self._post(t, src, tag, False, "recv")
 
     def stop(self, error) -> None:
@@ -144,24 +152,31 @@ class PointToPoint:
         if self._shm is not None:
             self._shm.stop(error)
 
-    def _engine(self) -> P2PEngine:
+    def shm_engine(self) -> P2PEngine:
         """The group's shared-memory send/recv engine (made on first use)."""
         if self._shm is None:
             ch = self._channel  # (ch.rank, ch.size: this node's part of the group)
             p2p = P2P(ch.rank, ch.size, lambda k: ch.mailbox(ch.rank, k),
                       lambda k: ch.mailbox(k, ch.rank), ch.ring)
-            self._shm = P2PEngine(p2p, ch, self._label(),
-                                  lambda exc, what: self._on_error(exc, what)[0])
+            self._shm = P2PEngine(p2p, ch, self.label(),
+                                  lambda exc, what: self.on_error(exc, what)[0])
         return self._shm
 
-    def _shm_withdraw(self, req) -> None:
+    def withdraw_shm(self, req) -> None:
         """Withdraw a request of the shared-memory engine unless it completed."""
         if self._shm is not None:
             self._shm.withdraw(req, Claimed())
 
+    def check_node_senders(self) -> None:
+        """Raise a transport error if no other rank of this node is left to send (or one
+        aborted the group)."""
+        ch = self._channel
+        ch.check_peers([k for k in range(ch.size) if k != ch.rank], float("inf"),
+                       any_suffices=True)
+
     def _post(self, t, peer, tag: int, is_send: bool, name: str):
         if _profiler._is_profiler_enabled:
-            what = f"group={self._label()} peer={peer} tag={tag} bytes={t.numel() * t.element_size()}"
+            what = f"group={self.label()} peer={peer} tag={tag} bytes={t.numel() * t.element_size()}"
             with _profiler.record_function(f"neuron:{name}", what):
                 return self._post_now(t, peer, tag, is_send, name)
         return self._post_now(t, peer, tag, is_send, name)
@@ -181,8 +196,8 @@ class PointToPoint:
             data = f.bytes  # (a torch view: made once)
         req = Request(shm_peer, int(tag), data, is_send, time.monotonic() + self._timeout())
         req.names = self._names
-        work = NeuronWork([t], lambda: f"{req.describe()} in group {self._label()}")
-        op = work.op = _ShmOp(self._engine(), req, work, None if is_send else f)
+        work = NeuronWork([t], lambda: f"{req.describe()} in group {self.label()}")
+        op = work.op = _ShmOp(self.shm_engine(), req, work, None if is_send else f)
         req.callback = op.done
         stats.add_call(data.numel())
         op.engine.post(req)
@@ -206,8 +221,8 @@ class PointToPoint:
         try:
             op.start(work, buf, P2P_TAG_BASE + int(tag))
         except (PeerDied, PeerAborted, ChannelClosed) as e:
-            self._shm_withdraw(op.shm)
-            raise self._on_error(e, op())[0] from None
+            self.withdraw_shm(op.shm)
+            raise self.on_error(e, op())[0] from None
         return work
 
     def _post_net(self, t, peer, tag: int, is_send: bool, name: str):
@@ -239,7 +254,7 @@ class PointToPoint:
             else:
                 req = net.irecv(peer, P2P_TAG_BASE + int(tag), buf)
         except (PeerDied, PeerAborted, ChannelClosed) as e:
-            raise self._on_error(e, op())[0] from None
+            raise self.on_error(e, op())[0] from None
         op.req = req
         op.deadline = time.monotonic() + self._timeout()
         # Completed by whoever looks (wait, is_completed, ...): no completion callback, so
@@ -308,7 +323,7 @@ class _NetOp:
     def __call__(self) -> str:
         who = f"rank {self.peer}" if self.peer is not None else "any rank"
         return (f"{self.name} {'to' if self.is_send else 'from'} {who} (tag {self.tag}, "
-                f"{self.nbytes} bytes) in group {self.face._label()}")
+                f"{self.nbytes} bytes) in group {self.face.label()}")
 
     def finish(self, req) -> None:
         try:
@@ -320,7 +335,7 @@ class _NetOp:
         work, self.work, self.req = self.work, None, None
         error = req.error
         if error is not None:
-            error = self.face._on_error(error, work.what)[0]
+            error = self.face.on_error(error, work.what)[0]
         elif self.flat is not None and not self.is_send:
             self.flat.finish()  # a receive into a non-contiguous tensor: copy it back
         work._complete(error, req.source if req.source is not None else -1)
@@ -367,9 +382,9 @@ class _NetOp:
             self.work = self.req = None
             if self.peer is None:
                 error = PeerTimeoutError(f"{work.what}: Timed out after "
-                                         f"{face._timeout_text()}: {timeout}")
+                                         f"{face.timeout_text()}: {timeout}")
             else:
-                error = face._on_error(timeout, work.what)[0]
+                error = face.on_error(timeout, work.what)[0]
             work._complete(error, -1)
             return
         except Exception:  # noqa: BLE001 - finish() reports it

@@ -100,11 +100,20 @@ class DescriptorLimit(TransportError):
 
 class StepDeferred(TransportError):
     """Not a failure: a step asked not to wait (``StepChannel.defer_once``) found a peer
-    behind. The step is published; running the call again completes it (see engine.py)."""
+    behind. The step is published; running the call again completes it (see engine.py).
 
-    def __init__(self, epoch):
+    Attributes
+    ----------
+    epoch : int
+        The step (or, from a ``NetCall``, the call's sequence number) deferred.
+    last : bool
+        No step of the call follows this one (set by the call, ``Context``).
+    resumes : bool
+        The call is finished by ``NetCall.resume``, not run again (set by a ``NetCall``).
+    """
+
+    def __init__(self, epoch: int, last: bool = False, resumes: bool = False):
         self.epoch = epoch
-        self.last = False  # set by the call (Context): no step of the call follows this one
-        # set by a NetCall: the call is finished by ``NetCall.resume``, not run again
-        self.resumes = False
+        self.last = last
+        self.resumes = resumes
         super().__init__(f"step {epoch} deferred: a peer has not published it yet")

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 
+from .base import NetRequest
 from .errors import PeerTimeout
 
 TIMEOUT_GRACE = 0.5
@@ -87,8 +88,8 @@ _DONE = Completion()
 _DONE.set()
 
 
-class Request:
-    """A pending send or receive.
+class Request(NetRequest):
+    """A pending send or receive (``base.NetRequest``).
 
     Attributes
     ----------

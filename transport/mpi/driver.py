@@ -119,6 +119,7 @@ import time
 import weakref
 from collections import deque
 
+from ..base import ColumnCollectives
 from ..requests import Request as _Request, run_callbacks
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismatch, PeerAborted,
                       PeerTimeout, PeerUnreachable, TransportError)
@@ -251,8 +252,9 @@ class CollectiveRequest(Request):
                               f"late or made another call", network=True) from None
 
 
-class MpiTransport:
-    """Reliable tagged messages to the other ranks of a group, over MPI.
+class MpiTransport(ColumnCollectives):
+    """Reliable tagged messages to the other ranks of a group, over MPI
+    (``base.NetTransport``; MPI's own collectives on a column: ``base.ColumnCollectives``).
 
     Parameters
     ----------

@@ -86,6 +86,7 @@ import threading
 import time
 from collections import deque
 
+from ..base import ClaimableRequest, SharedAnySource
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, Claimed, MessageSizeMismatch,
                       PeerAborted, PeerTimeout, PeerUnreachable)
 from ..requests import TIMEOUT_GRACE, Request as _Request
@@ -193,7 +194,7 @@ class _CopyPool:
 
 
 
-class Request(_Request):
+class Request(_Request, ClaimableRequest):
     """A pending ``isend``, ``irecv`` or ``irecv_any`` (see transport/requests.py).
 
     Waiting drives the process's progress engine from the waiting thread. ``claim``: see
@@ -240,8 +241,10 @@ class Request(_Request):
         return done
 
 
-class RdmTransport:
-    """Reliable tagged messages to the other ranks of a group, over N TCP rails per peer.
+class RdmTransport(SharedAnySource):
+    """Reliable tagged messages to the other ranks of a group, over N TCP rails per peer
+    (``base.NetTransport``; a receive from any rank may be shared with shared memory:
+    ``base.SharedAnySource``).
 
     Parameters
     ----------
@@ -275,10 +278,6 @@ class RdmTransport:
     """
 
     column = None  # no collectives of its own (transport/base.py)
-
-    # ``irecv_any`` takes a ``claim`` and ``drive_until``/``wake`` exist, so a receive from
-    # any rank can also listen on shared memory (neuron_dist/p2p_any.py).
-    CLAIMS = True
 
     def __init__(self, rank: int, world_size: int, *, host: str, rails: int, key: bytes,
                  group: bytes, segment_bytes: int = 1 << 20, window_bytes: int = 128 << 20,

@@ -32,6 +32,7 @@ from . import cma, futex
 from .segment import ShmSetupError
 from . import layout as L
 from ..backoff import Backoff
+from ..base import StepChannel
 from .mailbox import ShmMailbox
 from . import procid
 from .segment import Segment
@@ -53,7 +54,7 @@ LIVENESS_PERIOD = 0.2  # seconds between checks that waited-for peers still run
 SLEEP_SLICE = 2e-3  # longest futex sleep before looking again (bounds a missed wake-up)
 
 
-class ShmChannel:
+class ShmChannel(StepChannel):
     """Step channel and mailboxes of one group, over a mapped ``Segment``.
 
     Parameters
@@ -196,6 +197,9 @@ class ShmChannel:
             if w[sw[k]] < e:
                 return False
         return True
+
+    def withdraw(self, error: BaseException) -> None:
+        """Nothing to take back: a published step writes into nobody's buffer."""
 
     def all_posted(self, seq: int, head) -> bool:
         """Did every peer post ``head`` as the head of its descriptor of collective ``seq``?"""

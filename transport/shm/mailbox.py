@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import ctypes
 
+from ..base import Mailbox
 
-class ShmMailbox:
+
+class ShmMailbox(Mailbox):
+    """A ``Mailbox`` in the group's shared-memory segment: head and tail counters in
+    ``words``, the ring's bytes in ``data``."""
+
     __slots__ = ("_w", "_head", "_tail", "_data", "_data_word", "capacity", "_base")
 
     def __init__(self, words, head_off: int, tail_off: int, data, data_off: int):

@@ -4,7 +4,7 @@
     one_node/      ranks forked on this machine, joined by shared memory
     across_nodes/  transports between nodes, virtual nodes, network namespaces
     stack/         torch above the backend (DDP, FSDP, DTensor, ...) and launchers
-    tools/         the benchmarks and the cost model
+    tools/         the benchmarks, the cost model and the type checker
     helpers/       what several layers share (harness, cases, relay, fake step channel)
 
 Each folder is a package and tests/ is on ``sys.path``, so a test imports what it shares by

@@ -57,7 +57,7 @@ class Deferrable(Protocol):
     def peers_published(self) -> bool:
         """Would the call's next wait return at once (every peer's part is in)?"""
 
-    def withdraw(self, error: BaseException) -> None:
+    def withdraw(self, error: Exception) -> None:
         """The deferred call will not run again (its group is going away): take back what
         its first run posted, so nothing lands in its buffers once this returns (nothing,
         where a published step writes into nobody's buffer)."""
@@ -107,7 +107,7 @@ class StepChannel(Deferrable, Protocol):
     def peers_published(self) -> bool:
         """Has every peer published the next step (so ``step`` would not wait)?"""
 
-    def withdraw(self, error: BaseException) -> None:
+    def withdraw(self, error: Exception) -> None:
         """Nothing to take back: a published step writes into nobody's buffer."""
 
     def staged(self) -> bool:
@@ -252,10 +252,11 @@ class NetTransport(Protocol):
     # collectives/net_mpi.py), or None: the transport has none (not ``ColumnCollectives``).
     column: list[int] | None
 
-    def connect(self, peers: dict[int, str] | Sequence[int], deadline: float) -> None:
-        """Make every rank of ``peers`` ({rank: address} or ranks) reachable by ``deadline``,
-        or ``PeerTimeout``. A transport may open its connections here or on first use
-        (rdm opens a peer's rails when it first sends to it, with the same time budget)."""
+    def connect(self, peers: dict[int, str], deadline: float) -> None:
+        """Make every rank of ``peers`` ({rank: address}) reachable by ``deadline``, or
+        ``PeerTimeout`` (MPI needs only the ranks: any iterable of them). A transport may
+        open its connections here or on first use (rdm opens a peer's rails when it first
+        sends to it, with the same time budget)."""
 
     def isend(self, peer: int, tag: int, buf: Buffer,
               callback: Callable[[NetRequest], object] | None = None) -> NetRequest:
@@ -275,7 +276,7 @@ class NetTransport(Protocol):
     def abort(self, reason: str, kind: int = ABORTED) -> None:
         """Tell every peer this rank failed the group, then close."""
 
-    def close(self, error: BaseException | None = None) -> None:
+    def close(self, error: Exception | None = None) -> None:
         """Release everything; pending requests fail with ``error``."""
 
     def stats(self) -> dict[str, int]:

@@ -1,5 +1,9 @@
 """Typed failures a transport reports. The c10d layer turns them into DistBackendErrors."""
 
+from __future__ import annotations
+
+from typing import Iterable
+
 
 class TransportError(RuntimeError):
     """Base class of every transport failure."""
@@ -20,7 +24,8 @@ class PeerTimeout(TransportError):
         local indices).
     """
 
-    def __init__(self, ranks, waited, detail="", network=False):
+    def __init__(self, ranks: Iterable[int], waited: float, detail: str = "",
+                 network: bool = False):
         self.ranks = list(ranks)
         self.waited = waited
         self.network = network
@@ -30,7 +35,7 @@ class PeerTimeout(TransportError):
 class PeerDied(TransportError):
     """A peer process is gone (killed or exited) while we waited for it."""
 
-    def __init__(self, rank, pid, detail=""):
+    def __init__(self, rank: int, pid: int | None, detail: str = ""):
         self.rank = rank
         self.pid = pid
         super().__init__(detail or f"rank {rank} (pid {pid}) is no longer running")
@@ -46,7 +51,7 @@ class PeerAborted(TransportError):
     yet); ``rank`` is then a group rank, else a local index of this node.
     """
 
-    def __init__(self, rank, reason, kind=ABORTED, network=False):
+    def __init__(self, rank: int, reason: str, kind: int = ABORTED, network: bool = False):
         self.rank = rank
         self.reason = reason
         self.kind = kind
@@ -61,7 +66,7 @@ class ChannelClosed(TransportError):
 class PeerUnreachable(PeerDied):
     """Every network path to a peer failed (its process died, or the network between us)."""
 
-    def __init__(self, rank, detail):
+    def __init__(self, rank: int, detail: str):
         super().__init__(rank, None, detail)
 
 
@@ -86,7 +91,8 @@ class MessageSizeMismatch(TransportError, ValueError):
         fails with this error too, ``src`` then naming the receiver).
     """
 
-    def __init__(self, src, tag, sent, expected, message=b"", detail=""):
+    def __init__(self, src: int, tag: int, sent: int, expected: int,
+                 message: bytes | bytearray | memoryview = b"", detail: str = ""):
         self.src, self.tag, self.sent, self.expected = src, tag, sent, expected
         self.message = message
         super().__init__(detail or f"rank {src} sent {sent} bytes, the receive expects "

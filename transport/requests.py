@@ -14,11 +14,16 @@ it may post new requests.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from typing import TYPE_CHECKING, Callable
 
 from .base import NetRequest
 from .errors import PeerTimeout
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 TIMEOUT_GRACE = 0.5
 
@@ -39,9 +44,9 @@ class Completion:
 
     __slots__ = ("_lock", "_set")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._set = False
-        self._lock = None
+        self._lock: threading.Lock | None = None
 
     def is_set(self) -> bool:
         return self._set
@@ -107,19 +112,21 @@ class Request(NetRequest):
                  "_event", "_sink", "_waiting", "_token")
     VIA = "the network"  # how the timeout message names the path
 
-    def __init__(self, peer, tag: int, buf, is_send: bool, sink=None):
+    def __init__(self, peer: int | None, tag: int, buf: memoryview, is_send: bool,
+                 sink: queue.SimpleQueue[Request | None] | None = None):
         self.peer, self.tag, self.buf, self.is_send = peer, tag, buf, is_send
         self.nbytes = buf.nbytes
-        self.error = None
-        self.callback = None
+        self.error: Exception | None = None
+        self.callback: Callable[[Request], object] | None = None
         self.source = peer
         self._event = Completion()
         self._sink = sink  # the queue of the transport's callback thread
-        self._waiting = []  # one entry per thread in wait() (list append/pop are atomic)
+        # one entry per thread in wait() (list append/pop are atomic)
+        self._waiting: list[None] = []
         self._token = [True]  # whoever pops it runs the callback
 
     @classmethod
-    def completed(cls, peer, tag: int, buf) -> "Request":
+    def completed(cls, peer: int, tag: int, buf: memoryview) -> Self:
         """A send that completed as it was posted (an eager send), made without the
         machinery of one that waits."""
         req = cls.__new__(cls)
@@ -130,7 +137,7 @@ class Request(NetRequest):
         req._waiting, req._token = [], [True]
         return req
 
-    def _finish(self, error=None) -> None:
+    def _finish(self, error: Exception | None = None) -> None:
         event = self._event
         if not event._set:
             self.error = error
@@ -138,7 +145,7 @@ class Request(NetRequest):
             if self.callback is not None and self._sink is not None and not self._waiting:
                 self._sink.put(self)
 
-    def on_complete(self, callback) -> None:
+    def on_complete(self, callback: Callable[[Request], object]) -> None:
         """Attach ``callback(request)`` after posting; it runs once, now if the request has
         already completed."""
         self.callback = callback
@@ -152,7 +159,8 @@ class Request(NetRequest):
         except IndexError:
             return
         try:
-            self.callback(self)
+            # (set: only a request with a callback gets here)
+            self.callback(self)  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - a callback's failure is its own business
             logging.getLogger("neuron_dist").exception("completion callback of %r failed", self)
 
@@ -202,7 +210,7 @@ class Request(NetRequest):
                            f"{self.VIA} did not complete in time", network=True)
 
 
-def run_callbacks(callbacks) -> None:
+def run_callbacks(callbacks: queue.SimpleQueue[Request | None]) -> None:
     """Body of a transport's callback thread: run queued requests' callbacks until None."""
     while True:
         req = callbacks.get()

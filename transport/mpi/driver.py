@@ -118,11 +118,25 @@ import threading
 import time
 import weakref
 from collections import deque
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 from ..base import ColumnCollectives
 from ..requests import Request as _Request, run_callbacks
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, MessageSizeMismatch, PeerAborted,
                       PeerTimeout, PeerUnreachable, TransportError)
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, TypeAlias
+
+    from mpi4py.MPI import Comm, Intracomm
+
+    from ..base import NetRequest
+    from ..requests import Completion
+
+    # an active MPI request's entry: (kind, Request or peer, buffer); what the last two
+    # hold depends on the kind (see the kinds above)
+    Entry: TypeAlias = tuple[int, Any, Any]
 
 log = logging.getLogger("neuron_dist.mpi")
 
@@ -151,12 +165,13 @@ _OUTGOING = (_SEND, _NOTE_SEND, _HELLO_SEND, _ABORT_SEND)
 
 _SERIALIZED_LOCK = threading.Lock()  # every transport's MPI calls, below THREAD_MULTIPLE
 _LIVE: "weakref.WeakSet[MpiTransport]" = weakref.WeakSet()
-_ORPHANS: list = []                  # [(mpi request, buffer)] MPI still owns after a failure
+_ORPHANS: list[tuple[Any, object]] = []  # [(mpi request, buffer)] MPI still owns after a failure
 _ORPHANS_LOCK = threading.Lock()
 _atexit_registered = False
 
 
-def _mpi():
+def _mpi() -> ModuleType:
+    """mpi4py's ``MPI`` module (imported on first use)."""
     from mpi4py import MPI  # initialises MPI (per mpi4py.rc) on first import
 
     return MPI
@@ -174,10 +189,11 @@ def world_rank() -> int:
     """This process's rank in ``MPI_COMM_WORLD`` (what ``world_ranks`` lists); inits MPI."""
     MPI = _mpi()
     with mpi_lock():
-        return MPI.COMM_WORLD.Get_rank()
+        rank: int = MPI.COMM_WORLD.Get_rank()
+        return rank
 
 
-def mpi_lock():
+def mpi_lock() -> ContextManager[object]:
     """What to hold around one's own MPI calls while transports are open; inits MPI.
 
     At ``MPI_THREAD_SERIALIZED``: the process-wide lock every transport makes its MPI calls
@@ -190,13 +206,13 @@ def mpi_lock():
     return _lock_for(MPI, MPI.Query_thread())
 
 
-def _lock_for(MPI, level: int):
+def _lock_for(MPI: ModuleType, level: int) -> ContextManager[object]:
     if level >= MPI.THREAD_MULTIPLE:
         return contextlib.nullcontext()
     return _SERIALIZED_LOCK
 
 
-def _members_digest(world_ranks) -> bytes:
+def _members_digest(world_ranks: Iterable[int]) -> bytes:
     """8 bytes naming a member list (what arrival notes carry)."""
     import hashlib
 
@@ -212,7 +228,8 @@ class Request(_Request):
     __slots__ = ("_owner",)
     VIA = "MPI"
 
-    def __init__(self, peer, tag: int, buf, is_send: bool, owner: "MpiTransport"):
+    def __init__(self, peer: int | None, tag: int, buf: memoryview, is_send: bool,
+                 owner: MpiTransport):
         super().__init__(peer, tag, buf, is_send, owner._callbacks)
         self._owner = owner
 
@@ -235,7 +252,7 @@ class CollectiveRequest(Request):
     def __init__(self, name: str, owner: "MpiTransport", nbytes: int):
         super().__init__(None, -1, memoryview(b""), False, owner)
         self.name, self.nbytes = name, nbytes
-        self.mpi = None  # MPI's request, while MPI has it
+        self.mpi: Any = None  # MPI's request (an mpi4py Request), while MPI has it
 
     def _block(self, deadline: float) -> bool:
         return self._owner._drive_collective(self, deadline)
@@ -286,8 +303,9 @@ class MpiTransport(ColumnCollectives):
         ``world_ranks`` does not fit ``world_size``, ``rank`` or this process's MPI rank.
     """
 
-    def __init__(self, rank: int, world_size: int, world_ranks, label: str = "", *,
-                 comm=None, deadline: float | None = None, column=None):
+    def __init__(self, rank: int, world_size: int, world_ranks: list[int], label: str = "", *,
+                 comm: Intracomm | None = None, deadline: float | None = None,
+                 column: Iterable[int] | None = None):
         MPI = self._MPI = _mpi()
         if not MPI.Is_initialized() or MPI.Is_finalized():
             raise RuntimeError("MpiTransport needs an initialised MPI (mpi4py.rc.initialize) "
@@ -325,10 +343,11 @@ class MpiTransport(ColumnCollectives):
         self._comm = self._create_comm(parent, world_ranks, deadline)
         with self._lock:
             comm_rank = self._comm.Get_rank()
-            tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
+            tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))  # type: ignore[arg-type]  # (always set)
         if comm_rank != rank:  # Create_group orders ranks as the group does
             raise RuntimeError(f"MPI gave rank {comm_rank} for group rank {rank}")
-        self.column, self._column_comm = None, None
+        self.column: list[int] | None = None
+        self._column_comm: Comm | None = None
         if column is not None:
             self._split_column([int(k) for k in column])
         self.tag_ub = tag_ub
@@ -337,22 +356,23 @@ class MpiTransport(ColumnCollectives):
         self._modulus = tag_ub - 3 - self._direct + 1  # [direct, tag_ub - 3]: larger tags
         self.address = f"mpi:{me}@{socket.gethostname()}"
         self._status = MPI.Status()
-        self._reqs: list = []      # active MPI requests ...
-        self._entries: list = []   # ... and what each is: (kind, Request or peer, buffer)
-        self._recvq: dict = {}     # (peer, tag) -> deque of posted, unmatched Requests
-        self._anyq: dict = {}      # tag -> deque of receives from any rank
-        self._sent_notes: dict = {}  # peer -> {mpi tag: tag} announced to that peer
-        self._notes: dict = {}       # peer -> {mpi tag: tag} the peer announced to us
-        self._failed: dict = {}      # peer -> the error its requests fail with
+        self._reqs: list[Any] = []      # active MPI requests (mpi4py's) ...
+        self._entries: list[Entry] = []  # ... and what each is: (kind, Request or peer, buffer)
+        # (peer, tag) -> deque of posted, unmatched Requests
+        self._recvq: dict[tuple[int, int], deque[Request]] = {}
+        self._anyq: dict[int, deque[Request]] = {}  # tag -> deque of receives from any rank
+        self._sent_notes: dict[int, dict[int, int]] = {}  # peer -> {mpi tag: tag} announced to it
+        self._notes: dict[int, dict[int, int]] = {}  # peer -> {mpi tag: tag} it announced to us
+        self._failed: dict[int, Exception] = {}  # peer -> the error its requests fail with
         self._failing = 0            # _FAILING entries (MPI owns a failed request's buffer)
-        self._hello: set = set()
+        self._hello: set[int] = set()
         self._waiting_threads = 0
         self._parked = False         # the progress thread sleeps until woken
         self._closed = False
         self._stats = dict(messages_sent=0, bytes_sent=0, messages_received=0,
                            bytes_received=0, size_mismatches=0, notes_sent=0,
                            notes_received=0, aborts_received=0, polls=0, mpi_errors=0)
-        self._callbacks = queue.SimpleQueue()
+        self._callbacks: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._progress = threading.Thread(target=self._progress_loop, daemon=True,
                                           name=f"neuron-mpi-progress-{rank}")
         self._callback_thread = threading.Thread(target=self._callback_loop, daemon=True,
@@ -361,7 +381,8 @@ class MpiTransport(ColumnCollectives):
         self._callback_thread.start()
         _register(self)
 
-    def _create_comm(self, parent, world_ranks, deadline):
+    def _create_comm(self, parent: Intracomm, world_ranks: list[int],
+                     deadline: float | None) -> Intracomm:
         # Create_group blocks until every member calls it, and is made under the lock (at
         # SERIALIZED the process's one lock, which every transport's MPI calls need). So it
         # is called only once every member is known to be here (``_await_members``): a
@@ -379,7 +400,8 @@ class MpiTransport(ColumnCollectives):
             finally:
                 group.Free()
 
-    def _await_members(self, parent, world_ranks, deadline) -> None:
+    def _await_members(self, parent: Intracomm, world_ranks: list[int],
+                       deadline: float | None) -> None:
         """Wait until every member has reached the communicator's creation.
 
         Each member sends every other an arrival note (a digest of the member list, then
@@ -455,7 +477,7 @@ class MpiTransport(ColumnCollectives):
                           f"{[world_ranks[k] for k in late]}) did not join the creation of the "
                           f"group's MPI communicator (members {world_ranks}) in time")
 
-    def _withdrew(self, parent, source: int, withdrawn: bytes) -> bool:
+    def _withdrew(self, parent: Comm, source: int, withdrawn: bytes) -> bool:
         """True if ``source``'s next note (if one is there) is its withdrawal (under the
         lock; a matched probe, so no other thread can take the note in between)."""
         msg = parent.Improbe(source=source, tag=_ARRIVE_TAG)
@@ -465,7 +487,7 @@ class MpiTransport(ColumnCollectives):
         msg.Recv(note)
         return bytes(note) == withdrawn
 
-    def _split_column(self, column: list) -> None:
+    def _split_column(self, column: list[int]) -> None:
         """Split the column communicator off the group's (collective over the group: every
         member does it right after the group's creation, so all are there)."""
         if self.rank not in column or len(set(column)) != len(column):
@@ -500,28 +522,29 @@ class MpiTransport(ColumnCollectives):
             return False
         return dtype.startswith(("int", "uint")) or op not in ("BAND", "BOR", "BXOR")
 
-    def iallgather(self, send, recv) -> "CollectiveRequest":
+    def iallgather(self, send: Buffer, recv: Buffer) -> CollectiveRequest:
         """Every column member's ``send`` bytes, in column order, into ``recv``."""
         s, r = memoryview(send).cast("B"), _writable(recv)
-        if r.nbytes != s.nbytes * len(self._need_column()):
-            raise ValueError(f"iallgather: {r.nbytes} bytes cannot hold "
-                             f"{len(self.column)} x {s.nbytes}")
+        P = len(self._need_column())
+        if r.nbytes != s.nbytes * P:
+            raise ValueError(f"iallgather: {r.nbytes} bytes cannot hold {P} x {s.nbytes}")
         B = self._MPI.BYTE
         return self._collective("all_gather", r.nbytes,
                                 lambda c: c.Iallgather([s, B], [r, B]), (s, r))
 
-    def ialltoall(self, send, recv) -> "CollectiveRequest":
+    def ialltoall(self, send: Buffer, recv: Buffer) -> CollectiveRequest:
         """Block ``b`` of ``send`` to column member ``b``; member ``b``'s block for this rank
         into block ``b`` of ``recv`` (blocks of one size)."""
         s, r = memoryview(send).cast("B"), _writable(recv)
-        if r.nbytes != s.nbytes or s.nbytes % len(self._need_column()):
+        P = len(self._need_column())
+        if r.nbytes != s.nbytes or s.nbytes % P:
             raise ValueError(f"ialltoall: {s.nbytes} and {r.nbytes} bytes are not "
-                             f"{len(self.column)} blocks each")
+                             f"{P} blocks each")
         B = self._MPI.BYTE
         return self._collective("all_to_all", r.nbytes,
                                 lambda c: c.Ialltoall([s, B], [r, B]), (s, r))
 
-    def iallreduce(self, buf, dtype: str, op: str) -> "CollectiveRequest":
+    def iallreduce(self, buf: Buffer, dtype: str, op: str) -> CollectiveRequest:
         """Reduce ``buf`` (elements of ``dtype``) over the column with ``op``, in place."""
         b = _writable(buf)
         t, o = self._typed(dtype, op, b.nbytes)
@@ -529,18 +552,20 @@ class MpiTransport(ColumnCollectives):
         return self._collective("all_reduce", b.nbytes,
                                 lambda c: c.Iallreduce(IN_PLACE, [b, t], o), (b,))
 
-    def ireduce_scatter(self, send, recv, dtype: str, op: str) -> "CollectiveRequest":
+    def ireduce_scatter(self, send: Buffer, recv: Buffer, dtype: str, op: str
+                        ) -> CollectiveRequest:
         """Reduce ``send`` (one block per column member, in order) with ``op``; this rank's
         block of the result into ``recv``."""
         s, r = memoryview(send).cast("B"), _writable(recv)
-        if s.nbytes != r.nbytes * len(self._need_column()):
-            raise ValueError(f"ireduce_scatter: {s.nbytes} bytes are not {len(self.column)} "
+        P = len(self._need_column())
+        if s.nbytes != r.nbytes * P:
+            raise ValueError(f"ireduce_scatter: {s.nbytes} bytes are not {P} "
                              f"blocks of {r.nbytes}")
         t, o = self._typed(dtype, op, r.nbytes)
         return self._collective("reduce_scatter", s.nbytes,
                                 lambda c: c.Ireduce_scatter_block([s, t], [r, t], o), (s, r))
 
-    def ibcast(self, buf, root: int) -> "CollectiveRequest":
+    def ibcast(self, buf: Buffer, root: int) -> CollectiveRequest:
         """Column member ``root``'s (an index into ``column``) ``buf`` into everyone's."""
         b = _writable(buf)
         if not 0 <= root < len(self._need_column()):
@@ -548,12 +573,12 @@ class MpiTransport(ColumnCollectives):
         B = self._MPI.BYTE
         return self._collective("broadcast", b.nbytes, lambda c: c.Ibcast([b, B], root), (b,))
 
-    def _need_column(self) -> list:
+    def _need_column(self) -> list[int]:
         if self.column is None:
             raise ValueError(f"{self._label}: MPI collectives need the transport's column")
         return self.column
 
-    def _typed(self, dtype: str, op: str, nbytes: int):
+    def _typed(self, dtype: str, op: str, nbytes: int) -> tuple[Any, Any]:
         if not self.reduces(dtype, op):
             raise ValueError(f"MPI does not reduce {dtype} with {op} here")
         MPI = self._MPI
@@ -562,16 +587,17 @@ class MpiTransport(ColumnCollectives):
             raise ValueError(f"{nbytes} bytes are not whole {dtype} elements")
         return t, getattr(MPI, self._MPI_OPS[op])
 
-    def _collective(self, name: str, nbytes: int, start, bufs) -> "CollectiveRequest":
+    def _collective(self, name: str, nbytes: int, start: Callable[[Comm], Any],
+                    bufs: tuple[memoryview, ...]) -> CollectiveRequest:
         req = CollectiveRequest(name, self, nbytes)
         with self._lock:
             self._check_open()
-            self._need_column()
+            column = self._need_column()
             self._read_control()
-            for k in self.column:
+            for k in column:
                 if k in self._failed:
                     raise self._failed[k]
-            mpi_req = start(self._column_comm)
+            mpi_req = start(self._column_comm)  # type: ignore[arg-type]  # (set with column)
             if mpi_req.Test():
                 req._finish()
             else:
@@ -617,7 +643,7 @@ class MpiTransport(ColumnCollectives):
                 os.sched_yield()
         return event.is_set() or self._drive(event, deadline)
 
-    def _retire(self, mpi_req) -> None:
+    def _retire(self, mpi_req: object) -> None:
         """Under the lock: forget a request MPI has completed (tested by its waiter)."""
         for i, r in enumerate(self._reqs):
             if r is mpi_req:
@@ -627,7 +653,7 @@ class MpiTransport(ColumnCollectives):
 
     # ------------------------------------------------------------------ set-up
 
-    def connect(self, peers, deadline: float) -> None:
+    def connect(self, peers: Iterable[int], deadline: float) -> None:
         """Check every peer answers: one empty message each way with each of ``peers``.
 
         ``peers`` is any iterable of group ranks (a ``{rank: address}`` dict works; the
@@ -671,7 +697,8 @@ class MpiTransport(ColumnCollectives):
 
     # ------------------------------------------------------------------ requests
 
-    def isend(self, peer: int, tag: int, buf, callback=None) -> Request:
+    def isend(self, peer: int, tag: int, buf: Buffer,
+              callback: Callable[[NetRequest], object] | None = None) -> Request:
         """Send the bytes of ``buf`` (kept unchanged until the request completes).
 
         ``callback(request)``, if given, runs on the transport's callback thread when the
@@ -697,7 +724,8 @@ class MpiTransport(ColumnCollectives):
                 self._wake()
         return req
 
-    def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
+    def irecv(self, peer: int, tag: int, buf: Buffer,
+              callback: Callable[[NetRequest], object] | None = None) -> Request:
         """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size).
 
         A message of another size fails the request with ``MessageSizeMismatch`` (a
@@ -721,7 +749,8 @@ class MpiTransport(ColumnCollectives):
             self._wake()
         return req
 
-    def irecv_any(self, tag: int, buf, callback=None) -> Request:
+    def irecv_any(self, tag: int, buf: Buffer,
+                  callback: Callable[[NetRequest], object] | None = None) -> Request:
         """Receive the next message of ``tag`` from whichever rank sends one first.
 
         The source is in ``request.source`` once complete. Messages go to receives naming
@@ -773,7 +802,8 @@ class MpiTransport(ColumnCollectives):
             time.sleep(0.001)
         self.close(PeerAborted(self.rank, reason, kind))
 
-    def cancel(self, req: Request, error: Exception) -> bool:
+    # (only a request this transport made: ``req`` is one of its own)
+    def cancel(self, req: Request, error: Exception) -> bool:  # type: ignore[override]
         """Withdraw ``req`` unless it has completed; True if it was withdrawn.
 
         A receive MPI has not matched yet is withdrawn at once (True), and the peer is
@@ -813,7 +843,7 @@ class MpiTransport(ColumnCollectives):
             self._end_job(req, error)  # never returns: MPI still owns the buffer
         return False  # (not reached)
 
-    def _break_peer(self, peer, error: Exception) -> None:
+    def _break_peer(self, peer: int | None, error: Exception) -> None:
         """Under the lock: after a withdrawn request, stop talking to ``peer`` and tell it."""
         if peer is None or peer in self._failed:
             return
@@ -831,14 +861,14 @@ class MpiTransport(ColumnCollectives):
         if self._closed:
             raise ChannelClosed(f"MPI transport of {self._label} is closed")
 
-    def _check_peer(self, peer) -> None:
+    def _check_peer(self, peer: int) -> None:
         if not (isinstance(peer, int) and 0 <= peer < self.world_size):
             raise ValueError(f"rank {peer} is not in the group of {self.world_size} ranks "
                              f"of {self._label}")
         if peer in self._failed:
             raise self._failed[peer]
 
-    def _alive_peers(self) -> list:
+    def _alive_peers(self) -> list[int]:
         return [p for p in range(self.world_size) if p != self.rank and p not in self._failed]
 
     def _mpi_tag(self, tag: int) -> int:
@@ -865,7 +895,7 @@ class MpiTransport(ColumnCollectives):
                                  f"{self._modulus} apart")
         return mpi_tag
 
-    def _add(self, mpi_req, kind: int, obj, buf) -> None:
+    def _add(self, mpi_req: Any, kind: int, obj: object, buf: object) -> None:
         self._reqs.append(mpi_req)
         self._entries.append((kind, obj, buf))
 
@@ -896,7 +926,7 @@ class MpiTransport(ColumnCollectives):
             log.info("neuron %s: %s", self._label, error)
             self._fail_peer(src, error)
 
-    def _announced(self, src: int, tag: int):
+    def _announced(self, src: int, tag: int) -> bool | int | None:
         """True if ``src`` announced ``tag`` on its MPI tag, None if not yet, else the
         other tag it announced there."""
         mpi_tag = self._mpi_tag(tag)
@@ -910,7 +940,7 @@ class MpiTransport(ColumnCollectives):
                               f"{self._mpi_tag(tag)}, which a receive of tag {tag} would "
                               f"take; use tags that are not {self._modulus} apart")
 
-    def _match(self, key, q) -> bool:
+    def _match(self, key: tuple[int, int], q: deque[Request]) -> bool:
         """Under the lock: match the receives queued on ``key`` with arrived messages."""
         peer, tag = key
         ok = self._announced(peer, tag)
@@ -933,7 +963,7 @@ class MpiTransport(ColumnCollectives):
             del self._recvq[key]
         return progressed
 
-    def _match_any(self, tag: int, q) -> bool:
+    def _match_any(self, tag: int, q: deque[Request]) -> bool:
         """Under the lock: match the receives from any rank queued on ``tag``."""
         MPI, st, comm = self._MPI, self._status, self._comm
         mpi_tag, progressed = self._mpi_tag(tag), False
@@ -969,7 +999,7 @@ class MpiTransport(ColumnCollectives):
             self._anyq.pop(tag, None)
         return progressed
 
-    def _take(self, msg, req: Request, src: int) -> None:
+    def _take(self, msg: Any, req: Request, src: int) -> None:
         """Under the lock: receive the probed message ``msg`` (size in the status) for ``req``."""
         MPI = self._MPI
         n = self._status.Get_count(MPI.BYTE)
@@ -1015,9 +1045,10 @@ class MpiTransport(ColumnCollectives):
             progressed = True
         return progressed
 
-    def _test_each(self) -> list:
+    def _test_each(self) -> list[int]:
         """Testsome failed: find the requests that failed; fail their peers."""
-        done, failed = [], []
+        done: list[int] = []
+        failed: list[tuple[Any, Exception, Request | None, Exception | None]] = []
         for i, r in enumerate(self._reqs):
             try:
                 if r.Test():
@@ -1039,17 +1070,17 @@ class MpiTransport(ColumnCollectives):
                 failed.append((peer, e, obj if isinstance(obj, Request) else None, own))
                 self._entries[i] = (_DISCARD, peer, None)
                 done.append(i)
-        for peer, e, req, own in failed:
-            log.error("neuron %s: MPI failed a request with rank %s: %s", self._label, peer, e)
+        for peer, exc, req, own in failed:
+            log.error("neuron %s: MPI failed a request with rank %s: %s", self._label, peer, exc)
             error = PeerUnreachable(peer, f"rank {peer} is unreachable: MPI failed a request "
-                                          f"with it: {e}")
+                                          f"with it: {exc}")
             if isinstance(peer, int) and peer not in self._failed:
                 self._fail_peer(peer, error)
             if req is not None:  # MPI completed it (with an error): its buffer is free
                 req._finish(own or self._failed.get(peer, error))
         return done
 
-    def _completed(self, entry) -> None:
+    def _completed(self, entry: Entry) -> None:
         kind, obj, buf = entry
         if kind in (_SEND, _COLL):
             obj._finish()
@@ -1082,14 +1113,17 @@ class MpiTransport(ColumnCollectives):
         for key in [k for k in self._recvq if k[0] == peer]:
             for req in self._recvq.pop(key):
                 req._finish(error)
-        keep_r, keep_e, orphans = [], [], []
+        keep_r: list[Any] = []
+        keep_e: list[Entry] = []
+        orphans: list[tuple[Any, object]] = []
         for r, e in zip(self._reqs, self._entries):
             kind, obj, buf = e
             if kind in (_SEND, _RECV) and obj.source == peer:
                 keep_r.append(r)
                 keep_e.append(self._failing_entry(kind, obj, buf, error))
             elif ((kind == _MISMATCH and obj.source == peer)
-                    or (kind == _COLL and peer in self.column)):
+                    # (a collective: the column is set)
+                    or (kind == _COLL and peer in self.column)):  # type: ignore[operator]
                 obj._finish(error)
                 orphans.append((r, buf))
             else:
@@ -1105,7 +1139,7 @@ class MpiTransport(ColumnCollectives):
                     req._finish(error)
             self._anyq.clear()
 
-    def _failing_entry(self, kind: int, req: Request, buf, error: Exception) -> tuple:
+    def _failing_entry(self, kind: int, req: Request, buf: object, error: Exception) -> Entry:
         """Under the lock: the entry of a send or receive that fails with ``error`` once MPI
         has completed it (MPI owns ``buf``, the caller's), within ``CANCEL_GRACE``."""
         self._failing += 1
@@ -1157,7 +1191,7 @@ class MpiTransport(ColumnCollectives):
         finally:  # MPI_Abort does not return; if it did, this process must not go on
             os._exit(ABORT_ERRORCODE)
 
-    def _drive(self, event, deadline: float) -> bool:
+    def _drive(self, event: Completion, deadline: float) -> bool:
         """Wait for ``event`` until ``deadline``, polling MPI from this thread meanwhile.
 
         Polls back to back for 1 ms after the last progress, with ``sched_yield`` in between
@@ -1191,7 +1225,7 @@ class MpiTransport(ColumnCollectives):
             return event.wait(max(0.0, deadline - time.monotonic()))
 
     @contextlib.contextmanager
-    def _waiting(self):
+    def _waiting(self) -> Iterator[None]:
         """Count the calling thread as one that drives MPI for itself while inside (the
         progress thread then polls less often)."""
         with self._lock:
@@ -1250,7 +1284,7 @@ class MpiTransport(ColumnCollectives):
 
     # ------------------------------------------------------------------ teardown
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Counters: messages/bytes sent and received, size mismatches, notes, polls..."""
         with self._lock:
             out = dict(self._stats)
@@ -1336,20 +1370,20 @@ class MpiTransport(ColumnCollectives):
         _LIVE.discard(self)
 
 
-def _writable(buf) -> memoryview:
+def _writable(buf: Buffer) -> memoryview:
     view = memoryview(buf).cast("B")
     if view.readonly:
         raise ValueError("a receive needs a writable buffer")
     return view
 
 
-def _check_tag(tag) -> int:
+def _check_tag(tag: int) -> int:
     if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
         raise ValueError(f"tag must be an integer in [0, 2**64), not {tag!r}")
     return tag
 
 
-def _sweep_orphans(MPI) -> None:
+def _sweep_orphans(MPI: ModuleType) -> None:
     """Drop the orphaned requests MPI has completed since (their buffers may go now)."""
     with _ORPHANS_LOCK:
         if not _ORPHANS or MPI.Is_finalized():

@@ -85,6 +85,7 @@ import socket
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..base import ClaimableRequest, SharedAnySource
 from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, Claimed, MessageSizeMismatch,
@@ -98,6 +99,13 @@ from .railmac import TAG as _MAC_TAG, RailMac
 from .listener import HANDSHAKE_TIMEOUT
 from .protocol import (DELAYED_ACK_BYTES, Endpoint, FrameRejected, MessageReceived,
                        MessageRefused, PeerFailed, SendCompleted, SendRefused, Transmit)
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from ..base import NetRequest
+    from .frames import Bytes
+    from .links import LinkKey
 
 log = logging.getLogger("neuron_dist.rdm")
 
@@ -143,8 +151,10 @@ class _Join:
 
     __slots__ = ("link", "sent", "heard", "deadline")
 
-    def __init__(self, link):
-        self.link, self.sent, self.heard = link, set(), set()
+    def __init__(self, link: Link):
+        self.link = link
+        self.sent: set[int] = set()
+        self.heard: set[int] = set()
         # A live process answers at once (its engine reads rails at least every 100 ms
         # while nobody waits): like a dial's handshake, a join has HANDSHAKE_TIMEOUT.
         self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
@@ -168,7 +178,7 @@ class _CopyPool:
     """
 
     def __init__(self, limit: int):
-        self._free: dict = {}  # size class -> [bytearray]
+        self._free: dict[int, list[bytearray]] = {}  # size class -> [bytearray]
         self._bytes, self._limit = 0, limit
 
     def take(self, n: int) -> bytearray:
@@ -202,12 +212,13 @@ class Request(_Request, ClaimableRequest):
 
     __slots__ = ("_owner", "claim")
 
-    def __init__(self, peer, tag: int, buf, is_send: bool, owner: "RdmTransport"):
+    def __init__(self, peer: int | None, tag: int, buf: memoryview, is_send: bool,
+                 owner: RdmTransport):
         super().__init__(peer, tag, buf, is_send, owner._engine.callbacks)
         self._owner = owner
-        self.claim = None
+        self.claim: Callable[[], bool] | None = None
 
-    def on_complete(self, callback) -> None:
+    def on_complete(self, callback: Callable[[_Request], object]) -> None:
         super().on_complete(callback)
         if not self._event.is_set():
             self._owner._engine.kick()  # someone waits for it without driving
@@ -284,7 +295,7 @@ class RdmTransport(SharedAnySource):
                  crc: bool = False, rto: float = 5.0, ack_delay: float = ACK_DELAY,
                  max_unexpected_bytes: int = 512 << 20, link_timeout: float = 10.0,
                  label: str = "", frame_mac: bool = False, payload_mac: bool = False,
-                 spin: int = 500, port_range: tuple | None = None):
+                 spin: int = 500, port_range: tuple[int, int] | None = None):
         self.rank, self.world_size, self.nrails = rank, world_size, rails
         self.spin = spin  # polls a waiting thread makes before it yields (progress.drive)
         self.segment_bytes = segment_bytes
@@ -298,30 +309,36 @@ class RdmTransport(SharedAnySource):
         # One lock for every transport of the process: they share rails (links.py). An
         # RLock: a callback may post from inside a completion.
         self._lock = progress.NET_LOCK
-        self._rails: dict[int, list] = {}  # peer -> its rails by index (None: not yet)
-        self._link_of: dict = {}  # peer -> the Link its rails are (once it has rails)
-        self._joins: dict = {}  # peer -> _Join while joining a link to it
-        self._left: dict = {}  # peer -> rails it sent LEAVE on (it is leaving this group)
-        self._early_joins: list = []  # JOINs that came before connect(): handled by it
+        # peer -> its rails by index (None: not yet; DEAD: let go of)
+        self._rails: dict[int, Sequence[Rail | None]] = {}
+        self._link_of: dict[int, Link] = {}  # peer -> the Link its rails are (once it has rails)
+        self._joins: dict[int, _Join] = {}  # peer -> _Join while joining a link to it
+        # peer -> rails it sent LEAVE on (it is leaving this group)
+        self._left: dict[int, set[int]] = {}
+        # JOINs that came before connect(): handled by it
+        self._early_joins: list[tuple[Link, Rail, int, bytes]] = []
         self._up: set[int] = set()  # peers whose rails are all open
-        self._links: dict = {}  # peer -> _DIALING, _ACCEPTING or _JOINING while rails open
-        self._reserved: set = set()  # (peer, rail) accepted, not yet added
-        self._notices: dict = {}  # peer -> abort notice to send once its rails are up
+        # peer -> _DIALING, _ACCEPTING or _JOINING while rails open
+        self._links: dict[int, str] = {}
+        self._reserved: set[tuple[int, int]] = set()  # (peer, rail) accepted, not yet added
+        self._notices: dict[int, bytes] = {}  # peer -> abort notice to send once its rails are up
         self._expected: set[int] = set()
-        self._addresses: dict = {}
+        self._addresses: dict[int, str] = {}
         self._connect_timeout = 300.0
         self._connected = threading.Condition(self._lock)
-        self._sends: dict = {}
-        self._copies: dict = {}  # (peer, msg_id) -> the copy of an eager send, until acked
+        self._sends: dict[tuple[int, int], Request] = {}  # (peer, msg_id) -> its send
+        # (peer, msg_id) -> the copy of an eager send, until acked
+        self._copies: dict[tuple[int, int], bytearray] = {}
         self._eager_window = min(window_bytes, EAGER_WINDOW_BYTES)
         self._pool = _CopyPool(self._eager_window)
-        self._recvs: dict = {}  # (peer, tag) -> deque of posted Requests
-        self._positions: dict = {}  # receive Request -> its stream position (cancel_recv)
-        self._any: dict = {}  # tag -> deque of receives from any source
+        self._recvs: dict[tuple[int, int], deque[Request]] = {}  # (peer, tag) -> posted receives
+        self._positions: dict[Request, int] = {}  # receive -> its stream position (cancel_recv)
+        self._any: dict[int, deque[Request]] = {}  # tag -> receives from any source
         self._failed: dict[int, Exception] = {}
         self._closed = False
-        self._close_error = None  # what closed it (close(error)), named by later calls
-        self._due = None  # the endpoint's next deadline, as last computed: the engine
+        # what closed it (close(error)), named by later calls
+        self._close_error: Exception | None = None
+        self._due: float | None = None  # the endpoint's next deadline, as last computed: the engine
         # calls _on_tick once it has passed (and sleeps in epoll no longer than until it)
         self._hosts = [host] if isinstance(host, str) else list(host)
         self._link_timeout = link_timeout
@@ -335,13 +352,13 @@ class RdmTransport(SharedAnySource):
         self._context = links.context_of(self._gid)
         self._prefix = links.prefix_of(self._context)
         self._engine.join_group(self._gid, rank, self, self._context)
-        self._threads: list = []  # rail healers (_heal), joined by close
-        self._healing: set = set()  # (link, rail index) with a healer
+        self._threads: list[threading.Thread] = []  # rail healers (_heal), joined by close
+        self._healing: set[tuple[Link, int]] = set()  # (link, rail index) with a healer
         self._stopping = threading.Event()  # set by close: healers stop
 
     # ------------------------------------------------------------------ set-up
 
-    def connect(self, peers: dict, deadline: float) -> None:
+    def connect(self, peers: dict[int, str], deadline: float) -> None:
         """Learn where the other ranks are: ``peers`` is {rank: address}, an address being
         ``"host:port"`` or several, comma-separated, one per interface.
 
@@ -417,7 +434,7 @@ class RdmTransport(SharedAnySource):
         """Wait until ``peer``'s rails are up (True) or, with ``dial``, until nobody is
         opening them (False: the caller now is, and must dial). While this group joins a
         link, the waiting thread drives the progress engine (the answers come as frames)."""
-        def joined():
+        def joined() -> bool:
             return peer in self._up or self._links.get(peer) is not _JOINING
 
         while True:
@@ -465,14 +482,14 @@ class RdmTransport(SharedAnySource):
 
     # ------------------------------------------------------------------ shared links
 
-    def _link_key(self, peer: int):
+    def _link_key(self, peer: int) -> LinkKey | None:
         """What a link to ``peer``'s process must match for this group to use it: the
         addresses at both ends, the number of rails and the frame authentication."""
         address = self._addresses.get(peer)
         return None if address is None else (tuple(self._hosts), address, self.nrails,
                                              self._mac)
 
-    def _joinable(self, peer: int):
+    def _joinable(self, peer: int) -> Link | None:
         """Under the lock: a link of another group to ``peer``'s process, or None."""
         key = self._link_key(peer)
         return None if key is None else self._engine.find_link(key, self._context)
@@ -482,8 +499,8 @@ class RdmTransport(SharedAnySource):
         self._links[peer] = _JOINING
         self._joins[peer] = join = _Join(link)
         link.add(self._context, self.rank, self, peer)
-        for rail in link.rails:
-            self._send_join(link, rail, peer, join)
+        for rail in link.rails:  # (a link others may join has every rail)
+            self._send_join(link, rail, peer, join)  # type: ignore[arg-type]
 
     def _send_join(self, link: Link, rail: Rail, peer: int, join: _Join) -> None:
         proof = handshake.join_proof(self._key, self._group, rail.session, self.rank, peer,
@@ -645,7 +662,7 @@ class RdmTransport(SharedAnySource):
             self._add_rail(sock, peer, rail, session, dialer=True)
             return
 
-    def _may_dial(self, rank: int, rail: int):
+    def _may_dial(self, rank: int, rail: int) -> bool | bytes:
         """May ``rank`` open rail ``rail`` to this rank now (the listener asks)? True,
         False, or ``handshake.CROSSED`` (this rank is dialing ``rank`` too and has the
         higher rank: its own rails are kept)."""
@@ -720,7 +737,8 @@ class RdmTransport(SharedAnySource):
             while not self._stopping.wait(pause * random.uniform(0.5, 1.0)):
                 with self._lock:
                     if (self._closed or peer in self._failed or not link.healable()
-                            or self._link_of.get(peer) is not link or link.rails[index].alive):
+                            or self._link_of.get(peer) is not link
+                            or link.rails[index].alive):  # type: ignore[union-attr]  # (healable)
                         return
                     theirs = [_split(a) for a in self._addresses[peer].split(",")]
                 host, port = theirs[index % len(theirs)]
@@ -747,15 +765,16 @@ class RdmTransport(SharedAnySource):
             if not t._closed:
                 t.ep.rail_restored(index, peer)
                 t._pump()
-        if link.key is not None and all(r.alive for r in link.rails):
+        if link.key is not None and all(r is not None and r.alive for r in link.rails):
             self._engine.publish(link)
         self._connected.notify_all()
 
-    def _accepted(self, sock, peer: int, index: int, session: bytes = b"") -> None:
+    def _accepted(self, sock: socket.socket, peer: int, index: int,
+                  session: bytes = b"") -> None:
         """An authenticated connection from ``peer`` for rail ``index`` (the listener)."""
         self._add_rail(sock, peer, index, session, dialer=False)
 
-    def _add_rail(self, sock, peer: int, index: int, session: bytes = b"",
+    def _add_rail(self, sock: socket.socket, peer: int, index: int, session: bytes = b"",
                   dialer: bool = False) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -812,7 +831,8 @@ class RdmTransport(SharedAnySource):
 
     # ------------------------------------------------------------------ requests
 
-    def isend(self, peer: int, tag: int, buf, callback=None) -> Request:
+    def isend(self, peer: int, tag: int, buf: Buffer,
+              callback: Callable[[NetRequest], object] | None = None) -> _Request:
         """Send the bytes of ``buf`` (kept unchanged until the request completes).
 
         Messages up to ``EAGER_BYTES`` are copied (a ``bytes`` object, immutable, is kept
@@ -830,6 +850,7 @@ class RdmTransport(SharedAnySource):
             self._open_rails(peer)
         view = memoryview(buf).cast("B")
         n = view.nbytes
+        data: Bytes
         with self._lock:
             if self._closed or peer in self._failed or peer not in self._expected:
                 self._check_usable(peer)  # (raises)
@@ -885,7 +906,8 @@ class RdmTransport(SharedAnySource):
         req._finish()
         return req
 
-    def _write_now(self, peer: int, sent: tuple, now: float) -> None:
+    def _write_now(self, peer: int, sent: tuple[int, int, bytes, Bytes, bytes],
+                   now: float) -> None:
         """Under the lock: put the frame ``Endpoint.send_now`` returned (``sent``) on its
         rail, and keep the engine's timer no later than its retransmission deadline."""
         _, index, header, payload, trailer = sent
@@ -906,11 +928,12 @@ class RdmTransport(SharedAnySource):
         due = self._due
         if due is None or due > now + ep.rto:
             self._due = due = ep.next_deadline()
-            self._engine.due_changed(due)
+            # (not None: the frame just written waits for its ack)
+            self._engine.due_changed(due)  # type: ignore[arg-type]
         if ep.has_work:
             self._pump()
 
-    def _put(self, tx) -> None:
+    def _put(self, tx: Transmit) -> None:
         """Under the lock: write frame ``tx`` now if its rail's socket is free, else queue it
         behind what waits there."""
         rails = self._rails.get(tx.peer)
@@ -921,7 +944,7 @@ class RdmTransport(SharedAnySource):
         if not rail.events & _OUT:  # (else the socket is full: epoll says when not)
             rail.link.flush(rail)
 
-    def _queue(self, rail: Rail, tx) -> None:
+    def _queue(self, rail: Rail, tx: Transmit) -> None:
         """Under the lock: frame ``tx`` goes behind what waits on ``rail``, after this
         group's prefix (links.py)."""
         head = self._prefix + tx.header
@@ -935,7 +958,8 @@ class RdmTransport(SharedAnySource):
         if tx.trailer:
             out.append(memoryview(tx.trailer))
 
-    def irecv(self, peer: int, tag: int, buf, callback=None) -> Request:
+    def irecv(self, peer: int, tag: int, buf: Buffer,
+              callback: Callable[[NetRequest], object] | None = None) -> Request:
         """Receive the next message of ``(peer, tag)`` into ``buf`` (exactly its size)."""
         view = memoryview(buf).cast("B")
         req = Request(peer, tag, view, False, self)
@@ -953,8 +977,8 @@ class RdmTransport(SharedAnySource):
                     return req
                 self._check_usable(peer)  # (raises)
             got = ep.post_recv(peer, tag, view)  # (the oldest early message, or a position)
-            if type(got) is not int:
-                self._complete_recv(req, got)
+            if type(got) is not int:  # (the message, a bytearray)
+                self._complete_recv(req, got)  # type: ignore[arg-type]
                 return req
             self._positions[req] = got
             waiting = self._recvs.get((peer, tag))
@@ -967,7 +991,9 @@ class RdmTransport(SharedAnySource):
             self._engine.kick()  # see _bulk_pending
         return req
 
-    def irecv_any(self, tag: int, buf, callback=None, claim=None) -> Request:
+    def irecv_any(self, tag: int, buf: Buffer,
+                  callback: Callable[[NetRequest], object] | None = None,
+                  claim: Callable[[], bool] | None = None) -> Request:
         """Receive the next message of ``tag`` from whichever rank sends one first.
 
         The source is in ``request.source`` once complete. Messages go to receives naming
@@ -1003,7 +1029,7 @@ class RdmTransport(SharedAnySource):
             self._engine.kick()
         return req
 
-    def drive_until(self, done, deadline: float) -> bool:
+    def drive_until(self, done: Callable[[], bool], deadline: float) -> bool:
         """Make progress from the calling thread until ``done()`` or ``deadline``; the
         result of ``done()``. For a waiter that also waits for something else (a receive
         from any rank that shared memory may satisfy too): whoever makes ``done()`` true
@@ -1014,7 +1040,8 @@ class RdmTransport(SharedAnySource):
         """Make a thread in ``drive_until`` look at its condition again now."""
         self._engine.wake()
 
-    def cancel(self, req: Request, error: Exception) -> bool:
+    # (only a request this transport made: ``req`` is one of its own)
+    def cancel(self, req: Request, error: Exception) -> bool:  # type: ignore[override]
         """Withdraw ``req`` unless it has completed; True if it was withdrawn.
 
         On return the transport no longer touches the request's buffer: a payload being
@@ -1030,7 +1057,7 @@ class RdmTransport(SharedAnySource):
             self._handle_events()  # (a message the endpoint delivered completes it first)
             if req._event.is_set():
                 return False
-            if not req.is_send and peer is None:
+            if peer is None:  # a receive from any rank (a send names its peer)
                 self._any.get(req.tag, deque()).remove(req)
                 req._finish(error)
                 return True
@@ -1052,7 +1079,7 @@ class RdmTransport(SharedAnySource):
         self._engine.wake()  # (a waiter of another thread sees the news at once)
         return True
 
-    def _unhook(self, obj, peer) -> None:
+    def _unhook(self, obj: object, peer: int | None) -> None:
         """Under the lock: nothing this transport holds refers to buffer ``obj`` any more.
 
         A payload being read into it goes on into scratch memory (the claim stays, so the
@@ -1084,7 +1111,7 @@ class RdmTransport(SharedAnySource):
             self._notices[peer] = payload
         self._fail_peer_requests(peer, error)
 
-    def _send_notice(self, peer: int, payload: bytes):
+    def _send_notice(self, peer: int, payload: bytes) -> int | None:
         """Under the lock: send ``peer`` an abort notice; its msg_id, or None."""
         try:
             return self.ep.send(peer, ABORT_TAG, payload)
@@ -1108,10 +1135,13 @@ class RdmTransport(SharedAnySource):
             raise ValueError(f"rank {peer} is not a peer of rank {self.rank} in this group "
                              f"(ranks 0..{self.world_size - 1})")
 
-    def _complete_recv(self, req: Request, data) -> None:
+    def _complete_recv(self, req: Request, data: memoryview | bytearray) -> None:
         n = len(data) if not isinstance(data, memoryview) else data.nbytes
         if n != req.nbytes:
-            req._finish(MessageSizeMismatch(req.source, req.tag, n, req.nbytes, data))
+            # (source: known once a message is bound to it)
+            error = MessageSizeMismatch(req.source, req.tag,  # type: ignore[arg-type]
+                                        n, req.nbytes, data)
+            req._finish(error)
             return
         if not (isinstance(data, memoryview) and data.obj is req.buf.obj):
             req.buf[:n] = data
@@ -1122,8 +1152,8 @@ class RdmTransport(SharedAnySource):
         endpoint withdraws it (the message bound to it is discarded whenever it arrives),
         and a payload being read into it goes on into scratch memory."""
         position = self._positions.pop(req, None)
-        if position is not None:
-            self.ep.cancel_recv(req.peer, req.tag, position)
+        if position is not None:  # (a position: a receive naming its peer)
+            self.ep.cancel_recv(req.peer, req.tag, position)  # type: ignore[arg-type]
         self._unhook(req.buf.obj, req.peer)
         req._finish(error)
 
@@ -1160,7 +1190,8 @@ class RdmTransport(SharedAnySource):
                 if not self._closed:
                     self._pump(deadline_passed=True)
 
-    def _take_whole(self, rail: Rail, peer: int, buf, lo: int, hi: int, touched: set) -> int:
+    def _take_whole(self, rail: Rail, peer: int, buf: memoryview, lo: int, hi: int,
+                    touched: set[RdmTransport]) -> int:
         """Under the lock (links.read): a frame for this group from ``peer`` starts at
         ``buf[lo]`` (its prefix) and ``buf[:hi]`` is read. When the endpoint takes it whole
         (``Endpoint.take_whole``: a small message next in its stream) the receive waiting
@@ -1179,7 +1210,7 @@ class RdmTransport(SharedAnySource):
             if waiting:
                 req = waiting.popleft()
                 del self._positions[req]
-                if data.nbytes == req.nbytes:
+                if data.nbytes == req.nbytes:  # type: ignore[union-attr]  # (posted: a view)
                     req._finish()
                 else:
                     self._complete_recv(req, data)
@@ -1240,7 +1271,8 @@ class RdmTransport(SharedAnySource):
     def _on_stage(self, rail: Rail) -> None:
         """Under the lock: the current stage (after the header) of ``rail``'s frame for
         this group is read; go to the next."""
-        ep, mac, stage, h = self.ep, rail.mac, rail.stage, rail.header
+        ep, mac, stage = self.ep, rail.mac, rail.stage
+        h: F.Header = rail.header  # type: ignore[assignment]  # (set: past its header)
         tail = mac is not None and mac.tail(h.type, h.nacks)
         if stage == _PAYLOAD and (h.nacks or tail):
             if mac is not None and mac.payload:
@@ -1248,8 +1280,9 @@ class RdmTransport(SharedAnySource):
             rail.buf = bytearray(h.trailer_bytes + (_MAC_TAG if tail else 0))
             stage_to(rail, _TRAILER, memoryview(rail.buf))
             return
-        frame = rail.buf
-        if tail:  # check the acks (and payload) before they are acted on
+        # (set: the frame read aside, or the trailer)
+        frame: bytearray | memoryview = rail.buf  # type: ignore[assignment]
+        if tail and mac is not None:  # check the acks (and payload) before they are acted on
             try:
                 if stage == _TRAILER:
                     mac.check_tail(memoryview(frame)[:-_MAC_TAG], frame[-_MAC_TAG:])
@@ -1384,7 +1417,8 @@ class RdmTransport(SharedAnySource):
         if anyone:  # an early message (kept by the endpoint): the oldest such receive takes it
             req = anyone.popleft()
             req.source = ev.src
-            self._complete_recv(req, self.ep.take_early(ev.src, ev.tag))
+            # (the endpoint keeps the message this event reports)
+            self._complete_recv(req, self.ep.take_early(ev.src, ev.tag))  # type: ignore[arg-type]
 
     def _on_abort(self, peer: int, data: bytes) -> None:
         kind = data[0] if data else ABORTED
@@ -1510,7 +1544,7 @@ class RdmTransport(SharedAnySource):
 
     # ------------------------------------------------------------------ teardown
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Protocol counters (segments sent, retransmits, duplicates, rejected frames...)."""
         with self._lock:
             return dict(self.ep.stats)
@@ -1574,7 +1608,7 @@ class RdmTransport(SharedAnySource):
             self.ep.release_acks()  # the peers' drains wait for them
             self._pump()
 
-        def settled():
+        def settled() -> bool:
             with self._lock:
                 peers = [p for p in self._rails if p not in self._failed]
                 unacked = sum(self.ep.inflight_bytes(p) for p in peers)

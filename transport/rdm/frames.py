@@ -46,7 +46,13 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeAlias
+
+    # what a frame's bytes are handed in: the caller's buffer or a copy
+    Bytes: TypeAlias = bytes | bytearray | memoryview
 
 MAGIC = b"NR"
 VERSION = 3  # 2: DATA frames carry piggybacked acks (``nacks``); 3: REFUSE frames
@@ -127,8 +133,8 @@ def _check_range(name: str, value: int, lo: int, hi: int) -> None:
 
 
 def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq: int = 0,
-           total: int | None = None, offset: int = 0, payload=b"", rail: int = 0,
-           crc: bool = False, acks=()) -> bytes:
+           total: int | None = None, offset: int = 0, payload: Bytes = b"", rail: int = 0,
+           crc: bool = False, acks: Sequence[tuple[int, int]] = ()) -> bytes:
     """Build one frame: ``encode_header(...) + payload + packed acks``.
 
     Parameters
@@ -164,15 +170,15 @@ def encode(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq:
     return header + bytes(payload) + trailer
 
 
-def pack_acks(entries) -> bytes:
+def pack_acks(entries: Sequence[tuple[int, int]]) -> bytes:
     """Ack entries ``[(msg_id, offset), ...]`` as they travel (an ACK's payload, or behind
     a DATA frame's)."""
     return struct.pack(f"!{2 * len(entries)}Q", *[x for entry in entries for x in entry])
 
 
 def encode_header(type: int, src: int, dst: int, *, msg_id: int = 0, tag: int = 0, seq: int = 0,
-                  total: int | None = None, offset: int = 0, payload=b"", rail: int = 0,
-                  crc: bool = False, trailer=b"") -> bytes:
+                  total: int | None = None, offset: int = 0, payload: Bytes = b"", rail: int = 0,
+                  crc: bool = False, trailer: Bytes = b"") -> bytes:
     """The 64-byte header of the frame ``encode`` would build, without copying ``payload``.
 
     A driver writes the header, the payload (a view of the caller's buffer) and the packed
@@ -211,7 +217,7 @@ def pack_data_header(src: int, dst: int, msg_id: int, tag: int, seq: int, total:
                        total, offset, length, 0)
 
 
-def pack_ack(src: int, dst: int, entries, rail: int) -> bytes:
+def pack_ack(src: int, dst: int, entries: Sequence[tuple[int, int]], rail: int) -> bytes:
     """``encode_ack`` without CRC and without checks, for 1..MAX_ACKS_PER_FRAME entries the
     protocol produced itself."""
     n = len(entries)
@@ -236,7 +242,8 @@ def encode_refuse(src: int, dst: int, msg_id: int, tag: int, seq: int, total: in
                   offset=expected, rail=rail, crc=crc)
 
 
-def encode_ack(src: int, dst: int, entries, *, rail: int = 0, crc: bool = False) -> bytes:
+def encode_ack(src: int, dst: int, entries: Sequence[tuple[int, int]], *, rail: int = 0,
+               crc: bool = False) -> bytes:
     """Build an ACK frame for ``entries``, a sequence of ``(msg_id, offset)`` pairs.
 
     Raises
@@ -249,7 +256,7 @@ def encode_ack(src: int, dst: int, entries, *, rail: int = 0, crc: bool = False)
     return encode(ACK, src, dst, payload=pack_acks(entries), rail=rail, crc=crc)
 
 
-def _header_fields(view: memoryview) -> tuple:
+def _header_fields(view: memoryview) -> tuple[int, ...]:
     if view.nbytes < HEADER_SIZE:
         raise FrameError(f"truncated frame: {view.nbytes} bytes, the header alone is {HEADER_SIZE}")
     fields = HEADER.unpack_from(view, 0)
@@ -330,8 +337,9 @@ class Header(NamedTuple):
         return self.nacks * ACK_ENTRY.size
 
 
-def decode_header(buf, *, world_size: int | None = None, max_message_bytes: int | None = None,
-                  max_payload: int | None = None, require_crc: bool = False) -> Header:
+def decode_header(buf: Bytes, *, world_size: int | None = None,
+                  max_message_bytes: int | None = None, max_payload: int | None = None,
+                  require_crc: bool = False) -> Header:
     """Parse and validate the 64-byte header of a frame arriving on a byte stream.
 
     Everything ``decode`` checks that does not need the payload is checked here, plus
@@ -357,8 +365,8 @@ def decode_header(buf, *, world_size: int | None = None, max_message_bytes: int 
     return _decode_header_checked(buf, world_size, max_message_bytes, max_payload, require_crc)
 
 
-def _decode_header_checked(buf, world_size, max_message_bytes, max_payload,
-                           require_crc) -> Header:
+def _decode_header_checked(buf: Bytes, world_size: int | None, max_message_bytes: int | None,
+                           max_payload: int | None, require_crc: bool) -> Header:
     """``decode_header`` one check at a time, naming the first that fails."""
     view = memoryview(buf).cast("B")
     if view.nbytes != HEADER_SIZE:
@@ -380,7 +388,8 @@ def _decode_header_checked(buf, world_size, max_message_bytes, max_payload,
                   nacks)
 
 
-def check_payload(header_bytes, header: Header, payload, trailer=b"") -> None:
+def check_payload(header_bytes: Bytes, header: Header, payload: Bytes,
+                  trailer: Bytes = b"") -> None:
     """Verify the CRC of a frame read as header + payload + trailer (the piggybacked acks);
     a no-op without ``FLAG_CRC``."""
     if not header.flags & FLAG_CRC:
@@ -392,7 +401,7 @@ def check_payload(header_bytes, header: Header, payload, trailer=b"") -> None:
         raise FrameError(f"CRC mismatch (computed 0x{value:08x}, frame says 0x{header.crc:08x})")
 
 
-def decode(buf, *, world_size: int | None = None, max_message_bytes: int | None = None,
+def decode(buf: Bytes, *, world_size: int | None = None, max_message_bytes: int | None = None,
            require_crc: bool = False) -> Frame:
     """Parse and validate one frame.
 

@@ -53,6 +53,18 @@ import secrets
 import socket
 import struct
 import time
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeAlias
+
+    from .driver import RdmTransport
+
+    # ``resolve(group_id, dst)``: ``(owner, key, group, may_dial, release)`` of the group
+    # and rank dialled, or None (see ``accept``)
+    Resolve: TypeAlias = Callable[
+        [bytes, int], tuple[RdmTransport, bytes, bytes, Callable[[int, int], bool | bytes],
+                            Callable[[int, int], None]] | None]
 
 MAGIC = b"NRH2"
 OK = b"NROK"
@@ -175,7 +187,9 @@ def _until(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(remaining)
 
 
-def accept(sock: socket.socket, resolve, deadline: float | None = None, progress=None):
+def accept(sock: socket.socket, resolve: Resolve, deadline: float | None = None,
+           progress: Callable[[int], None] | None = None
+           ) -> tuple[RdmTransport, int, int, bytes]:
     """Authenticate a dialer on the accepted ``sock``; return ``(owner, rank, rail,
     session)``, ``session`` being the connection's ``session_key``.
 

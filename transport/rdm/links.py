@@ -70,9 +70,22 @@ import socket
 import struct
 from collections import deque
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from . import frames as F
 from .railmac import TAG as _MAC_TAG
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeAlias
+
+    from .driver import RdmTransport
+    from .frames import Bytes
+    from .progress import Progress
+    from .railmac import RailMac
+
+    # what a link to a peer's process matches (``RdmTransport._link_key``): the addresses
+    # at both ends, the number of rails, the frame authentication
+    LinkKey: TypeAlias = tuple[tuple[str, ...], str, int, tuple[bool, bool]]
 
 log = logging.getLogger("neuron_dist.rdm")
 
@@ -123,7 +136,7 @@ def pack_block(kind: int, rail: int, src: int, dst: int, context: int,
     return _ZERO_PREFIX + _BLOCK.pack(_CONTROL_MAGIC, kind, 0, rail, src, dst, context, proof)
 
 
-def unpack_block(block) -> tuple:
+def unpack_block(block: Bytes) -> tuple[int, int, int, int, int, bytes]:
     """``(kind, rail, src, dst, context, proof)`` of a 64-byte control block.
 
     Raises
@@ -148,24 +161,27 @@ class Rail:
                  "got", "hbuf", "hview", "header", "view", "buf", "inbuf", "lo", "hi", "mac",
                  "head", "lowat", "ahead", "reader", "rpeer", "skip")
 
-    def __init__(self, sock, index, link, session, mac=None):
+    def __init__(self, sock: socket.socket, index: int, link: Link, session: bytes,
+                 mac: RailMac | None = None):
         self.sock, self.fd, self.index, self.link = sock, sock.fileno(), index, link
         self.session = session  # the handshake's session key: JOIN proofs name it
-        self.out = deque()  # byte views still to write
+        self.out: deque[memoryview] = deque()  # byte views still to write
         self.alive = True
         self.events = _IN
         self.mac = mac  # railmac.RailMac when frames are authenticated: headers carry a tag
         self.hbuf = bytearray(PREFIX + F.HEADER_SIZE + (_MAC_TAG if mac else 0))
         self.hview = memoryview(self.hbuf)
         self.head = self.hview[PREFIX:PREFIX + F.HEADER_SIZE]  # the frame's header proper
-        self.stage, self.got, self.header = _HEADER, 0, None
+        self.stage, self.got = _HEADER, 0
+        self.header: F.Header | None = None
         self.view = self.hview  # where the bytes of the current stage go
-        self.buf = None  # the frame read aside, or the trailer
+        self.buf: bytearray | None = None  # the frame read aside, or the trailer
         self.inbuf = memoryview(bytearray(INBUF))  # bytes read ahead: inbuf[lo:hi]
         self.ahead = self.inbuf  # what the next read ahead asks for
         self.lo = self.hi = 0
         self.lowat = 1  # the socket's SO_RCVLOWAT
-        self.reader, self.rpeer, self.skip = None, -1, 0
+        self.reader: RdmTransport | None = None
+        self.rpeer, self.skip = -1, 0
 
 
 class DeadRail:
@@ -178,7 +194,8 @@ class DeadRail:
     sock = None
 
 
-DEAD = DeadRail()
+# (typed as a Rail: it stands in for one, and whoever meets it checks ``alive`` first)
+DEAD: Rail = DeadRail()  # type: ignore[assignment]
 
 
 class Link:
@@ -188,18 +205,19 @@ class Link:
     another group must match to join it (published in the engine once every rail is up:
     ``Progress.find_link``); None while it must not be joined."""
 
-    def __init__(self, engine, nrails: int, label: str):
+    def __init__(self, engine: Progress, nrails: int, label: str):
         self.engine = engine
-        self.rails: list = [None] * nrails
-        self.members: dict = {}
-        self.key = None
+        self.rails: list[Rail | None] = [None] * nrails
+        # (context, rank here) -> (transport, peer rank)
+        self.members: dict[tuple[int, int], tuple[RdmTransport, int]] = {}
+        self.key: LinkKey | None = None
         self.label = label
         self.closing = False  # its last member is closing it: no new members
         self.closed = False
         self.dialer = False  # this process dialed its rails: it dials a lost one again
-        self.untrusted: set = set()  # rails closed for bytes not to be trusted: never again
+        self.untrusted: set[int] = set()  # rails closed for bytes not to be trusted: never again
 
-    def reaches(self, key) -> bool:
+    def reaches(self, key: LinkKey) -> bool:
         """Does this link go to the process a group with link key ``key`` names (the key
         its members compute for their peers: ``RdmTransport._link_key``)?"""
         return any(t._link_key(p) == key for t, p in self.members.values())
@@ -226,7 +244,7 @@ class Link:
             if mask & _OUT:
                 self.flush(rail)
             if mask & ~_OUT and rail.alive:
-                touched = set()
+                touched: set[RdmTransport] = set()
                 try:
                     self.read(rail, touched)
                 except OSError as e:
@@ -240,7 +258,7 @@ class Link:
 
     # -------------------------------------------------------------- reading
 
-    def read(self, rail: Rail, touched: set) -> None:
+    def read(self, rail: Rail, touched: set[RdmTransport]) -> None:
         """Under the lock: take in what ``rail``'s socket has, frame by frame (each one goes
         to its member: ``advance``; the members that got frames are added to ``touched``).
 
@@ -317,7 +335,7 @@ class Link:
                     continue
             self.advance(rail, touched)
 
-    def advance(self, rail: Rail, touched: set) -> None:
+    def advance(self, rail: Rail, touched: set[RdmTransport]) -> None:
         """Under the lock: the current stage of ``rail``'s frame is read; go to the next.
         A header (after its tag, with authentication) names the frame's member: the rest
         of the frame is that member's (``RdmTransport._on_header``, ``_on_stage``)."""
@@ -351,8 +369,9 @@ class Link:
             else:
                 stage_to(rail, _HEADER, rail.hview)
             return
-        touched.add(rail.reader)
-        rail.reader._on_stage(rail)
+        # (past a header: the rail has a reader until its frame is read)
+        touched.add(rail.reader)  # type: ignore[arg-type]
+        rail.reader._on_stage(rail)  # type: ignore[union-attr]
 
     def _skip(self, rail: Rail) -> None:
         """Under the lock: read the frame whose header is in ``rail.hbuf`` and drop it."""
@@ -403,7 +422,7 @@ class Link:
             if out:
                 self.engine.kick()  # bytes wait behind a full socket
 
-    def send_frame(self, rail: Rail, views: list, nbytes: int) -> None:
+    def send_frame(self, rail: Rail, views: list[Bytes], nbytes: int) -> None:
         """Under the lock: put one frame, the byte views ``views`` (``nbytes`` in all), on
         ``rail``: written now as far as the socket takes it when nothing waits there, the
         rest queued behind what does (``flush``). Dropped on a rail that is down (the
@@ -446,10 +465,10 @@ class Link:
 
     # -------------------------------------------------------------- membership
 
-    def add(self, context: int, rank: int, transport, peer: int) -> None:
+    def add(self, context: int, rank: int, transport: RdmTransport, peer: int) -> None:
         self.members[(context, rank)] = (transport, peer)
 
-    def remove(self, context: int, rank: int, transport) -> None:
+    def remove(self, context: int, rank: int, transport: RdmTransport) -> None:
         """Under the lock: ``transport`` no longer uses this link; the last one to go closes
         the connections (a graceful close has half-closed them already)."""
         m = self.members.get((context, rank))
@@ -500,7 +519,7 @@ class Link:
         """Is this link one whose lost rails are worth dialing again: in use, not closing,
         opened whole once, and with a live rail left (without one its peer has failed)?"""
         return (not self.closing and not self.closed and bool(self.members)
-                and None not in self.rails and any(r.alive for r in self.rails))
+                and None not in self.rails and any(r is not None and r.alive for r in self.rails))
 
     def control(self, rail: Rail) -> None:
         """Under the lock: act on the control block just read on ``rail``."""
@@ -527,7 +546,7 @@ class Link:
 
 
 
-def stage_to(rail: Rail, stage: int, view) -> None:
+def stage_to(rail: Rail, stage: int, view: memoryview) -> None:
     """``rail`` reads ``view`` next, as stage ``stage``."""
     rail.stage, rail.view, rail.got = stage, view, 0
 

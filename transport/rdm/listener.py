@@ -34,7 +34,12 @@ import socket
 import threading
 import time
 
+from typing import TYPE_CHECKING, Any
+
 from . import handshake
+
+if TYPE_CHECKING:
+    from .handshake import Resolve
 
 log = logging.getLogger("neuron_dist.rdm")
 
@@ -67,7 +72,7 @@ class _RateLimitedLog:
 
 
 
-def bind(host: str, port_range: tuple | None = None) -> socket.socket:
+def bind(host: str, port_range: tuple[int, int] | None = None) -> socket.socket:
     """A socket listening on ``host``: on any free port, or on the first free one of
     ``port_range`` (``(first, last)``, both included, for clusters whose firewalls open only
     a range), tried from a random place in it so that the ranks of one machine do not all
@@ -93,7 +98,7 @@ def bind(host: str, port_range: tuple | None = None) -> socket.socket:
 class Listener:
     """A listening socket on ``host`` (see ``bind``) and its accept thread."""
 
-    def __init__(self, host: str, resolve, port_range: tuple | None = None):
+    def __init__(self, host: str, resolve: Resolve, port_range: tuple[int, int] | None = None):
         self.sock = bind(host, port_range)
         port = self.sock.getsockname()[1]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -101,8 +106,9 @@ class Listener:
         self._lock = threading.Lock()
         # unfinished incoming connection -> [address, progress (0..2), accepted at],
         # oldest first
-        self._handshakes: dict = {}
-        self._workers: set = set()  # handshake threads not finished yet (close joins them)
+        self._handshakes: dict[socket.socket, list[Any]] = {}  # (see above)
+        # handshake threads not finished yet (close joins them)
+        self._workers: set[threading.Thread] = set()
         self._strangers = _RateLimitedLog(f"listener {self.address}")
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -202,7 +208,7 @@ class Listener:
         self._drop(victim, f"{MAX_HANDSHAKES} were open")
         return True
 
-    def _drop(self, conn, why: str) -> None:
+    def _drop(self, conn: socket.socket, why: str) -> None:
         """Under the lock: end the unfinished handshake on ``conn`` (its thread sees an
         error and closes it; a dialer dials again)."""
         addr = self._handshakes.pop(conn)[0]
@@ -212,21 +218,21 @@ class Listener:
         except OSError:
             pass
 
-    def _progress(self, conn, level: int) -> None:
+    def _progress(self, conn: socket.socket, level: int) -> None:
         """The handshake on ``conn`` reached ``level`` (see ``handshake.accept``)."""
         with self._lock:
             entry = self._handshakes.get(conn)
             if entry is not None:
                 entry[1] = level
 
-    def _accept_one(self, conn, addr) -> None:
+    def _accept_one(self, conn: socket.socket, addr: object) -> None:
         try:
             self._handshake(conn, addr)
         finally:
             with self._lock:
                 self._workers.discard(threading.current_thread())
 
-    def _handshake(self, conn, addr) -> None:
+    def _handshake(self, conn: socket.socket, addr: object) -> None:
         try:
             owner, peer, rail, session = handshake.accept(
                 conn, self._resolve, deadline=time.monotonic() + HANDSHAKE_TIMEOUT,

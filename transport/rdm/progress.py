@@ -67,11 +67,17 @@ import queue
 import select
 import threading
 import time
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import TransportError
-from ..requests import run_callbacks
+from ..requests import Completion, Request, run_callbacks
 from ..backoff import Backoff
 from .listener import Listener
+
+if TYPE_CHECKING:
+    from .driver import RdmTransport
+    from .handshake import Resolve
+    from .links import Link, LinkKey, Rail
 
 log = logging.getLogger("neuron_dist.rdm")
 
@@ -85,27 +91,29 @@ _YIELD_SECONDS = 5e-4  # a waiter polls, yielding the CPU in between, this long 
 class Progress:
     """The process's progress engine (``engine()``); see the module docstring."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._epoll = select.epoll()
-        self._handlers: dict = {}  # fd -> (link, rail)
-        self._transports: list = []
+        self._handlers: dict[int, tuple[Link, Rail]] = {}  # fd -> (link, rail)
+        self._transports: list[RdmTransport] = []
         self._lock = threading.Lock()  # registry and waiter count
         self._idle = threading.Condition(self._lock)  # the background thread parks here
         self._poll = threading.Lock()  # held by the thread that polls (the leader)
         self._waiters = 0
         self._last_wait = 0.0  # when the last waiter left
         self._bg_leads = False
-        self._polling = None  # the thread in epoll, and until when it sleeps there
+        self._polling: int | None = None  # the thread in epoll, and until when it sleeps there
         self._poll_until = 0.0
         self._stop = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
-        self._listeners: dict = {}  # host -> Listener, shared by every group
-        self._groups: dict = {}  # (group id, rank) -> the transport of that group's rank
-        self._contexts: dict = {}  # (group context, rank) -> the same (links.py)
-        self._links: dict = {}  # link key -> links other groups may join (links.py)
+        self._listeners: dict[str, Listener] = {}  # host -> Listener, shared by every group
+        # (group id, rank) -> the transport of that group's rank
+        self._groups: dict[tuple[bytes, int], RdmTransport] = {}
+        # (group context, rank) -> the same (links.py)
+        self._contexts: dict[tuple[int, int], RdmTransport] = {}
+        self._links: dict[LinkKey, list[Link]] = {}  # link key -> links other groups may join
         self.lock = NET_LOCK
-        self.callbacks = queue.SimpleQueue()
+        self.callbacks: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._background, daemon=True,
                                           name="neuron-rdm-progress"),
                          threading.Thread(target=run_callbacks, args=(self.callbacks,),
@@ -115,7 +123,7 @@ class Progress:
 
     # ------------------------------------------------------------------ registry
 
-    def listen(self, host: str, port_range: tuple | None = None) -> str:
+    def listen(self, host: str, port_range: tuple[int, int] | None = None) -> str:
         """The address of the process's listener on ``host``, started on first use on a
         free port of ``port_range`` (``(first, last)``, both included; None: any free
         port). Later groups share it, wherever its port is."""
@@ -125,52 +133,55 @@ class Progress:
                 listener = self._listeners[host] = Listener(host, self._resolve, port_range)
             return listener.address
 
-    def join_group(self, gid: bytes, rank: int, transport, context: int) -> None:
+    def join_group(self, gid: bytes, rank: int, transport: RdmTransport, context: int) -> None:
         """Connections that name group ``gid`` and ``rank``, and JOINs on a link that name
         its ``context`` and ``rank`` (links.py), go to ``transport``."""
         with self._lock:
             self._groups[(gid, rank)] = transport
             self._contexts[(context, rank)] = transport
 
-    def leave_group(self, gid: bytes, rank: int, transport) -> None:
+    def leave_group(self, gid: bytes, rank: int, transport: RdmTransport) -> None:
         with self._lock:
             if self._groups.get((gid, rank)) is transport:
                 del self._groups[(gid, rank)]
             for k in [k for k, t in self._contexts.items() if t is transport]:
                 del self._contexts[k]
 
-    def resolve_context(self, context: int, rank: int):
+    def resolve_context(self, context: int, rank: int) -> RdmTransport | None:
         """The transport of rank ``rank`` of the group whose context is ``context``."""
         with self._lock:
             return self._contexts.get((context, rank))
 
     # Links (links.py): under NET_LOCK, like everything that touches rails.
 
-    def publish(self, link) -> None:
+    def publish(self, link: Link) -> None:
         """Other groups may join ``link`` (its ``key`` says to which process it goes)."""
         if link.key is not None and link not in self._links.get(link.key, ()):
             self._links.setdefault(link.key, []).append(link)
 
-    def unpublish(self, link) -> None:
+    def unpublish(self, link: Link) -> None:
+        if link.key is None:
+            return  # (never published)
         found = self._links.get(link.key)
         if found and link in found:
             found.remove(link)
             if not found:
                 del self._links[link.key]
 
-    def find_link(self, key, context: int):
+    def find_link(self, key: LinkKey, context: int) -> Link | None:
         """A published link with ``key`` that group ``context`` may join now, or None."""
         for link in self._links.get(key, ()):
             if link.joinable(context):
                 return link
         return None
 
-    def _resolve(self, gid: bytes, rank: int):
+    def _resolve(self, gid: bytes, rank: int) -> tuple[RdmTransport, bytes, bytes, Callable[
+            [int, int], bool | bytes], Callable[[int, int], None]] | None:
         with self._lock:
             t = self._groups.get((gid, rank))
         return None if t is None else (t, t._key, t._group, t._may_dial, t._release)
 
-    def register(self, fd: int, handler, rail, events: int) -> None:
+    def register(self, fd: int, handler: Link, rail: Rail, events: int) -> None:
         """Tell ``handler`` (a link) when ``rail`` is ready (``_in_bulk``, ``_on_ready``)."""
         self._handlers[fd] = (handler, rail)
         self._epoll.register(fd, events)
@@ -215,7 +226,7 @@ class Progress:
 
     # ------------------------------------------------------------------ polling
 
-    def poll(self, timeout: float, done=None) -> None:
+    def poll(self, timeout: float, done: Callable[[], bool] | None = None) -> None:
         """Under ``_poll``: wait up to ``timeout`` for rails or timers, and handle them
         (nothing once the engine has shut down).
 
@@ -234,6 +245,7 @@ class Progress:
                     timeout = max(0.0, due - now)
             self._poll_until = now + timeout
             self._polling = threading.get_ident()
+        events: Sequence[tuple[int, int]]
         try:
             events = self._epoll.poll(timeout)
         except InterruptedError:
@@ -248,7 +260,7 @@ class Progress:
             elif fd == self._wake_r:
                 self._drain_wake()
             events = ()
-        bulk = []
+        bulk: list[tuple[tuple[Link, Rail], int]] = []
         for fd, mask in events:
             if fd == self._wake_r:
                 self._drain_wake()
@@ -260,7 +272,7 @@ class Progress:
                     continue
                 handler[0]._on_ready(handler[1], mask)
                 if done is not None and done():
-                    bulk = ()
+                    bulk = ()  # type: ignore[assignment]  # (none left: an empty tuple)
                     break
         for handler, mask in bulk:
             if done is not None and done():
@@ -279,7 +291,8 @@ class Progress:
         except (BlockingIOError, OSError):
             pass
 
-    def drive(self, done, deadline: float, event=None, spin: int = 0) -> bool:
+    def drive(self, done: Callable[[], bool], deadline: float, event: Completion | None = None,
+              spin: int = 0) -> bool:
         """Make progress from the calling thread until ``done()`` or ``deadline``; the
         result of ``done()``. ``done`` is checked between polls; ``event`` (a
         ``Completion``), if given, wakes the thread while another one leads.
@@ -368,10 +381,10 @@ class Progress:
 
     # ------------------------------------------------------------------ lifetime
 
-    def _add(self, transport) -> None:
+    def _add(self, transport: RdmTransport) -> None:
         self._transports.append(transport)
 
-    def _remove(self, transport) -> bool:
+    def _remove(self, transport: RdmTransport) -> bool:
         """Forget ``transport``; True if it was the last one (the engine then stops)."""
         self._transports = [t for t in self._transports if t is not transport]
         return not self._transports
@@ -408,7 +421,7 @@ _ENGINE: Progress | None = None
 _ENGINE_LOCK = threading.Lock()
 
 
-def attach(transport) -> Progress:
+def attach(transport: RdmTransport) -> Progress:
     """The process's engine (started if needed), with ``transport`` counted as a user."""
     global _ENGINE
     with _ENGINE_LOCK:
@@ -418,7 +431,7 @@ def attach(transport) -> Progress:
         return _ENGINE
 
 
-def detach(transport) -> None:
+def detach(transport: RdmTransport) -> None:
     """``transport`` is closed; the engine stops with its last user."""
     global _ENGINE
     with _ENGINE_LOCK:

@@ -165,10 +165,15 @@ import math
 from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Union
 
 from ..errors import TransportError
 from . import frames as F
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeAlias
+
+    from .frames import Bytes
 
 # A message is cut into one segment per rail only while segments stay MIN_SPRAY_BYTES or
 # more, and a segment goes to the first rail with less than FILL_BYTES unacknowledged (see
@@ -210,7 +215,7 @@ class MessageReceived(NamedTuple):
     src: int
     tag: int
     msg_id: int
-    data: object
+    data: memoryview | bytearray
     posted: bool = False
 
 
@@ -226,7 +231,7 @@ class PeerFailed(NamedTuple):
 
     peer: int
     reason: str
-    msg_ids: tuple = ()
+    msg_ids: tuple[int, ...] = ()
 
 
 class MessageRefused(NamedTuple):
@@ -271,7 +276,7 @@ class Transmit(NamedTuple):
     peer: int
     rail: int
     header: bytes
-    payload: object = b""
+    payload: Bytes = b""
     trailer: bytes = b""  # piggybacked ack entries (DATA frames)
 
     @property
@@ -284,13 +289,18 @@ class ProtocolError(TransportError):
     """The caller misused the endpoint (for example, sent to a peer that failed)."""
 
 
+# what ``events()`` returns
+Event: TypeAlias = Union[MessageReceived, SendCompleted, PeerFailed, MessageRefused, SendRefused,
+                         FrameRejected]
+
+
 # ----------------------------------------------------------------------------- state
 
 
 class _IdWindow:
     """Which ids of 0, 1, 2, ... are done: everything below ``low``, plus ``above``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.low = 0
         self.above: set[int] = set()
 
@@ -339,12 +349,13 @@ class _Reassembly:
     tag: int
     seq: int
     total: int
-    buf: memoryview
-    posted: object = None  # the caller's buffer when data lands there directly
-    starts: list = field(default_factory=list)  # sorted offsets of received segments
-    lengths: dict = field(default_factory=dict)  # offset -> length
+    buf: memoryview | None  # (None: refused, or discarded)
+    posted: memoryview | None = None  # the caller's buffer when data lands there directly
+    starts: list[int] = field(default_factory=list)  # sorted offsets of received segments
+    lengths: dict[int, int] = field(default_factory=dict)  # offset -> length
     received: int = 0
-    claims: dict = field(default_factory=dict)  # offset -> (length, rail) being read in place
+    # offset -> (length, rail) being read in place
+    claims: dict[int, tuple[int, int]] = field(default_factory=dict)
     discard: bool = False  # its receive was cancelled: count bytes, store nothing
     refused: int = -1  # refused (see "Refusal"): the size of the receive it was refused for
 
@@ -357,50 +368,54 @@ class _Reassembly:
 class _Stream:
     next_deliver: int = 0
     next_post: int = 0
-    bound: dict = field(default_factory=dict)  # seq -> posted buffer
-    ready: dict = field(default_factory=dict)  # seq -> complete _Reassembly
-    owner: dict = field(default_factory=dict)  # seq -> msg_id, messages in progress
-    early: deque = field(default_factory=deque)  # (arrival, bytearray): delivered, not taken
-    cancelled: set = field(default_factory=set)  # positions whose receive was withdrawn
+    bound: dict[int, memoryview] = field(default_factory=dict)  # seq -> posted buffer
+    ready: dict[int, _Reassembly] = field(default_factory=dict)  # seq -> complete _Reassembly
+    owner: dict[int, int] = field(default_factory=dict)  # seq -> msg_id, messages in progress
+    # (arrival, message): delivered, not taken
+    early: deque[tuple[int, bytearray]] = field(default_factory=deque)
+    cancelled: set[int] = field(default_factory=set)  # positions whose receive was withdrawn
 
 
 @dataclass(eq=False, slots=True)
 class _Peer:
-    rails: list  # alive flag per rail
+    rails: list[bool]  # alive flag per rail
     # sending
     next_msg_id: int = 0
-    tag_seq: dict = field(default_factory=dict)
-    queue: deque = field(default_factory=deque)  # messages with segments not yet sent
+    tag_seq: dict[int, int] = field(default_factory=dict)
+    queue: deque[_OutMessage] = field(default_factory=deque)  # messages with segments not yet sent
     backlog: int = 0  # bytes of those segments (see backlog_bytes)
-    open: dict = field(default_factory=dict)  # msg_id -> _OutMessage, not yet completed
+    # msg_id -> _OutMessage, not yet completed
+    open: dict[int, _OutMessage] = field(default_factory=dict)
     sent_done: _IdWindow = field(default_factory=_IdWindow)
-    unacked: dict = field(default_factory=dict)  # (msg_id, offset) -> _Segment
-    urgent: deque = field(default_factory=deque)  # segment keys to resend now
+    unacked: dict[tuple[int, int], _Segment] = field(default_factory=dict)  # (msg_id, offset)
+    urgent: deque[tuple[int, int]] = field(default_factory=deque)  # segment keys to resend now
     inflight: int = 0
     scan_at: float = math.inf  # no unacked segment's deadline is earlier (a lower bound)
-    rail_bytes: list = field(default_factory=list)
+    rail_bytes: list[int] = field(default_factory=list)
     rr: int = 0
     # receiving
-    acks_out: dict = field(default_factory=dict)  # rail the data came on -> [(msg_id, offset)]
+    # rail the data came on -> [(msg_id, offset)]
+    acks_out: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     acks_due: float = math.inf  # when the held acks must go (now, for urgent ones)
     acks_held: int = 0
     acks_bytes: int = 0  # bytes of the messages those acks are for (segments counted whole)
     recv_done: _IdWindow = field(default_factory=_IdWindow)
-    partial: dict = field(default_factory=dict)  # msg_id -> _Reassembly
+    partial: dict[int, _Reassembly] = field(default_factory=dict)  # msg_id -> _Reassembly
     held: int = 0  # private reassembly + early bytes from this peer (max_reassembly_bytes)
     held_messages: int = 0  # the messages those bytes belong to (max_held_messages)
-    streams: dict = field(default_factory=dict)  # tag -> _Stream
-    refused: dict = field(default_factory=dict)  # msg_id -> (tag, seq, total, buffer bytes)
-    refusals_out: dict = field(default_factory=dict)  # msg_id -> rail: REFUSEs to send
+    streams: dict[int, _Stream] = field(default_factory=dict)  # tag -> _Stream
+    # msg_id -> (tag, seq, total, buffer bytes)
+    refused: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
+    refusals_out: dict[int, int] = field(default_factory=dict)  # msg_id -> rail: REFUSEs to send
     # first frames too large for private memory that met no receive yet:
     # msg_id -> (tag, seq, total, rail), at most MAX_OVERSIZED (see "Refusal")
-    oversized: dict = field(default_factory=dict)
+    oversized: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
 
-    def live_rails(self) -> list:
+    def live_rails(self) -> list[int]:
         return [r for r, ok in enumerate(self.rails) if ok]
 
 
-def _byte_view(buffer, writable: bool = False) -> memoryview:
+def _byte_view(buffer: Bytes, writable: bool = False) -> memoryview:
     view = memoryview(buffer)
     if not view.contiguous:
         raise ValueError("buffer must be contiguous")
@@ -459,7 +474,7 @@ class Endpoint:
                  max_message_bytes: int, *, rto: float = 0.2, backoff: float = 2.0,
                  max_rto: float = 5.0, max_retries: int = 8, window_bytes: int = 4 << 20,
                  max_reassembly_bytes: int = 64 << 20, max_open_messages: int = 4096,
-                 crc: bool = False, ack_delay: float = 0.0, notice_tags=(),
+                 crc: bool = False, ack_delay: float = 0.0, notice_tags: Iterable[int] = (),
                  max_held_messages: int = MAX_HELD_MESSAGES):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
@@ -492,11 +507,11 @@ class Endpoint:
         self._failed: dict[int, str] = {}
         self._left: dict[int, _Peer] = {}  # failed peers' early messages, until taken
         self._dead_rails: set[int] = set()  # rails failed towards every peer
-        self._events: list = []
+        self._events: list[Event] = []
 
     # ------------------------------------------------------------------ public API
 
-    def send(self, peer: int, tag: int, data) -> int:
+    def send(self, peer: int, tag: int, data: Bytes) -> int:
         """Queue message ``data`` for ``peer`` on stream ``tag``.
 
         Parameters
@@ -542,7 +557,8 @@ class Endpoint:
         self.has_work = True
         return msg.msg_id
 
-    def send_now(self, peer: int, tag: int, data, now: float, notify: bool = True):
+    def send_now(self, peer: int, tag: int, data: Bytes, now: float, notify: bool = True
+                 ) -> tuple[int, int, bytes, Bytes, bytes] | None:
         """``send`` a message of one segment and frame it at once, when nothing waits to go
         to ``peer`` before it: ``(msg_id, rail, header, payload, trailer)``, the frame to
         put on ``rail`` (as a ``Transmit`` of those fields would carry it), or None when the
@@ -584,7 +600,7 @@ class Endpoint:
                                            len(trailer) >> 4, self.rank, peer, msg_id, tag,
                                            seq, n, 0, n, 0), data, trailer
 
-    def post_recv(self, src: int, tag: int, buffer):
+    def post_recv(self, src: int, tag: int, buffer: Bytes) -> bytearray | int:
         """Offer ``buffer`` for the next message of ``(src, tag)`` not yet taken or matched.
 
         Parameters
@@ -606,8 +622,8 @@ class Endpoint:
             holds its ``MessageRefused`` if it is next in the stream.
         """
         state = self._peers.get(src)
-        stream = None if state is None else state.streams.get(tag)
-        if (stream is not None and not stream.early and not state.oversized
+        if (state is not None and (stream := state.streams.get(tag)) is not None
+                and not stream.early and not state.oversized
                 and type(buffer) is memoryview and buffer.ndim == 1 and buffer.format == "B"
                 and buffer.c_contiguous and not buffer.readonly):
             # the commonest case, in one step: a byte view for a stream with nothing early
@@ -634,15 +650,14 @@ class Endpoint:
         """Are there events ``events()`` would return?"""
         return bool(self._events)
 
-    def take_early(self, src: int, tag: int):
+    def take_early(self, src: int, tag: int) -> bytearray | None:
         """The oldest early message of ``(src, tag)`` (a ``bytearray``), or None."""
         state = self._peers.get(src) or self._left.get(src)
-        stream = None if state is None else state.streams.get(tag)
-        if stream is None or not stream.early:
+        if state is None or (stream := state.streams.get(tag)) is None or not stream.early:
             return None
         return self._take(state, stream)
 
-    def take_early_any(self, tag: int):
+    def take_early_any(self, tag: int) -> tuple[int, bytearray] | None:
         """``(src, message)`` of the earliest-arrived early message of ``tag`` from any
         peer, or None."""
         best = self._earliest(tag)
@@ -650,13 +665,13 @@ class Endpoint:
             return None
         return best[0], self._take(best[1], best[2])
 
-    def peek_early_any(self, tag: int):
+    def peek_early_any(self, tag: int) -> int | None:
         """The source of the message ``take_early_any(tag)`` would take, or None."""
         best = self._earliest(tag)
         return None if best is None else best[0]
 
-    def _earliest(self, tag: int):
-        best = None
+    def _earliest(self, tag: int) -> tuple[int, _Peer, _Stream] | None:
+        best: tuple[int, _Peer, _Stream] | None = None
         for src, state in [*self._peers.items(), *self._left.items()]:
             stream = state.streams.get(tag)
             if stream is not None and stream.early and (
@@ -671,7 +686,7 @@ class Endpoint:
         self.reassembly_bytes -= len(data)
         return data
 
-    def cancel_recv(self, src: int, tag: int, position: int) -> list:
+    def cancel_recv(self, src: int, tag: int, position: int) -> list[int]:
         """Withdraw the buffer ``post_recv`` bound to ``position`` of ``(src, tag)``.
 
         No byte is written into it after the rails returned here have called
@@ -685,8 +700,8 @@ class Endpoint:
             Rails whose readers may still be writing into the buffer.
         """
         state = self._peers.get(src)
-        stream = None if state is None else state.streams.get(tag)
-        if stream is None or stream.bound.pop(position, None) is None:
+        if (state is None or (stream := state.streams.get(tag)) is None
+                or stream.bound.pop(position, None) is None):
             return []
         stream.cancelled.add(position)
         msg_id = stream.owner.get(position)
@@ -704,8 +719,7 @@ class Endpoint:
         must fail the stream's users (tell the peer). Returns False if it had completed.
         """
         state = self._peers.get(peer)
-        msg = None if state is None else state.open.get(msg_id)
-        if msg is None:
+        if state is None or (msg := state.open.get(msg_id)) is None:
             return False
         self._forget(state, msg)
         return True
@@ -775,7 +789,7 @@ class Endpoint:
         self.stats["rails_restored"] += 1
         self.has_work = True
 
-    def receive(self, rail: int, frame_bytes, now: float) -> None:
+    def receive(self, rail: int, frame_bytes: Bytes, now: float) -> None:
         """Take in one frame that arrived on ``rail``; results come out of ``events()``.
 
         Frames may come in any order, duplicated, on any rail. Garbage produces
@@ -804,7 +818,7 @@ class Endpoint:
         elif frame.type == F.REFUSE:
             self._on_refuse(rail, frame.src, state, frame)
 
-    def data_target(self, rail: int, header: F.Header):
+    def data_target(self, rail: int, header: F.Header) -> memoryview | None:
         """Where a DATA segment announced by ``header`` may be read straight into, or None.
 
         For stream drivers (TCP rails): after reading a frame's header (``F.decode_header``),
@@ -846,7 +860,7 @@ class Endpoint:
         if start + length > r.total or self._overlaps(r, start, length):
             return None
         r.claims[start] = (length, rail)
-        return r.buf[start:start + length]
+        return r.buf[start:start + length]  # type: ignore[index]  # (not discarded: a buffer)
 
     @staticmethod
     def _overlaps(r: _Reassembly, start: int, length: int) -> bool:
@@ -864,8 +878,8 @@ class Endpoint:
                 return True
         return False
 
-    def data_landed(self, rail: int, header_bytes, header: F.Header, now: float,
-                    trailer=b"") -> None:
+    def data_landed(self, rail: int, header_bytes: Bytes, header: F.Header, now: float,
+                    trailer: Bytes = b"") -> None:
         """The payload of ``header`` was read into the view ``data_target`` returned, and
         its ``header.nacks`` piggybacked ack entries into ``trailer``."""
         state = self._peers.get(header.src)
@@ -874,14 +888,13 @@ class Endpoint:
         if header.nacks:  # (never with crc: data_target declines those frames)
             self._on_ack(header.src, state, F.ACK_ENTRY.iter_unpack(trailer))
         r = state.partial.get(header.msg_id)
-        claim = None if r is None else r.claims.get(header.offset)
-        if claim is None or claim[1] != rail:
+        if r is None or (claim := r.claims.get(header.offset)) is None or claim[1] != rail:
             return  # the claim ended (release_claims): whatever was read is not counted
         del r.claims[header.offset]
         if not r.discard:
             try:
-                F.check_payload(header_bytes, header, r.buf[header.offset:header.offset
-                                                             + header.length], trailer)
+                F.check_payload(header_bytes, header, r.buf[  # type: ignore[index]  # (kept)
+                    header.offset:header.offset + header.length], trailer)
             except F.FrameError as e:
                 self._reject(rail, str(e))
                 return
@@ -893,7 +906,7 @@ class Endpoint:
             self._finish(header.src, state, r)
 
     def take_whole(self, rail: int, src: int, buf: memoryview, start: int, end: int,
-                   now: float):
+                   now: float) -> tuple[int, int, int, memoryview | bytearray, bool] | None:
         """The fast path of the commonest frame, for a stream driver that reads ahead: the
         frame at ``buf[start:]`` (what came on ``rail`` from ``src``; bytes up to ``end``
         are in), taken in one step when it is a whole one-segment DATA message, payload and
@@ -940,6 +953,7 @@ class Endpoint:
               or seq in stream.cancelled):
             return None
         posted = stream.bound.get(seq)
+        data: memoryview | bytearray
         if posted is None:
             if (state.held + total > self.max_reassembly_bytes
                     or state.held_messages >= self.max_held_messages):
@@ -965,14 +979,14 @@ class Endpoint:
             done.add(msg_id)
         self._ack(state, rail, msg_id, 0, total, now)
         stream.next_deliver = seq + 1
-        if posted is None:
+        if posted is None:  # (data is the private copy, a bytearray)
             self._arrivals += 1
-            stream.early.append((self._arrivals, data))
+            stream.early.append((self._arrivals, data))  # type: ignore[arg-type]
             return stop, tag, msg_id, data, False
         return stop, tag, msg_id, data, True
 
-    def land_whole(self, rail: int, header_bytes, header: F.Header, payload, trailer,
-                   now: float) -> bool:
+    def land_whole(self, rail: int, header_bytes: Bytes, header: F.Header, payload: Bytes,
+                   trailer: Bytes, now: float) -> bool:
         """``take_whole`` for a frame held as its header (``header_bytes``, decoded as
         ``header``), ``payload`` and piggybacked acks ``trailer``, with the delivery
         reported as a ``MessageReceived`` event instead (after the events of its acks);
@@ -1024,7 +1038,7 @@ class Endpoint:
         hint, self._ack_hint = self._ack_hint, math.inf
         return hint
 
-    def events(self) -> list:
+    def events(self) -> list[Event]:
         """Events since the last call (``MessageReceived``, ``SendCompleted``, ...), oldest first."""
         events, self._events = self._events, []
         return events
@@ -1173,9 +1187,9 @@ class Endpoint:
         seg.rail = rail
         state.rail_bytes[rail] += seg.cost
 
-    def _resend_due(self, peer: int, state: _Peer, now: float, out: list) -> bool:
+    def _resend_due(self, peer: int, state: _Peer, now: float, out: list[Transmit]) -> bool:
         """Resend moved and timed-out segments; False if the peer failed meanwhile."""
-        resent = set()
+        resent: set[tuple[int, int]] = set()
         while state.urgent:
             key = state.urgent.popleft()
             seg = state.unacked.get(key)
@@ -1202,7 +1216,7 @@ class Endpoint:
         state.scan_at = min((seg.deadline for seg in state.unacked.values()), default=math.inf)
         return True
 
-    def _send_new(self, peer: int, state: _Peer, now: float, out: list) -> None:
+    def _send_new(self, peer: int, state: _Peer, now: float, out: list[Transmit]) -> None:
         while state.queue:
             msg = state.queue[0]
             if msg.next_seg == 0 and msg.msg_id >= state.sent_done.low + self.max_open_messages:
@@ -1223,7 +1237,7 @@ class Endpoint:
                 state.queue.popleft()
             out.append(self._transmit(peer, seg, now))
 
-    def _on_ack(self, peer: int, state: _Peer, entries) -> None:
+    def _on_ack(self, peer: int, state: _Peer, entries: Iterable[tuple[int, int]]) -> None:
         if state.queue:
             self.has_work = True  # the window may open
         unacked = state.unacked
@@ -1266,7 +1280,7 @@ class Endpoint:
             if due < self._ack_hint:
                 self._ack_hint = due
 
-    def _flush_acks(self, peer: int, state: _Peer, out: list) -> None:
+    def _flush_acks(self, peer: int, state: _Peer, out: list[Transmit]) -> None:
         pending, state.acks_out = state.acks_out, {}
         state.acks_due, state.acks_held, state.acks_bytes = math.inf, 0, 0
         for rail, entries in sorted(pending.items()):
@@ -1275,7 +1289,8 @@ class Endpoint:
             for i in range(0, len(entries), F.MAX_ACKS_PER_FRAME):
                 self._send_ack(peer, rail, entries[i:i + F.MAX_ACKS_PER_FRAME], out)
 
-    def _send_ack(self, peer: int, rail: int, chunk: list, out: list) -> None:
+    def _send_ack(self, peer: int, rail: int, chunk: list[tuple[int, int]],
+                  out: list[Transmit]) -> None:
         frame = (F.encode_ack(self.rank, peer, chunk, rail=rail, crc=True) if self.crc
                  else F.pack_ack(self.rank, peer, chunk, rail))
         out.append(Transmit(peer, rail, frame))
@@ -1318,7 +1333,8 @@ class Endpoint:
         if r.complete:
             self._finish(frame.src, state, r)
 
-    def _over_budget(self, state: _Peer, stream, header, count: bool = True) -> bool:
+    def _over_budget(self, state: _Peer, stream: _Stream | None, header: F.Header | F.Frame,
+                     count: bool = True) -> bool:
         """Would the first segment of ``header``'s message need private memory beyond the
         peer's budget? Then it is dropped unacked (and counted).
 
@@ -1340,12 +1356,12 @@ class Endpoint:
 
     # ------------------------------------------------------------------ refusal (cold)
 
-    def _too_large(self, rail: int, src: int, state: _Peer, stream, frame: F.Frame) -> None:
+    def _too_large(self, rail: int, src: int, state: _Peer, stream: _Stream | None,
+                   frame: F.Frame) -> None:
         """The first frame of a message larger than private memory may ever hold, and than
         the receive bound to its position if any, was dropped: refuse the message if a
         receive is bound, else remember it for the receive posted later."""
-        posted = None if stream is None else stream.bound.get(frame.seq)
-        if posted is None:
+        if stream is None or (posted := stream.bound.get(frame.seq)) is None:
             oversized = state.oversized
             if frame.msg_id not in oversized:
                 for msg_id in [m for m in oversized if m in state.recv_done]:
@@ -1390,7 +1406,7 @@ class Endpoint:
         stream.ready[seq] = _Reassembly(msg_id, tag, seq, total, None, refused=expected)
         self._deliver_ready(src, state, stream)
 
-    def _send_refusals(self, peer: int, state: _Peer, out: list) -> None:
+    def _send_refusals(self, peer: int, state: _Peer, out: list[Transmit]) -> None:
         pending, state.refusals_out = state.refusals_out, {}
         for msg_id, rail in pending.items():
             refused = state.refused.get(msg_id)
@@ -1421,7 +1437,7 @@ class Endpoint:
         self._events.append(SendRefused(src, msg.msg_id, msg.tag, msg.data.nbytes,
                                         frame.offset))
 
-    def _start(self, rail: int, state: _Peer, frame) -> _Reassembly | None:
+    def _start(self, rail: int, state: _Peer, frame: F.Header | F.Frame) -> _Reassembly | None:
         """Open reassembly for the first segment of a message, or reject/drop the frame."""
         stream = self._stream(state, frame.tag)
         if frame.seq < stream.next_deliver or stream.owner.get(frame.seq, frame.msg_id) != frame.msg_id:
@@ -1468,7 +1484,7 @@ class Endpoint:
                                f"overlaps one already received")
             return False
         if not r.discard:
-            r.buf[start:start + length] = frame.payload
+            r.buf[start:start + length] = frame.payload  # type: ignore[index]  # (a buffer)
         insort(r.starts, start)
         r.lengths[start] = length
         r.received += length
@@ -1506,17 +1522,20 @@ class Endpoint:
                 self.reassembly_bytes -= r.total
             self.stats["discarded"] += 1
             return
+        # (r.buf is None only for a refused or a discarded message, gone above)
         if r.posted is not None:
-            self._events.append(MessageReceived(src, r.tag, r.msg_id, r.buf, True))
+            self._events.append(MessageReceived(src, r.tag, r.msg_id,
+                                                r.buf, True))  # type: ignore[arg-type]
             return
         if posted is not None and posted.nbytes >= r.total:
             state.held -= r.total
             state.held_messages -= 1
             self.reassembly_bytes -= r.total
-            posted[:r.total] = r.buf
+            posted[:r.total] = r.buf  # type: ignore[assignment]
             self._events.append(MessageReceived(src, r.tag, r.msg_id, posted[:r.total], True))
             return
-        data = r.buf.obj
+        # (a private buffer: a view of its bytearray)
+        data: bytearray = r.buf.obj  # type: ignore[union-attr, assignment]
         if posted is not None:  # too small for it: the receive gets the message to refuse
             state.held -= r.total
             state.held_messages -= 1

@@ -32,8 +32,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from typing import TYPE_CHECKING
 
 from .frames import ACK, FrameError, HEADER_SIZE, LINK_PREFIX
+
+if TYPE_CHECKING:
+    from .frames import Bytes
+    from .protocol import Transmit
 
 TAG = 16
 _N = struct.Struct("!Q")
@@ -58,13 +63,14 @@ class RailMac:
         self._send, self._recv = (d2a, a2d) if dialer else (a2d, d2a)
         self.payload = payload
         self._sent = self._read = 0
-        self._tail = None  # the tail tag being computed for the frame being read
+        # the tail tag being computed for the frame being read
+        self._tail: hmac.HMAC | bytes | None = None
 
     def tail(self, ftype: int, nacks: int) -> bool:
         """Does a frame of this type with ``nacks`` piggybacked acks carry a tail tag?"""
         return self.payload or ftype == ACK or nacks > 0
 
-    def seal(self, tx, head: bytes):
+    def seal(self, tx: Transmit, head: bytes) -> Transmit:
         """``tx`` (a ``protocol.Transmit``) as it goes on the rail, with its tags: ``head``
         (the prefix, then ``tx.header``) with the htag right after the 64-byte header, the
         ttag (if any) after the trailer. (An ACK's ``tx.header`` holds the whole frame: its
@@ -94,7 +100,7 @@ class RailMac:
         self._sent += 1
         return block + hmac.digest(self._send, n + block, "sha256")[:TAG]
 
-    def check_header(self, buf) -> None:
+    def check_header(self, buf: Bytes) -> None:
         """Check the htag of the prefix and header in ``buf`` (``_HEAD + TAG`` bytes)."""
         n = _N.pack(self._read)
         header = bytes(buf[:_HEAD])
@@ -109,11 +115,12 @@ class RailMac:
             prefix = n + b"tail" + header  # (payload mode: hashed as the payload lands)
             self._tail = hmac.new(self._recv, prefix, hashlib.sha256) if self.payload else prefix
 
-    def absorb(self, data) -> None:
+    def absorb(self, data: Bytes) -> None:
         """Feed bytes the tail tag covers (the payload read in place, in payload mode)."""
-        self._tail.update(data)
+        # (an HMAC: only payload mode absorbs, inside a frame with a tail)
+        self._tail.update(data)  # type: ignore[union-attr]
 
-    def check_tail(self, covered, tag) -> None:
+    def check_tail(self, covered: Bytes, tag: Bytes) -> None:
         """Finish the frame's tail tag over ``covered`` (what was not ``absorb``-ed yet) and
         compare it with ``tag``."""
         h, self._tail = self._tail, None

@@ -24,6 +24,7 @@ import errno
 import os
 import struct
 import time
+from typing import Callable, Sequence
 
 import torch
 
@@ -37,7 +38,7 @@ from .mailbox import ShmMailbox
 from . import procid
 from .segment import Segment
 
-class _Words(dict):
+class _Words(dict[int, struct.Struct]):
     """Number of descriptor words -> its ``struct.Struct`` (each format parsed once; a
     lookup is a plain dict lookup, not a Python call)."""
 
@@ -113,29 +114,29 @@ class ShmChannel(StepChannel):
         self._bell_addr = [base + layout.region(k) + L.DOORBELL_OFF for k in range(n)]
         self._slots = [[self._view(layout.slot(k, p), layout.slot_bytes) for p in (0, 1)]
                        for k in range(n)]
-        self._typed_views = {}
+        self._typed_views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._others = [k for k in range(n) if k != rank]
-        self._pids = {}
-        self._starts = {}  # rank -> its process's start time (procid.start_time)
+        self._pids: dict[int, int] = {}
+        self._starts: dict[int, int] = {}  # rank -> its process's start time (procid.start_time)
         self._next_liveness = 0.0
         self.cma = False  # may ranks read each other's memory (cma.py)? set by rendezvous
         if rank == 0:
             self._w[0] = L.MAGIC  # (the creator's, before it publishes the segment's name)
         self._w[self._pid_word[rank]] = os.getpid()
 
-    def _view(self, off: int, nbytes: int):
+    def _view(self, off: int, nbytes: int) -> torch.Tensor:
         return self._bytes[off:off + nbytes]
 
     # ----------------------------------------------------------------- steps
-    def my_slot(self, dtype=None):
+    def my_slot(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """My slot for the next step, as uint8 or (cached view) as ``dtype``."""
         return self.slot(self.rank, (self.epoch + 1) & 1, dtype)
 
-    def peer_slot(self, rank: int, dtype=None):
+    def peer_slot(self, rank: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``rank``'s slot of the step just completed, as uint8 or ``dtype``."""
         return self.slot(rank, self.epoch & 1, dtype)
 
-    def slot(self, rank: int, parity: int, dtype=None):
+    def slot(self, rank: int, parity: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``rank``'s slot of step parity ``parity`` (``epoch & 1`` of the step that fills
         it), as uint8 or (cached view) as ``dtype``."""
         if dtype is None:
@@ -146,11 +147,11 @@ class ShmChannel(StepChannel):
             view = self._typed_views[key] = self._slots[rank][parity].view(dtype)
         return view
 
-    def slot_like(self, rank: int, parity: int, like):
+    def slot_like(self, rank: int, parity: int, like: torch.Tensor) -> torch.Tensor:
         """``slot(rank, parity)`` viewed with the dtype and shape of ``like`` (which fits)."""
         return self.slot(rank, parity, like.dtype)[:like.numel()].view(like.shape)
 
-    def step(self, deadline: float, descriptor=None) -> None:
+    def step(self, deadline: float, descriptor: Sequence[int] | None = None) -> None:
         e = self.epoch + 1
         w, others = self._w, self._others
         if self._published != e:  # (a deferred step is published already: see defer_once)
@@ -198,10 +199,10 @@ class ShmChannel(StepChannel):
                 return False
         return True
 
-    def withdraw(self, error: BaseException) -> None:
+    def withdraw(self, error: Exception) -> None:
         """Nothing to take back: a published step writes into nobody's buffer."""
 
-    def all_posted(self, seq: int, head) -> bool:
+    def all_posted(self, seq: int, head: Sequence[int]) -> bool:
         """Did every peer post ``head`` as the head of its descriptor of collective ``seq``?"""
         w, p = self._w, seq & 1
         a, b, c = head
@@ -218,7 +219,7 @@ class ShmChannel(StepChannel):
         return (w[j], w[j + 1], w[j + 2]) + _WORDS[nwords - 3].unpack_from(
             self.segment.map, self._desc_off[rank][seq & 1])
 
-    def _poll(self, pending, e: int, deadline: float) -> None:
+    def _poll(self, pending: list[int], e: int, deadline: float) -> None:
         w = self._w
         sw = self._step_word
         backoff = Backoff(self.spin, self._yield_seconds, self._max_sleep, futex.available)
@@ -264,7 +265,7 @@ class ShmChannel(StepChannel):
         finally:
             w[me] = 0
 
-    def check_peers(self, pending, deadline: float, next_liveness: float = 0.0,
+    def check_peers(self, pending: list[int], deadline: float, next_liveness: float = 0.0,
                     any_suffices: bool = False) -> float:
         """Raise if the wait for ``pending`` peers cannot succeed; returns next liveness time.
 
@@ -362,7 +363,7 @@ class ShmChannel(StepChannel):
     def doorbell(self) -> int:
         return self._w[self._bell_word[self.rank]]
 
-    def sleep_on_doorbell(self, seen: int, ready) -> None:
+    def sleep_on_doorbell(self, seen: int, ready: Callable[[], bool]) -> None:
         """Sleep until the doorbell moves past ``seen`` unless ``ready()`` (checked after
         raising the sleep flag, so a ring between the two is never lost for long)."""
         w = self._w
@@ -388,9 +389,10 @@ class ShmChannel(StepChannel):
         if self._bytes is None:
             return
         self._closed = True
-        self._slots = None
-        self._typed_views = None
-        self._bytes = None
+        # (released for the unmap below; nothing reads them once closed)
+        self._slots = None  # type: ignore[assignment]
+        self._typed_views = None  # type: ignore[assignment]
+        self._bytes = None  # type: ignore[assignment]
         try:
             self._w.release()
         except BufferError:

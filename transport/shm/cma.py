@@ -19,6 +19,15 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from typing import Protocol
+
+
+class _Store(Protocol):
+    """What ``probe`` needs of the store (neuron_dist/store_auth.py's ``StoreAuth``)."""
+
+    def set(self, name: str, value: str) -> None: ...
+
+    def get(self, name: str, writer: int) -> bytes: ...
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _readv = getattr(_libc, "process_vm_readv", None)
@@ -47,7 +56,8 @@ def read(pid: int, local: int, remote: int, nbytes: int) -> None:
     while done < nbytes:
         n = min(nbytes - done, _MAX_CALL)
         lo, re = _Iovec(local + done, n), _Iovec(remote + done, n)
-        got = _readv(pid, ctypes.byref(lo), 1, ctypes.byref(re), 1, 0)
+        # (not None: only a group whose probe found it reads)
+        got = _readv(pid, ctypes.byref(lo), 1, ctypes.byref(re), 1, 0)  # type: ignore[misc]
         if got < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"process_vm_readv from pid {pid}: {os.strerror(e)}")
@@ -56,7 +66,7 @@ def read(pid: int, local: int, remote: int, nbytes: int) -> None:
         done += got
 
 
-def probe(store, key: str, rank: int, size: int, pid_word_address: int,
+def probe(store: _Store, key: str, rank: int, size: int, pid_word_address: int,
           enabled: bool = True) -> bool:
     """Agree through ``store`` whether every rank of the node can read every other's memory.
 

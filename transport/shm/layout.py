@@ -56,7 +56,7 @@ class Layout:
     slot_bytes: int
     mailbox_bytes: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.slot_bytes % PAGE or self.slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be a positive multiple of {PAGE}")
         if self.mailbox_bytes % PAGE or self.mailbox_bytes <= 0:

@@ -10,6 +10,9 @@ see collectives/p2p.py.
 from __future__ import annotations
 
 import ctypes
+from typing import Sequence
+
+import torch
 
 from ..base import Mailbox
 
@@ -20,7 +23,8 @@ class ShmMailbox(Mailbox):
 
     __slots__ = ("_w", "_head", "_tail", "_data", "_data_word", "capacity", "_base")
 
-    def __init__(self, words, head_off: int, tail_off: int, data, data_off: int):
+    def __init__(self, words: memoryview[int], head_off: int, tail_off: int, data: torch.Tensor,
+                 data_off: int):
         self._w = words
         self._head = head_off // 8
         self._tail = tail_off // 8
@@ -48,7 +52,7 @@ class ShmMailbox(Mailbox):
         if nbytes > first:
             ctypes.memmove(self._base, address + first, nbytes - first)
 
-    def write_frame(self, words, address: int, nbytes: int, padded: int) -> None:
+    def write_frame(self, words: Sequence[int], address: int, nbytes: int, padded: int) -> None:
         """Append a whole frame at once: header ``words``, ``nbytes`` copied from memory at
         ``address`` (memmove: no torch call, which costs more than a small payload), then
         padding up to ``padded`` payload bytes. The caller checked ``free()``; the head
@@ -73,7 +77,7 @@ class ShmMailbox(Mailbox):
         """Consume ``nbytes`` without copying them anywhere."""
         self._w[self._tail] = self._w[self._tail] + nbytes
 
-    def write_words(self, values) -> None:
+    def write_words(self, values: Sequence[int]) -> None:
         """Append 8-byte words; the caller keeps frames aligned so they never wrap."""
         head = self._w[self._head]
         base = self._data_word + (head % self.capacity) // 8

@@ -31,6 +31,7 @@ import os
 import re
 import secrets
 import stat
+from typing import Iterable
 
 from . import procid
 
@@ -71,7 +72,9 @@ class Segment:
         self._unlinked = False
 
     @classmethod
-    def create(cls, name: str, size: int, reserve=((0, None),), *, directory: str) -> "Segment":
+    def create(cls, name: str, size: int,
+               reserve: Iterable[tuple[int, int | None]] = ((0, None),), *,
+               directory: str) -> Segment:
         """Create ``size`` bytes in ``directory``; ``reserve`` lists (offset, length) ranges
         to allocate now (length None: to the end)."""
         path = os.path.join(directory, name)
@@ -174,7 +177,7 @@ def sweep_leftovers(directory: str) -> list[str]:
     mean nothing here: a creator that runs there would look dead), and a creator is the
     pid *and* its start time, so a pid handed out again does not keep a dead job's
     segment alive."""
-    removed = []
+    removed: list[str] = []
     prefix = f"{PREFIX}{os.getuid()}-"
     ns = procid.pid_namespace()
     try:

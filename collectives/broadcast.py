@@ -8,10 +8,18 @@ per dtype, shape and root.
 
 from __future__ import annotations
 
-from .context import Context, steps_for
+from typing import TYPE_CHECKING
+
+from .context import Context, Plans, steps_for
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Self
+
+    from ..transport.base import StepChannel
 
 
-def broadcast(ctx: Context, buf, root: int) -> None:
+def broadcast(ctx: Context, buf: torch.Tensor, root: int) -> None:
     """Make the uint8 tensor ``buf`` on every rank equal to the root's."""
     ctx.chose(OneSlot.ALGORITHM)
     cap = ctx.channel.slot_bytes
@@ -37,17 +45,17 @@ class OneSlot:
     __slots__ = ("views", "root")
     ALGORITHM = "slots"  # (the one algorithm inside a node: no selection table)
 
-    def __init__(self, channel, like, root: int):
+    def __init__(self, channel: StepChannel, like: torch.Tensor, root: int):
         self.root = root
         self.views = [channel.slot_like(root, p, like) for p in (0, 1)]
 
     @classmethod
-    def prepared(cls, plans, channel, like, root: int):
+    def prepared(cls, plans: Plans, channel: StepChannel, like: torch.Tensor, root: int) -> Self:
         """The group's plan for tensors like ``like`` from ``root`` (made on first use)."""
         key = ("broadcast", like.dtype, like.shape, root)
         return plans.get(key) or plans.add(key, cls(channel, like, root))
 
-    def run(self, ctx, buf) -> None:
+    def run(self, ctx: Context, buf: torch.Tensor) -> None:
         """Make ``buf`` (detached, contiguous) equal to the root's."""
         view = self.views[(ctx.channel.epoch + 1) & 1]
         ctx.one_step = True

@@ -14,10 +14,27 @@ them through a ``Context``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Hashable, Protocol, TypeVar
 
 from ..transport.errors import StepDeferred
 from .descriptor import HEAD, Call, check_all_match
 from .reduce_ops import Scratch
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Self
+
+    from ..transport.base import StepChannel
+    from .net import NetCall
+    from .selection import Selection
+
+_P = TypeVar("_P")
+
+
+class Record(Protocol):
+    """What a call's flight-recorder record (neuron_dist/flight_recorder.py) shows here."""
+
+    algo: str | None
 
 
 class Context:
@@ -48,8 +65,9 @@ class Context:
     __slots__ = ("channel", "call", "seq", "deadline", "scratch", "selection", "plans",
                  "record", "_checked", "rank", "size", "net_call", "one_step")
 
-    def __init__(self, channel, call: Call, seq: int, deadline: float, scratch: Scratch,
-                 selection, plans: "Plans", record=None):
+    def __init__(self, channel: StepChannel, call: Call, seq: int, deadline: float,
+                 scratch: Scratch, selection: Selection, plans: Plans,
+                 record: Record | None = None):
         self.channel = channel
         self.call = call
         self.seq = seq
@@ -61,12 +79,14 @@ class Context:
         self.rank = channel.rank
         self.size = channel.size
         self._checked = False
-        self.net_call = None  # net.NetCall when the group spans nodes (channel: this node)
+        # net.NetCall when the group spans nodes (channel: this node); only the *_net.py
+        # algorithms, which run only then, use it
+        self.net_call: NetCall = None  # type: ignore[assignment]
         # Set by a one-step plan before its step: nothing the peers need follows it, so a
         # deferred first step (engine.py: try_now) may wait for whoever looks at the Work.
         self.one_step = False
 
-    def step(self, extra: tuple = ()) -> None:
+    def step(self, extra: tuple[int, ...] = ()) -> None:
         """One channel step. The call's first also posts its descriptor, followed by
         ``extra`` words (peers read them with ``peer_extra``), and checks the peers'."""
         if self._checked:
@@ -96,7 +116,7 @@ class Context:
         if rec is not None:
             rec.algo = algorithm if rec.algo is None else f"{rec.algo}+{algorithm}"
 
-    def begin(self, call: Call, seq: int, deadline: float, record=None) -> None:
+    def begin(self, call: Call, seq: int, deadline: float, record: Record | None = None) -> None:
         """Make this context (and its ``net_call``) describe a new call (a driver running
         one call at a time may keep one context for all of them)."""
         self.call, self.seq, self.deadline, self._checked = call, seq, deadline, False
@@ -110,7 +130,7 @@ class Context:
         """Has the call made its first (descriptor-checking) step?"""
         return self._checked
 
-    def peer_extra(self, rank: int, count: int) -> tuple:
+    def peer_extra(self, rank: int, count: int) -> tuple[int, ...]:
         """The ``count`` extra words ``rank`` posted with this call's first step."""
         start = HEAD + len(self.call.rest)  # (a peer's call matched ours: so did its length)
         return self.channel.peer_descriptor(rank, self.seq, start + count)[start:]
@@ -124,10 +144,10 @@ class Context:
                 return
             self.step()
 
-    def my_slot(self, dtype=None):
+    def my_slot(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.channel.my_slot(dtype)
 
-    def peer_slot(self, rank: int, dtype=None):
+    def peer_slot(self, rank: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.channel.peer_slot(rank, dtype)
 
 
@@ -139,14 +159,14 @@ class Plans:
 
     LIMIT = 256
 
-    def __init__(self):
-        self._plans: dict = {}
+    def __init__(self) -> None:
+        self._plans: dict[Hashable, Any] = {}  # (plans of every kind)
 
-    def get(self, key):
+    def get(self, key: Hashable) -> Any:
         """The plan for ``key``, or None if not made yet."""
         return self._plans.get(key)
 
-    def add(self, key, plan):
+    def add(self, key: Hashable, plan: _P) -> _P:
         """Remember ``plan`` for ``key``; returns it."""
         if len(self._plans) >= self.LIMIT:
             self._plans.clear()
@@ -162,12 +182,12 @@ class SlotViews:
     __slots__ = ("views",)
     NAME = ""
 
-    def __init__(self, channel, like):
+    def __init__(self, channel: StepChannel, like: torch.Tensor):
         self.views = [[channel.slot_like(k, p, like) for k in range(channel.size)]
                       for p in (0, 1)]
 
     @classmethod
-    def prepared(cls, plans: Plans, channel, like):
+    def prepared(cls, plans: Plans, channel: StepChannel, like: torch.Tensor) -> Self:
         """The group's plan for tensors like ``like`` (made on first use)."""
         key = (cls.NAME, like.dtype, like.shape)
         return plans.get(key) or plans.add(key, cls(channel, like))
@@ -181,7 +201,7 @@ def steps_for(nbytes: int, per_step: int) -> int:
 ALIGN_BYTES = 64  # slices and blocks start on cache-line boundaries
 
 
-def flat(t):
+def flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a 1-D view (``t`` itself if it is 1-D: a torch view op costs µs)."""
     return t if t.dim() == 1 else t.view(-1)
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
 from .reduce_ops import CODES as REDUCE_CODES
+
+if TYPE_CHECKING:
+    from ..transport.base import StepChannel
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather",
        "scatter", "all_to_all", "barrier")
@@ -45,18 +49,18 @@ assert _COUNT_AT + _COUNT_BITS == 63  # (a code is never negative, so never LONG
 class CollectiveMismatch(RuntimeError):
     """Ranks called different collectives (or the same one with different arguments)."""
 
-    def __init__(self, message, mine, theirs):
+    def __init__(self, message: str, mine: Call, theirs: dict[int, Call]):
         super().__init__(message)
         self.mine = mine
         self.theirs = theirs  # {rank: Call}
 
 
-def digest(values) -> int:
+def digest(values: Iterable[int]) -> int:
     """A stable 31-bit digest of a sequence of ints (e.g. split sizes)."""
     return zlib.crc32(",".join(map(str, values)).encode())
 
 
-def dtype_code(dtype) -> int:
+def dtype_code(dtype: torch.dtype | None) -> int:
     if dtype is None:
         return 0
     try:
@@ -70,16 +74,16 @@ class Call:
     """One collective call as this rank sees it."""
 
     op: str
-    dtype: object = None
+    dtype: torch.dtype | None = None
     count: int = 0
     root: int = -1
     reduce: str | None = None
     extra: int = 0
-    tail: tuple = field(init=False, repr=False, compare=False)  # words(seq)[1:], computed once
+    tail: tuple[int, ...] = field(init=False, repr=False, compare=False)  # words(seq)[1:], once
     code: int = field(init=False, repr=False, compare=False)  # the fields in one word, or LONG
-    rest: tuple = field(init=False, repr=False, compare=False)  # words posted after the head
+    rest: tuple[int, ...] = field(init=False, repr=False, compare=False)  # posted after the head
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         tail = (  # (op 0: an unknown op read from a peer's words)
             _OP_CODE.get(self.op, 0), dtype_code(self.dtype), self.count, self.root,
             REDUCE_CODES[self.reduce] if self.reduce else 0, self.extra)
@@ -92,7 +96,7 @@ class Call:
         return (seq,) + self.tail
 
     @classmethod
-    def from_words(cls, words) -> tuple[int, "Call"]:
+    def from_words(cls, words: Sequence[int]) -> tuple[int, Call]:
         seq, op, dt, count, root, red, extra = words[:NWORDS]
         name = OPS[op - 1] if 0 < op <= len(OPS) else f"<unknown op {op}>"
         dtype = DTYPES[dt - 1] if 0 < dt <= len(DTYPES) else None
@@ -113,7 +117,7 @@ class Call:
         return f"{self.op}({', '.join(parts)})"
 
 
-def encode(tail: tuple) -> int:
+def encode(tail: tuple[int, ...]) -> int:
     """``Call.tail``'s six fields in one non-negative word, or ``LONG`` if they do not fit."""
     op, dt, count, root, red, extra = tail
     if (extra or not (0 <= op < 1 << _OP_BITS and 0 <= dt < 1 << _DTYPE_BITS
@@ -123,14 +127,14 @@ def encode(tail: tuple) -> int:
     return op | dt << _DTYPE_AT | red << _REDUCE_AT | (root + 1) << _ROOT_AT | count << _COUNT_AT
 
 
-def decode(code: int) -> tuple:
+def decode(code: int) -> tuple[int, ...]:
     """The six fields ``encode`` packed into ``code`` (not ``LONG``)."""
     return (code & (1 << _OP_BITS) - 1, code >> _DTYPE_AT & (1 << _DTYPE_BITS) - 1,
             code >> _COUNT_AT, (code >> _ROOT_AT & (1 << _ROOT_BITS) - 1) - 1,
             code >> _REDUCE_AT & (1 << _REDUCE_BITS) - 1, 0)
 
 
-def posted(channel, rank: int, seq: int) -> tuple[tuple, int]:
+def posted(channel: StepChannel, rank: int, seq: int) -> tuple[tuple[int, ...], int]:
     """``(words, step)``: ``Call.words`` of what ``rank`` posted with the first step of
     collective ``seq`` (or, for a rank that has not posted it, of the last call of that
     parity; all zeros if none), and the channel step that call started at."""
@@ -144,7 +148,7 @@ def posted(channel, rank: int, seq: int) -> tuple[tuple, int]:
     return (their_seq,) + tuple(tail), step
 
 
-def check_all_match(channel, call: Call, seq: int, epoch: int) -> None:
+def check_all_match(channel: StepChannel, call: Call, seq: int, epoch: int) -> None:
     """Compare every peer's descriptor of this step with ours; raise CollectiveMismatch.
 
     ``epoch`` is the channel step this call started at: equal calls must also start at the

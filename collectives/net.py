@@ -44,13 +44,19 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, overload
 
 import torch
 
 from ..transport.base import Deferrable
 from ..transport.errors import MessageSizeMismatch, StepDeferred
 from .descriptor import NWORDS, Call, CollectiveMismatch
-from .reduce_ops import Scratch, reduce_into
+from .reduce_ops import ReduceSpec, Scratch, reduce_into
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from ..transport.base import NetRequest, NetTransport
 
 COLLECTIVE_TAG = 1
 _DESC = struct.Struct(f"!{NWORDS + 1}q")
@@ -63,6 +69,59 @@ DESCRIPTOR_BYTES = _DESC.size
 PIGGYBACK_BYTES = (256 << 10) - _DESC.size
 _BOX_REUSE_BYTES = 4 << 10  # receive boxes from this size are reused across calls ...
 _BOXES_KEPT = 4  # ... this many per size (a fresh one is zero-filled memory, maybe new pages)
+
+
+class Exchange(Protocol):
+    """What an algorithm between nodes posts and combines through (the ``net_*.py``
+    generators): a ``NetCall``, or the simulator's stand-in (bench/netsim.py)."""
+
+    def send(self, peer: int, buf: torch.Tensor | Buffer) -> object:
+        """Post a send of ``buf`` to group rank ``peer``."""
+
+    def recv(self, peer: int, buf: torch.Tensor | Buffer) -> object:
+        """Post a receive from group rank ``peer`` into ``buf``."""
+
+    def buffer(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A scratch tensor kept across calls."""
+
+    def reduce(self, out: torch.Tensor, inputs: Sequence[torch.Tensor],
+               spec: ReduceSpec) -> None:
+        """``out = inputs[0] op inputs[1] ...``"""
+
+
+class Topo(Protocol):
+    """Where a group's ranks sit on nodes, as the algorithms across nodes read it
+    (neuron_dist/topology.py's ``Topology``)."""
+
+    @property
+    def rank(self) -> int:
+        """This process's group rank."""
+
+    @property
+    def size(self) -> int:
+        """Ranks in the group."""
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        """Group ranks of each node, nodes ordered by their lowest rank."""
+
+    @property
+    def my_node(self) -> int:
+        """This rank's node (an index into ``nodes``)."""
+
+    @property
+    def local(self) -> tuple[int, ...]:
+        """Group ranks of this node, in local-index order."""
+
+    @property
+    def even(self) -> bool:
+        """Do all nodes have as many ranks?"""
+
+    def node_of(self, rank: int) -> int:
+        """The node of group rank ``rank``."""
+
+    def leader(self, node: int) -> int:
+        """The lowest group rank of ``node``."""
 
 
 class NetCall(Deferrable):
@@ -83,17 +142,20 @@ class NetCall(Deferrable):
         The group's pool of buffers, kept across calls (see ``buffer``).
     """
 
-    def __init__(self, net, topo, call: Call, seq: int, deadline: float,
-                 scratch: dict | None = None):
+    def __init__(self, net: NetTransport, topo: Topo, call: Call, seq: int, deadline: float,
+                 scratch: dict[str, Any] | None = None):
         self.net, self.topo, self.call, self.seq = net, topo, call, seq
-        self._scratch = {} if scratch is None else scratch  # the group's, across calls
+        # the group's, across calls (buffers, boxes and reduction scratch, by key)
+        self._scratch: dict[str, Any] = {} if scratch is None else scratch
         self.deadline = deadline
-        self._told: set = set()  # peers that got our descriptor in this call
-        self._heard: dict = {}  # peer -> (descriptor box, request, data dest or None)
-        self._pending: list = []
+        self._told: set[int] = set()  # peers that got our descriptor in this call
+        # peer -> (descriptor box, request, data dest or None)
+        self._heard: dict[int, tuple[bytearray | None, NetRequest, Buffer | None]] = {}
+        self._pending: list[NetRequest] = []
         self.defer_once = False  # set for the first run of an async call (engine.try_now)
         self._deferrable = False  # the algorithm said it may be deferred (``deferrable``)
-        self._rest = None  # what a deferred first run left to ``resume``
+        # what a deferred first run left to ``resume``
+        self._rest: Callable[[], object] | None = None
 
     def begin(self, call: Call, seq: int, deadline: float) -> None:
         """Make this NetCall describe a new call (one call at a time may reuse one)."""
@@ -122,7 +184,7 @@ class NetCall(Deferrable):
         then run the rest it handed to ``wait_then``."""
         rest, self._rest = self._rest, None
         self.wait()
-        rest()
+        rest()  # type: ignore[misc]  # (set: the first run deferred)
 
     def peers_published(self) -> bool:
         """Has everything the call posted so far completed (so ``wait`` would not block)?"""
@@ -162,7 +224,7 @@ class NetCall(Deferrable):
         call (for algorithms that exchange descriptors themselves: net_mpi.py)."""
         self._check(peer, words)
 
-    def send(self, peer: int, buf):
+    def send(self, peer: int, buf: torch.Tensor | Buffer) -> NetRequest:
         """Post a send of ``buf`` to ``peer``; returns its request (done: ``buf`` is free)."""
         if self.defer_once and not self._deferrable:
             raise StepDeferred(self.seq)
@@ -179,7 +241,7 @@ class NetCall(Deferrable):
         self._pending.append(req)
         return req
 
-    def recv(self, peer: int, buf):
+    def recv(self, peer: int, buf: torch.Tensor | Buffer) -> NetRequest | None:
         """Post a receive from ``peer`` into ``buf``. Returns its request, or None for the
         call's first message from ``peer`` when it is small (it travels with the
         descriptor and is copied into ``buf`` by ``check``)."""
@@ -198,16 +260,18 @@ class NetCall(Deferrable):
         self._pending.append(req)
         return req
 
-    def buffer(self, key: str, numel: int, dtype) -> torch.Tensor:
+    def buffer(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A scratch tensor kept across calls (allocating fresh pages every call costs more
         than the network: the kernel zero-fills each one)."""
         if self.defer_once:
             self.not_deferrable()
         pool = self._scratch
         nbytes = numel * dtype.itemsize
+        entry: tuple[torch.Tensor, dict[tuple[int, torch.dtype], torch.Tensor]] | None
         entry = pool.get(key)
         if entry is None or entry[0].numel() < nbytes:
-            entry = pool[key] = (torch.empty(max(nbytes, 64), dtype=torch.uint8), {})
+            entry = (torch.empty(max(nbytes, 64), dtype=torch.uint8), {})
+            pool[key] = entry
         base, views = entry  # typed views of it, kept: torch view ops cost µs each
         view = views.get((numel, dtype))
         if view is None:
@@ -221,14 +285,14 @@ class NetCall(Deferrable):
         it: a later call gets a fresh one)."""
         self._scratch.pop(key, None)
 
-    def run(self, algorithm) -> None:
+    def run(self, algorithm: Iterable[object]) -> None:
         """Run a between-nodes algorithm written as a generator: each ``yield`` waits for
         everything posted so far (``wait``). An algorithm yields after its last post, so on
         return everything it posted is complete (the simulator checks that)."""
         for _ in algorithm:
             self.wait()
 
-    def reduce(self, out, inputs: list, spec) -> None:
+    def reduce(self, out: torch.Tensor, inputs: Sequence[torch.Tensor], spec: ReduceSpec) -> None:
         """``out = inputs[0] op inputs[1] ...`` (reduce_ops.reduce_into; ``out`` may alias
         the first two inputs)."""
         scratch = self._scratch.get("reduce")
@@ -245,7 +309,7 @@ class NetCall(Deferrable):
         for req in pending:
             req.wait(self.deadline)
 
-    def wait_then(self, rest) -> None:
+    def wait_then(self, rest: Callable[[], object]) -> None:
         """``wait``, then ``rest()``: the rest of the call, local work only. Only in a first
         run with ``defer_once`` set (an algorithm that said ``deferrable``), if something
         posted has not completed, it keeps ``rest`` and raises ``StepDeferred`` instead of
@@ -290,7 +354,8 @@ class NetCall(Deferrable):
             kept = self._scratch.get("boxes", {}).get(n)
             if kept:
                 try:
-                    return kept.pop()  # (atomic: two calls never get the same box)
+                    # (atomic: two calls never get the same box)
+                    return kept.pop()  # type: ignore[no-any-return]
                 except IndexError:
                     pass
         return bytearray(n)
@@ -321,14 +386,20 @@ def _deferred_resumes(seq: int) -> StepDeferred:
     return StepDeferred(seq, last=True, resumes=True)
 
 
-def _nbytes(data) -> int:
-    return data.nbytes if hasattr(data, "nbytes") else len(data)
+def _nbytes(data: Buffer) -> int:
+    return data.nbytes if hasattr(data, "nbytes") else len(data)  # type: ignore[arg-type]
 
 
-_BYTE_ARRAYS: dict = {}
+_BYTE_ARRAYS: dict[int, type[ctypes.Array[ctypes.c_char]]] = {}
 
 
-def as_bytes(t):
+@overload
+def as_bytes(t: torch.Tensor) -> memoryview: ...
+@overload
+def as_bytes(t: Buffer) -> Buffer: ...
+
+
+def as_bytes(t: torch.Tensor | Buffer) -> Buffer:
     """A writable byte view of a contiguous tensor's memory, which the view keeps alive (or
     a bytes-like object as it is). Made with ctypes from the data pointer: torch's own view
     ops cost several µs each on small machines, and this is on every message's path."""
@@ -345,5 +416,5 @@ def as_bytes(t):
             _BYTE_ARRAYS.clear()
         kind = _BYTE_ARRAYS[nbytes] = ctypes.c_char * nbytes
     arr = kind.from_address(t.data_ptr())
-    arr.tensor = t
+    arr.tensor = t  # type: ignore[attr-defined]  # (the view keeps the tensor alive)
     return memoryview(arr).cast("B")

@@ -19,8 +19,16 @@ posted), so the simulator (bench/netsim.py) runs the same code.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-def _children(rel: int, size: int) -> list:
+if TYPE_CHECKING:
+    import torch
+
+    from .net import Exchange
+    from .reduce_ops import ReduceSpec
+
+
+def _children(rel: int, size: int) -> list[int]:
     """Relative ranks of ``rel``'s children, largest subtree first."""
     low = rel & -rel if rel else 1 << size.bit_length()
     out, mask = [], low >> 1
@@ -31,14 +39,15 @@ def _children(rel: int, size: int) -> list:
     return out
 
 
-def _numbering(size: int, root: int):
+def _numbering(size: int, root: int) -> tuple[Callable[[int], int], Callable[[int], int]]:
     """(rank index -> relative rank, relative rank -> rank index) for a tree at ``root``."""
     if size & (size - 1) == 0:
         return (lambda i: i ^ root), (lambda r: r ^ root)
     return (lambda i: (i - root) % size), (lambda r: (r + root) % size)
 
 
-def broadcast(net, buf, peers: list, me: int, root: int):
+def broadcast(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int, root: int
+              ) -> Iterator[None]:
     """Make ``buf`` equal to ``peers[root]``'s on every rank of ``peers``."""
     size = len(peers)
     rel_of, index_of = _numbering(size, root)
@@ -54,7 +63,8 @@ def broadcast(net, buf, peers: list, me: int, root: int):
         yield
 
 
-def reduce(net, buf, peers: list, me: int, root: int, spec):
+def reduce(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int, root: int,
+           spec: ReduceSpec) -> Iterator[None]:
     """Reduce typed ``buf`` over ``peers`` into ``peers[root]``'s ``buf`` (the others' ``buf``
     is used as scratch: it ends holding their subtree's partial)."""
     size = len(peers)

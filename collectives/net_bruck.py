@@ -16,10 +16,16 @@ posted), so the simulator (bench/netsim.py) runs the same code.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator, Sequence
+
 import torch
 
+if TYPE_CHECKING:
+    from .net import Exchange
 
-def all_gather(net, outs: list, mine, peers: list, me: int):
+
+def all_gather(net: Exchange, outs: Sequence[torch.Tensor], mine: torch.Tensor,
+               peers: Sequence[int], me: int) -> Iterator[None]:
     """``outs[k]`` (uint8, all of ``mine``'s size) = rank ``peers[k]``'s ``mine``; ``mine``
     may be ``outs[me]``."""
     size, b = len(peers), mine.numel()

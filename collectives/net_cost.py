@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Iterable
 
 from .net import PIGGYBACK_BYTES
 
@@ -117,7 +118,7 @@ def _big(nbytes: float) -> int:
     return int(nbytes > PIGGYBACK_BYTES)
 
 
-def _levels(ranks: int) -> tuple:
+def _levels(ranks: int) -> tuple[int, int]:
     """(log2 of the fold's power of two, 1 if some ranks fold in else 0)."""
     pof2 = 1 << (ranks.bit_length() - 1)
     return pof2.bit_length() - 1, int(ranks != pof2)
@@ -246,11 +247,12 @@ SHAPES = {
 _ANY_COLLECTIVE = {"direct": _direct}
 
 
-def cheapest(collective: str, candidates, ranks: int, nbytes: int, link: Link) -> str:
+def cheapest(collective: str, candidates: Iterable[str], ranks: int, nbytes: int,
+             link: Link) -> str:
     """The candidate with the least predicted time (the first of equals)."""
     best, best_t = None, math.inf
     for name in candidates:
         t = shape(collective, name, ranks, nbytes).time(link)
         if t < best_t:
             best, best_t = name, t
-    return best
+    return best  # type: ignore[return-value]  # (there are candidates)

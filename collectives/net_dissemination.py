@@ -13,8 +13,13 @@ posted), so the simulator (bench/netsim.py) runs the same code.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-def barrier(net, peers: list, me: int):
+if TYPE_CHECKING:
+    from .net import Exchange
+
+
+def barrier(net: Exchange, peers: Sequence[int], me: int) -> Iterator[None]:
     """Return only once every rank of ``peers`` has called it."""
     size, d = len(peers), 1
     empty = bytearray(0)

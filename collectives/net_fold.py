@@ -21,6 +21,14 @@ recursive doubling and Rabenseifner.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Generator, Iterator, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from .net import Exchange
+    from .reduce_ops import ReduceSpec
+
 
 class Fold:
     """Rank ``index`` of ``size`` ranks, folded onto the largest power of two (see above).
@@ -48,7 +56,7 @@ class Fold:
         self.extra = paired and index % 2 == 0
         self.folded = paired and index % 2 == 1
         if self.extra:
-            self.vrank = None
+            self.vrank: int | None = None
         else:
             self.vrank = index // 2 if paired else index - self.rem
 
@@ -65,7 +73,8 @@ class Fold:
         return self.pof2.bit_length() - 1
 
 
-def fold_in(net, buf, peers: list, fold: Fold, spec):
+def fold_in(net: Exchange, buf: torch.Tensor, peers: Sequence[int], fold: Fold,
+            spec: ReduceSpec) -> Generator[None, None, bool]:
     """The fold-in of an all-reduce of typed ``buf`` (a generator over a ``NetCall``, like
     the algorithms): an extra rank sends its buffer to its partner and then receives the
     result into it; the partner adds it to its own, the extra rank's data first. Returns
@@ -86,7 +95,8 @@ def fold_in(net, buf, peers: list, fold: Fold, spec):
     return False
 
 
-def fold_out(net, buf, peers: list, fold: Fold):
+def fold_out(net: Exchange, buf: torch.Tensor, peers: Sequence[int], fold: Fold
+             ) -> Iterator[None]:
     """The fold-out of an all-reduce: the partner of an extra rank sends it the result."""
     if fold.folded:
         net.send(peers[fold.index - 1], buf)

@@ -24,15 +24,27 @@ posted), so the simulator (bench/netsim.py) runs the same code.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
+
 from .net_fold import Fold
 
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import TypeAlias
 
-def windows(fold: Fold, peers: list, bounds) -> list:
+    from .net import Exchange
+    from .reduce_ops import ReduceSpec
+
+    # a round: (own half, other half) as (start, end), the partner, is it first
+    Round: TypeAlias = tuple[tuple[int, int], tuple[int, int], int, bool]
+
+
+def windows(fold: Fold, peers: Sequence[int], bounds: Callable[[int], int]) -> list[Round]:
     """The rounds of recursive halving for this (non-extra) rank, computed without any
     message: (own half, other half, partner) per round, halves as (start, end) of the
     buffer, region ``v`` being ``bounds(v) .. bounds(v + 1)``. Round j pairs virtual rank
     ``v`` with ``v ^ 2^(log2 p - 1 - j)``."""
-    v = fold.vrank
+    v: int = fold.vrank  # type: ignore[assignment]  # (not an extra rank)
     lo, hi = 0, fold.pof2
     rounds = []
     while hi - lo > 1:
@@ -48,14 +60,17 @@ def windows(fold: Fold, peers: list, bounds) -> list:
     return rounds
 
 
-def halve(net, buf, peers: list, fold: Fold, bounds, spec, key: str):
+def halve(net: Exchange, buf: torch.Tensor, peers: Sequence[int], fold: Fold,
+          bounds: Callable[[int], int], spec: ReduceSpec, key: str
+          ) -> Generator[None, None, list[Round]]:
     """Recursive halving over the virtual ranks: region ``v`` of ``buf`` is
     ``buf[bounds(v):bounds(v + 1)]``; afterwards this rank's region holds the reduction over
     every virtual rank's ``buf``. Returns the rounds (``windows``) for ``gather_back``."""
     rounds = windows(fold, peers, bounds)
     tmp = net.buffer(key, rounds[0][0][1] - rounds[0][0][0], buf.dtype) if rounds else None
     for (ks, ke), (gs, ge), partner, partner_first in rounds:
-        got = tmp[:ke - ks]  # (later rounds keep part of the first round's half)
+        # (later rounds keep part of the first round's half; tmp is there: rounds are)
+        got = tmp[:ke - ks]  # type: ignore[index]
         net.recv(partner, got)
         net.send(partner, buf[gs:ge])
         yield
@@ -64,7 +79,7 @@ def halve(net, buf, peers: list, fold: Fold, bounds, spec, key: str):
     return rounds
 
 
-def gather_back(net, buf, rounds: list):
+def gather_back(net: Exchange, buf: torch.Tensor, rounds: list[Round]) -> Iterator[None]:
     """All-gather by recursive doubling, the rounds of ``halve`` in reverse: each round this
     rank sends everything it holds to the partner of that round and receives the rest of
     the window."""
@@ -74,7 +89,8 @@ def gather_back(net, buf, rounds: list):
         yield
 
 
-def reduce_scatter(net, out, work, peers: list, me: int, spec):
+def reduce_scatter(net: Exchange, out: torch.Tensor, work: torch.Tensor, peers: Sequence[int],
+                   me: int, spec: ReduceSpec) -> Iterator[None]:
     """``out`` (m elements) = the reduction over ``peers`` of block ``me`` of their ``work``
     (P blocks of m elements, in the order of ``peers``; ``work`` is scratch: it is
     overwritten)."""

@@ -16,12 +16,21 @@ tree, and float16/bfloat16 round once per level.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator, Sequence
+
 from .context import ALIGN_BYTES, partition
 from .net_fold import Fold, fold_in, fold_out
 from .net_halving import gather_back, halve
 
+if TYPE_CHECKING:
+    import torch
 
-def all_reduce(net, buf, peers: list, me: int, spec):
+    from .net import Exchange
+    from .reduce_ops import ReduceSpec
+
+
+def all_reduce(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int,
+               spec: ReduceSpec) -> Iterator[None]:
     """Reduce typed ``buf`` in place over ``peers`` (group ranks; ``peers[me]`` is this rank)."""
     fold = Fold(len(peers), me)
     if (yield from fold_in(net, buf, peers, fold, spec)):

@@ -31,19 +31,27 @@ Written as generators over a ``NetCall`` (net.py: ``send``, ``recv``, ``reduce``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator, Sequence
+
 import torch
 
 from .net_fold import Fold, fold_in, fold_out
 from .net_halving import gather_back, windows
 
+if TYPE_CHECKING:
+    from .net import Exchange
+    from .reduce_ops import ReduceSpec
 
-def all_reduce(net, buf, peers: list, me: int, spec):
+
+def all_reduce(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int,
+               spec: ReduceSpec) -> Iterator[None]:
     """Reduce typed ``buf`` in place over ``peers`` (group ranks; ``peers[me]`` is this rank)."""
     fold = Fold(len(peers), me)
     if (yield from fold_in(net, buf, peers, fold, spec)):
         return
     tmp = net.buffer("rd", buf.numel(), buf.dtype)
-    v, mask = fold.vrank, 1
+    v: int = fold.vrank  # type: ignore[assignment]  # (not an extra rank)
+    mask = 1
     while mask < fold.pof2:
         pv = v ^ mask
         partner = peers[fold.real(pv)]
@@ -55,7 +63,8 @@ def all_reduce(net, buf, peers: list, me: int, spec):
     yield from fold_out(net, buf, peers, fold)
 
 
-def all_gather(net, outs: list, mine, peers: list, me: int):
+def all_gather(net: Exchange, outs: Sequence[torch.Tensor], mine: torch.Tensor,
+               peers: Sequence[int], me: int) -> Iterator[None]:
     """``outs[k]`` (uint8, all of ``mine``'s size) = rank ``peers[k]``'s ``mine``; ``mine``
     may be ``outs[me]``."""
     size, b = len(peers), mine.numel()
@@ -83,7 +92,7 @@ def all_gather(net, outs: list, mine, peers: list, me: int):
         outs[me].copy_(mine)
 
 
-def barrier(net, peers: list, me: int):
+def barrier(net: Exchange, peers: Sequence[int], me: int) -> Iterator[None]:
     """Return only once every rank of ``peers`` has called it."""
     fold = Fold(len(peers), me)
     empty = bytearray(0)
@@ -95,7 +104,8 @@ def barrier(net, peers: list, me: int):
     if fold.folded:
         net.recv(peers[me - 1], empty)
         yield
-    v, mask = fold.vrank, 1
+    v: int = fold.vrank  # type: ignore[assignment]  # (not an extra rank)
+    mask = 1
     while mask < fold.pof2:
         partner = peers[fold.real(v ^ mask)]
         net.recv(partner, empty)

@@ -16,10 +16,19 @@ posted), so the simulator (bench/netsim.py) runs the same code.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator, Sequence
+
 from .context import ALIGN_BYTES, partition
 
+if TYPE_CHECKING:
+    import torch
 
-def all_reduce(net, buf, peers: list, me: int, spec):
+    from .net import Exchange
+    from .reduce_ops import ReduceSpec
+
+
+def all_reduce(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int,
+               spec: ReduceSpec) -> Iterator[None]:
     """Reduce typed ``buf`` in place over ``peers`` (group ranks; ``peers[me]`` is this rank)."""
     n = len(peers)
     nxt, prv = peers[(me + 1) % n], peers[(me - 1) % n]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Callable
 
 import torch
 
@@ -35,7 +36,7 @@ import torch
 GRAIN_BYTES = 32768
 
 
-def _omp_setter():
+def _omp_setter() -> Callable[[int], None] | None:
     """``omp_set_num_threads`` of the OpenMP runtime torch's kernels use: looked up from
     torch's CPU library (a lookup through a library's handle searches what it was linked
     against first), so another runtime loaded into the process cannot be taken for it."""
@@ -74,5 +75,5 @@ def enter() -> int:
 
 def leave(count: int) -> None:
     """Give the calling thread back the thread count ``enter`` returned (0: nothing)."""
-    if count:
-        _set(count)
+    if count:  # (non-zero only from an enter that found _set)
+        _set(count)  # type: ignore[misc]

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from ..transport.errors import Claimed
 from . import one_thread
+
+if TYPE_CHECKING:
+    from ..transport.base import Mailbox
 
 MAGIC = 0x5032504E  # "NP2P"
 HEADER_BYTES = 32
@@ -70,7 +74,8 @@ class Request:
     __slots__ = ("peer", "tag", "data", "moved", "done", "error", "source", "deadline",
                  "is_send", "header_sent", "callback", "claim", "names")
 
-    def __init__(self, peer, tag: int, data, is_send: bool, deadline: float):
+    def __init__(self, peer: int | None, tag: int, data: torch.Tensor | Memory, is_send: bool,
+                 deadline: float):
         self.peer = peer  # group rank, or None for a receive from any source
         self.tag = tag
         self.data = data  # flat uint8 tensor
@@ -78,12 +83,13 @@ class Request:
         self.deadline = deadline
         self.moved = 0
         self.done = False
-        self.error = None
+        self.error: BaseException | None = None
         self.source = -1
         self.header_sent = False
-        self.callback = None
-        self.claim = None  # see the module docstring
-        self.names = None  # group ranks of peer numbers, for messages (None: the same)
+        self.callback: Callable[[Request], object] | None = None
+        self.claim: Callable[[], bool] | None = None  # see the module docstring
+        # group ranks of peer numbers, for messages (None: the same)
+        self.names: Sequence[int] | None = None
 
     def describe(self) -> str:
         peer = self.peer if self.names is None or self.peer is None else self.names[self.peer]
@@ -92,7 +98,7 @@ class Request:
         who = "any rank" if peer is None else f"rank {peer}"
         return f"recv from {who} (tag {self.tag}, {self.data.numel()} bytes)"
 
-    def _finish(self, error=None) -> None:
+    def _finish(self, error: BaseException | None = None) -> None:
         self.error = error
         self.done = True
         if self.callback is not None:
@@ -102,7 +108,8 @@ class Request:
 class _Incoming:
     __slots__ = ("tag", "nbytes", "got", "dst", "req")
 
-    def __init__(self, tag, nbytes, dst, req):
+    def __init__(self, tag: int, nbytes: int, dst: torch.Tensor | Memory | None,
+                 req: Request | None):
         self.tag = tag
         self.nbytes = nbytes
         self.got = 0
@@ -125,17 +132,20 @@ class P2P:
         ``peer`` (lets a sleeping peer wake up).
     """
 
-    def __init__(self, rank: int, size: int, outbox, inbox, notify=None):
+    def __init__(self, rank: int, size: int, outbox: Callable[[int], Mailbox],
+                 inbox: Callable[[int], Mailbox], notify: Callable[[int], object] | None = None):
         self.rank = rank
         self.size = size
         self._outbox = outbox
-        self._out = {}  # dst -> Mailbox, made on the first send to dst (it reserves memory)
+        # dst -> Mailbox, made on the first send to dst (it reserves memory)
+        self._out: dict[int, Mailbox] = {}
         self._in = {k: inbox(k) for k in range(size) if k != rank}
-        self._sends = {}
+        self._sends: dict[int, deque[Request]] = {}
         self._recvs: list[Request] = []
         self._incoming: dict[int, _Incoming | None] = {k: None for k in self._in}
-        self._unexpected: deque = deque()  # (src, tag, buffer), in arrival order
-        self._piece = {}
+        # (src, tag, buffer), in arrival order
+        self._unexpected: deque[tuple[int, int, torch.Tensor]] = deque()
+        self._piece: dict[int, int] = {}
         self._notify = notify or (lambda peer: None)
 
     # ------------------------------------------------------------------ posting
@@ -170,10 +180,11 @@ class P2P:
         return True
 
     def post_send(self, req: Request) -> None:
-        self._open(req.peer)
-        self._sends[req.peer].append(req)
+        # (the ignores below: a send names its peer)
+        self._open(req.peer)  # type: ignore[arg-type]
+        self._sends[req.peer].append(req)  # type: ignore[index]
 
-    def _open(self, dst: int):
+    def _open(self, dst: int) -> Mailbox:
         """The ring to ``dst``, made on the first send there (that reserves its memory)."""
         box = self._out.get(dst)
         if box is None:
@@ -210,7 +221,7 @@ class P2P:
     def fail(self, req: Request, error: BaseException) -> None:
         """Withdraw a pending request (e.g. on timeout) and complete it with ``error``."""
         if req.is_send:
-            q = self._sends.get(req.peer)
+            q = self._sends.get(req.peer)  # type: ignore[arg-type]  # (a send's peer)
             if q and req in q:
                 if req.header_sent and q[0] is req:
                     # Part of it is on the wire: the receiver's stream is now unusable, so
@@ -251,7 +262,7 @@ class P2P:
 
     def _push(self, req: Request) -> bool:
         """Advance one send; True when it has fully left."""
-        box = self._out[req.peer]
+        box = self._out[req.peer]  # type: ignore[index]  # (a send names its peer)
         n = req.data.numel()
         if not req.header_sent:
             if box.free() < HEADER_BYTES:
@@ -259,7 +270,7 @@ class P2P:
             box.write_words((MAGIC, req.tag, n, 0))
             req.header_sent = True
         while req.moved < n:
-            m = min(box.free(), n - req.moved, self._piece[req.peer])
+            m = min(box.free(), n - req.moved, self._piece[req.peer])  # type: ignore[index]
             if m <= 0:
                 return False
             box.write(req.data.data_ptr() + req.moved, m)
@@ -314,11 +325,12 @@ class P2P:
         if inc.req is not None:
             self._deliver(inc.req, src, None)
         elif inc.dst is not None:
-            self._unexpected.append((src, inc.tag, inc.dst))
+            # (an unexpected message's own buffer: a tensor)
+            self._unexpected.append((src, inc.tag, inc.dst))  # type: ignore[arg-type]
             self._rematch()
         return True
 
-    def _incoming_for(self, req, src: int, tag: int, nbytes: int) -> _Incoming:
+    def _incoming_for(self, req: Request | None, src: int, tag: int, nbytes: int) -> _Incoming:
         """Where a message of ``nbytes`` from ``src`` goes: into the receive ``req`` it
         matched, else (None) into a buffer of its own, queued as unexpected."""
         if req is None:
@@ -331,7 +343,7 @@ class P2P:
         req.source = src
         return _Incoming(tag, nbytes, req.data, req)
 
-    def _deliver(self, req: Request, src: int, buf) -> None:
+    def _deliver(self, req: Request, src: int, buf: torch.Tensor | None) -> None:
         if buf is not None:
             if buf.numel() != req.data.numel():
                 req._finish(P2PError(
@@ -353,7 +365,7 @@ class P2P:
             self._unexpected.pop()
             self._deliver(req, src, buf)
 
-    def _matching(self, src: int, tag: int):
+    def _matching(self, src: int, tag: int) -> Request | None:
         """The oldest posted receive that takes a message of ``tag`` from ``src``, taken
         off the list (receives whose claim failed are dropped on the way), or None."""
         i = 0
@@ -377,7 +389,7 @@ def _name(req: Request, k: int) -> int:
 def _may_take(req: Request) -> bool:
     """May ``req``, which has a claim, take a message now? (Not if its claim fails: it is
     finished then.)"""
-    if req.claim():
+    if req.claim():  # type: ignore[misc]  # (it has one)
         return True
     req._finish(Claimed())
     return False

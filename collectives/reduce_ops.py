@@ -16,6 +16,7 @@ Rules kept here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -35,7 +36,7 @@ class ReduceSpec:
     """A reduction: ``kind`` is one of the names above; ``factor`` is PREMUL_SUM's multiplier."""
 
     kind: str
-    factor: object = None
+    factor: float | torch.Tensor | None = None
 
     @property
     def code(self) -> int:
@@ -58,17 +59,18 @@ def check_supported(spec: ReduceSpec, dtype: torch.dtype) -> None:
 def stage(dst: torch.Tensor, src: torch.Tensor, spec: ReduceSpec) -> None:
     """Copy this rank's input into shared memory, applying PREMUL_SUM's factor on the way."""
     if spec.kind == PREMUL_SUM:
-        torch.mul(src, spec.factor, out=dst)
+        torch.mul(src, spec.factor, out=dst)  # type: ignore[arg-type]  # (PREMUL_SUM has one)
     else:
         dst.copy_(src)
 
 
-_KERNELS = {
+_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     SUM: torch.add, AVG: torch.add, PREMUL_SUM: torch.add, PRODUCT: torch.mul,
     MIN: torch.minimum, MAX: torch.maximum,
     BAND: torch.bitwise_and, BOR: torch.bitwise_or, BXOR: torch.bitwise_xor,
 }
-_BOOL_KERNELS = {BOR: torch.logical_or, BAND: torch.logical_and, BXOR: torch.logical_xor}
+_BOOL_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
+    BOR: torch.logical_or, BAND: torch.logical_and, BXOR: torch.logical_xor}
 
 
 class Scratch:
@@ -78,8 +80,8 @@ class Scratch:
     caller that hands ``reduce_into`` views of its own scratch uses another one.
     """
 
-    def __init__(self):
-        self._bufs = {}
+    def __init__(self) -> None:
+        self._bufs: dict[int, torch.Tensor] = {}
 
     def get(self, numel: int, dtype: torch.dtype = torch.float32, which: int = 0) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
@@ -89,7 +91,7 @@ class Scratch:
         return buf.view(torch.uint8)[:nbytes].view(dtype)
 
 
-def reduce_into(out: torch.Tensor, inputs: list, spec: ReduceSpec, nranks: int,
+def reduce_into(out: torch.Tensor, inputs: Sequence[torch.Tensor], spec: ReduceSpec, nranks: int,
                 scratch: Scratch) -> None:
     """``out = inputs[0] op inputs[1] op ...`` (already-staged inputs, in rank order).
 
@@ -123,7 +125,7 @@ def reduce_into(out: torch.Tensor, inputs: list, spec: ReduceSpec, nranks: int,
 _SUM = ReduceSpec(SUM)
 
 
-def phase_specs(spec: ReduceSpec) -> tuple:
+def phase_specs(spec: ReduceSpec) -> tuple[ReduceSpec, ReduceSpec]:
     """(spec of the first phase, spec of the later phases) of a reduction in phases."""
     if spec.kind == AVG:
         return _SUM, _SUM

@@ -7,12 +7,18 @@ scatter the root stages piece i of input k in block k of its slot; rank k copies
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 from .context import ALIGN_BYTES, Context, steps_for
-from .reduce_ops import reduce_into, stage
+from .reduce_ops import ReduceSpec, reduce_into, stage
+
+if TYPE_CHECKING:
+    import torch
 
 
 
-def reduce(ctx: Context, out, inp, spec, root: int) -> None:
+def reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec,
+           root: int) -> None:
     """Reduce typed flat ``inp`` of every rank into ``out`` on ``root`` only."""
     dtype = inp.dtype
     cap = ctx.channel.slot_bytes // inp.element_size()
@@ -29,7 +35,7 @@ def reduce(ctx: Context, out, inp, spec, root: int) -> None:
     ctx.finish()
 
 
-def gather(ctx: Context, outs, inp, root: int) -> None:
+def gather(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.Tensor, root: int) -> None:
     """Copy each rank's uint8 ``inp`` into ``outs[k]`` on the root (``outs`` unused elsewhere)."""
     cap = ctx.channel.slot_bytes
     n = inp.numel()
@@ -45,7 +51,7 @@ def gather(ctx: Context, outs, inp, root: int) -> None:
     ctx.finish()
 
 
-def scatter(ctx: Context, out, ins, root: int) -> None:
+def scatter(ctx: Context, out: torch.Tensor, ins: Sequence[torch.Tensor], root: int) -> None:
     """Rank k receives the root's uint8 ``ins[k]`` into ``out`` (all the same size)."""
     per = (ctx.channel.slot_bytes // ctx.size) // ALIGN_BYTES * ALIGN_BYTES
     n = out.numel()

@@ -72,16 +72,16 @@ class PointToPoint:
         In a group that spans nodes: the group ranks on this node, in the order of the
         node's channel.
 
-    What a receive from any rank on both paths uses (p2p_any.py): ``label``,
-    ``on_error``, ``timeout_text`` (the parameters), ``shared_net`` (the transport, when
-    such receives listen on both paths, else None), ``shm_engine()``, ``withdraw_shm`` and
-    ``check_node_senders``.
+    Its public attributes, for the Work ops here and for a receive from any rank on both
+    paths (p2p_any.py): ``net``, ``label``, ``on_error``, ``timeout_text`` (the
+    parameters), ``shared_net`` (``net`` when such receives listen on both paths, else
+    None); and ``shm_engine()``, ``withdraw_shm`` and ``check_node_senders``.
     """
 
     def __init__(self, rank: int, size: int, channel, net, label, on_error, timeout,
                  timeout_text, local=None):
         self._rank, self._size = rank, size
-        self._channel, self._net = channel, net
+        self._channel, self.net = channel, net
         # group rank -> the node channel's number for it: the peers reached through
         # shared memory (every peer in a one-node group; see the module docstring)
         if net is None:
@@ -185,7 +185,7 @@ class PointToPoint:
         if self._stopped:
             raise GroupAbortedError(f"{name}: the group was destroyed")
         shm_peer = self._local.get(peer)
-        if shm_peer is None and self._net is not None:
+        if shm_peer is None and self.net is not None:
             if peer is None and self._names is not None:
                 return self._post_any(t, tag)
             return self._post_net(t, peer, tag, is_send, name)
@@ -243,7 +243,7 @@ class PointToPoint:
             buf = as_bytes(f.bytes)
         op = _NetOp(self, peer, tag, is_send, name, buf.nbytes, f)
         stats.add_call(op.nbytes)
-        net = self._net
+        net = self.net
         try:
             if peer is None:
                 req = net.irecv_any(P2P_TAG_BASE + int(tag), buf)
@@ -372,7 +372,7 @@ class _NetOp:
             # message never lands in it. A receive from any rank binds no stream: the group
             # goes on. Otherwise the stream with that peer is out of step: the group fails,
             # on every rank, as after a collective's time-out (one node alike).
-            if not face._net.cancel(req, timeout):
+            if not face.net.cancel(req, timeout):
                 self.finish(req)  # it completed in the meantime after all
                 return
             try:

@@ -101,13 +101,15 @@ def test_no_capability_sniffing(path):
             pytest.fail(f"{path}:{node.lineno}: {ast.unparse(node)}")
 
 
-def test_p2p_any_uses_the_face_public_interface():
-    """p2p_any.py reaches the send/recv face (and its requests) only through public names."""
-    tree = ast.parse((REPO / "neuron_dist/p2p_any.py").read_text())
+@pytest.mark.parametrize("path", ["neuron_dist/p2p_any.py", "neuron_dist/p2p_face.py"])
+def test_ops_use_the_face_public_interface(path):
+    """The Work ops of send/recv (p2p_face.py's, p2p_any.py's) reach the face
+    (``PointToPoint``) only through its public names."""
+    tree = ast.parse((REPO / path).read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
-                and node.value.attr == "face" and node.attr.startswith("_"):
-            pytest.fail(f"p2p_any.py:{node.lineno}: face.{node.attr}")
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and node.value.id == "face" and node.attr.startswith("_"):
-            pytest.fail(f"p2p_any.py:{node.lineno}: face.{node.attr}")
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+            continue
+        owner = node.value
+        if (isinstance(owner, ast.Name) and owner.id == "face") or (
+                isinstance(owner, ast.Attribute) and owner.attr == "face"):
+            pytest.fail(f"{path}:{node.lineno}: face.{node.attr}")

@@ -14,27 +14,33 @@ the input, both parities) made once per dtype and shape: one concatenation fills
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import torch
 
 from . import single_copy
 from .context import Context, SlotViews, steps_for
 
+if TYPE_CHECKING:
+    from ..transport.base import StepChannel
+    from .selection import Selection
 
-def choose(selection, channel, nbytes: int) -> str:
+
+def choose(selection: Selection, channel: StepChannel, nbytes: int) -> str:
     """The ``all_gather`` table's algorithm for contributions of at most ``nbytes`` (the
     same in any phase of a call: a two-level collective's later all_gather chooses for
     itself)."""
     return selection.select("all_gather", nbytes, channel.size, cma=channel.cma)
 
 
-def all_gather(ctx: Context, outs: list, inp) -> None:
+def all_gather(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
     """Copy every rank's uint8 ``inp`` into ``outs[rank]`` on every rank."""
     algo = choose(ctx.selection, ctx.channel, max(o.numel() for o in outs))
     ctx.chose(algo)
     ALGORITHMS[algo](ctx, outs, inp)
 
 
-def _slots(ctx: Context, outs: list, inp) -> None:
+def _slots(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
     cap = ctx.channel.slot_bytes
     sizes = [o.numel() for o in outs]
     for i in range(steps_for(max(sizes), cap)):
@@ -50,7 +56,7 @@ def _slots(ctx: Context, outs: list, inp) -> None:
     ctx.finish()
 
 
-def all_gather_into(ctx: Context, out, inp) -> None:
+def all_gather_into(ctx: Context, out: torch.Tensor, inp: torch.Tensor) -> None:
     """All-gather the 1-D ``inp`` of every rank into the 1-D ``out`` (rank k's at block k)."""
     nbytes = inp.numel() * inp.element_size()
     algo = choose(ctx.selection, ctx.channel, nbytes)
@@ -58,7 +64,8 @@ def all_gather_into(ctx: Context, out, inp) -> None:
     INTO[algo](ctx, out, inp, nbytes)
 
 
-def single_step(selection, channel, inp):
+def single_step(selection: Selection, channel: StepChannel, inp: torch.Tensor
+                ) -> type[OneSlot] | None:
     """The single-step plan class (``OneSlot``) the ``all_gather`` table's algorithm runs
     ``all_gather_into`` of ``inp`` with, or None if it runs it otherwise (express.py)."""
     nbytes = inp.numel() * inp.element_size()
@@ -67,20 +74,21 @@ def single_step(selection, channel, inp):
     return PLANS.get(choose(selection, channel, nbytes))
 
 
-def _blocks(ctx: Context, out, inp) -> list:
+def _blocks(ctx: Context, out: torch.Tensor, inp: torch.Tensor) -> list[torch.Tensor]:
     """``out``'s block of every rank (``inp``'s length each)."""
     n = inp.numel()
     return [out[k * n:(k + 1) * n] for k in range(ctx.size)]
 
 
-def _slots_into(ctx: Context, out, inp, nbytes: int) -> None:
+def _slots_into(ctx: Context, out: torch.Tensor, inp: torch.Tensor, nbytes: int) -> None:
     if nbytes <= ctx.channel.slot_bytes:  # one slot: the plan
         OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp)
         return
     _slots(ctx, _blocks(ctx, out, inp), inp)
 
 
-def _single_copy_into(ctx: Context, out, inp, nbytes: int) -> None:
+def _single_copy_into(ctx: Context, out: torch.Tensor, inp: torch.Tensor, nbytes: int
+                      ) -> None:
     single_copy.all_gather(ctx, _blocks(ctx, out, inp), inp)
 
 
@@ -92,7 +100,7 @@ class OneSlot(SlotViews):
     NAME = "all_gather"
     ALGORITHM = "slots"
 
-    def run(self, ctx, out, inp) -> None:
+    def run(self, ctx: Context, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (1-D, detached) = every rank's ``inp`` (1-D), in rank order."""
         views = self.views[(ctx.channel.epoch + 1) & 1]
         if not ctx.channel.staged():

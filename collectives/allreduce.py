@@ -24,12 +24,21 @@ take one step each instead of a ring's N-1: the data volume per rank is the ring
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import single_copy
 from .context import ALIGN_BYTES, Context, SlotViews, flat, partition
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
+if TYPE_CHECKING:
+    import torch
 
-def choose(selection, channel, numel: int, element_size: int) -> str:
+    from ..transport.base import StepChannel
+    from .reduce_ops import ReduceSpec
+    from .selection import Selection
+
+
+def choose(selection: Selection, channel: StepChannel, numel: int, element_size: int) -> str:
     """The ``all_reduce`` table's algorithm for ``numel`` elements on ``channel`` (the same
     in any phase of a call: single copy publishes its addresses with whichever step comes
     first, single_copy.py)."""
@@ -39,7 +48,7 @@ def choose(selection, channel, numel: int, element_size: int) -> str:
                             cma=channel.cma)
 
 
-def all_reduce(ctx: Context, out, inp, spec) -> None:
+def all_reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec) -> None:
     """Reduce the contiguous tensor ``inp`` across ranks into ``out`` (same shape; may alias)."""
     n, es = inp.numel(), inp.element_size()
     algo = choose(ctx.selection, ctx.channel, n, es)
@@ -47,7 +56,8 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     ALGORITHMS[algo](ctx, out, inp, spec, n * es)
 
 
-def single_step(selection, channel, t):
+def single_step(selection: Selection, channel: StepChannel, t: torch.Tensor
+                ) -> type[OneSlot] | None:
     """The single-step plan class (``OneSlot``) the ``all_reduce`` table's algorithm runs
     ``t``'s all_reduce with, or None if it runs it otherwise (express.py serves a call with
     the plan the algorithm itself would run)."""
@@ -57,7 +67,8 @@ def single_step(selection, channel, t):
     return PLANS.get(choose(selection, channel, numel, es))
 
 
-def _one_step(ctx: Context, out, inp, spec, nbytes: int) -> None:
+def _one_step(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec,
+              nbytes: int) -> None:
     if nbytes <= ctx.channel.slot_bytes:  # one slot: the plan
         OneSlot.prepared(ctx.plans, ctx.channel, inp).run(ctx, out, inp, spec)
         return
@@ -66,13 +77,15 @@ def _one_step(ctx: Context, out, inp, spec, nbytes: int) -> None:
     ctx.finish()
 
 
-def _two_step(ctx: Context, out, inp, spec, nbytes: int) -> None:
+def _two_step(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec,
+              nbytes: int) -> None:
     out, inp = flat(out), flat(inp)
     _two_step_chunks(ctx, out, inp, spec, ctx.channel.slot_bytes // inp.element_size())
     ctx.finish()
 
 
-def _single_copy(ctx: Context, out, inp, spec, nbytes: int) -> None:
+def _single_copy(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec,
+                 nbytes: int) -> None:
     single_copy.all_reduce(ctx, flat(out), flat(inp), spec)
 
 
@@ -84,7 +97,8 @@ class OneSlot(SlotViews):
     NAME = "all_reduce"
     ALGORITHM = "one_step"
 
-    def run(self, ctx, out, inp, spec) -> None:
+    def run(self, ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec
+            ) -> None:
         """``out`` = the reduction of every rank's ``inp`` (detached; ``out`` may be ``inp``)."""
         views = self.views[(ctx.channel.epoch + 1) & 1]
         if not ctx.channel.staged():
@@ -96,7 +110,8 @@ class OneSlot(SlotViews):
         reduce_into(out, views, spec, ctx.size, ctx.scratch)
 
 
-def _own_in_place(views: list, out, rank: int, spec) -> list:
+def _own_in_place(views: list[torch.Tensor], out: torch.Tensor, rank: int, spec: ReduceSpec
+                  ) -> list[torch.Tensor]:
     """The inputs of the reduction: every rank's staged slot, except that rank 0 or 1 of an
     in-place call reads its own contribution from ``out`` itself (the same bits as its slot,
     still in rank order), so the reduction reads and writes two buffers instead of three,
@@ -108,7 +123,8 @@ def _own_in_place(views: list, out, rank: int, spec) -> list:
     return mine
 
 
-def _one_step_chunks(ctx, out, inp, spec, cap) -> None:
+def _one_step_chunks(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec,
+                     cap: int) -> None:
     dtype = inp.dtype
     in_place = out.data_ptr() == inp.data_ptr()  # (flat views of one tensor)
     for o in range(0, inp.numel(), cap):
@@ -122,7 +138,8 @@ def _one_step_chunks(ctx, out, inp, spec, cap) -> None:
         reduce_into(part, views, spec, ctx.size, ctx.scratch)
 
 
-def _two_step_chunks(ctx, out, inp, spec, cap) -> None:
+def _two_step_chunks(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec,
+                     cap: int) -> None:
     dtype = inp.dtype
     align = max(1, ALIGN_BYTES // inp.element_size())
     r = ctx.rank

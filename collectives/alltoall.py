@@ -26,10 +26,18 @@ made once per block size) that stages by memmove and checks the whole table at o
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from .context import ALIGN_BYTES, Context, steps_for
 from .descriptor import CollectiveMismatch
 from .selection import can_run
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..transport.base import StepChannel
+    from .context import Plans
+    from .selection import Selection
 
 
 def layout(n: int, slot_bytes: int) -> tuple[int, int]:
@@ -38,19 +46,20 @@ def layout(n: int, slot_bytes: int) -> tuple[int, int]:
     return header, ((slot_bytes - header) // n) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def choose(selection, channel, nbytes: int, first: bool = True) -> str:
+def choose(selection: Selection, channel: StepChannel, nbytes: int, first: bool = True) -> str:
     """The ``all_to_all`` table's algorithm when the largest block a rank sends another is
     ``nbytes`` (``first``: the call had not stepped when it began)."""
     n = channel.size
     return selection.select("all_to_all", nbytes, n, cma=channel.cma, first=first, addresses=n)
 
 
-def even_block(selection, channel, block: int) -> bool:
+def even_block(selection: Selection, channel: StepChannel, block: int) -> bool:
     """Is ``block`` bytes to and from every rank served by ``EvenSplit`` (one step)?"""
     return single_step(selection, channel, block) is EvenSplit
 
 
-def single_step(selection, channel, block: int):
+def single_step(selection: Selection, channel: StepChannel, block: int
+                ) -> type[EvenSplit] | None:
     """The single-step plan class (``EvenSplit``) the ``all_to_all`` table's algorithm runs
     an even split of ``block`` bytes per rank with, or None if it runs it otherwise
     (express.py serves a call with the plan the algorithm itself would run)."""
@@ -59,7 +68,8 @@ def single_step(selection, channel, block: int):
     return PLANS.get(choose(selection, channel, block))
 
 
-def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
+def all_to_all(ctx: Context, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
+               element_size: int) -> None:
     """Send uint8 ``ins[k]`` to rank k and receive rank k's block into ``outs[k]``."""
     n = ctx.size
     r = ctx.rank
@@ -83,7 +93,9 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     post = can_run("all_to_all", "single_copy", n, cma=ctx.channel.cma, first=first,
                    addresses=n)
     slot = ctx.my_slot().data_ptr()
-    words.from_address(slot)[:] = [t.numel() for t in ins] + [t.numel() for t in outs]
+    # (typeshed types the slice's value list[c_int64 | int]; a list of ints is one)
+    words.from_address(slot)[:] = (
+        [t.numel() for t in ins] + [t.numel() for t in outs])  # type: ignore[assignment]
     for k, src in enumerate(ins):
         m = min(per, src.numel())
         if m and k != r:
@@ -104,12 +116,25 @@ def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
     ALGORITHMS[algo].rest(ctx, outs, ins, dst_ptr, src_ptr, largest)
 
 
+class _Rest(Protocol):
+    """An ``all_to_all`` algorithm after the first step (``ALGORITHMS``): a class of two
+    static methods, ``rest`` (moves the rest of the call) and ``steps`` (how many steps
+    that takes)."""
+
+    def rest(self, ctx: Context, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
+             dst_ptr: Sequence[int], src_ptr: Sequence[int], largest: int) -> None:
+        """Move every block's bytes past the first step's piece."""
+
+    def steps(self, largest: int, per: int) -> int:
+        """Steps ``rest`` takes for blocks of at most ``largest`` bytes."""
+
+
 class _Slots:
     """``slots`` after the first step: the rest a slot's block per step."""
 
     @staticmethod
-    def rest(ctx: Context, outs: list, ins: list, dst_ptr: list, src_ptr: list,
-             largest: int) -> None:
+    def rest(ctx: Context, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
+             dst_ptr: Sequence[int], src_ptr: Sequence[int], largest: int) -> None:
         """Move every block's bytes past the first step's piece, a piece per step."""
         n, r = ctx.size, ctx.rank
         header, per = layout(n, ctx.channel.slot_bytes)
@@ -137,8 +162,8 @@ class _SingleCopy:
     """``single_copy`` after the first step (which posted every input block's address)."""
 
     @staticmethod
-    def rest(ctx: Context, outs: list, ins: list, dst_ptr: list, src_ptr: list,
-             largest: int) -> None:
+    def rest(ctx: Context, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
+             dst_ptr: Sequence[int], src_ptr: Sequence[int], largest: int) -> None:
         """Read every block's bytes past the first step's piece from its sender's input,
         then step so that no rank returns while it is being read."""
         n, r = ctx.size, ctx.rank
@@ -156,7 +181,7 @@ class _SingleCopy:
         return 1
 
 
-def _steps_after_first(ctx: Context, table, n: int, per: int) -> int:
+def _steps_after_first(ctx: Context, table: Sequence[Sequence[int]], n: int, per: int) -> int:
     """Steps ``all_to_all`` takes after its first for the split ``table``, on a rank that
     had nothing left to move after the first (its blocks all fit it)."""
     largest = max((table[a][b] for a in range(n) for b in range(n) if a != b), default=0)
@@ -171,7 +196,7 @@ class EvenSplit:
     __slots__ = ("block", "header", "per", "addr", "words", "expect")
     ALGORITHM = "slots"
 
-    def __init__(self, channel, block: int):
+    def __init__(self, channel: StepChannel, block: int):
         n = channel.size
         self.block = block
         self.header, self.per = layout(n, channel.slot_bytes)
@@ -180,12 +205,13 @@ class EvenSplit:
         self.expect = list(self.words)
 
     @classmethod
-    def prepared(cls, plans, channel, block: int):
+    def prepared(cls, plans: Plans, channel: StepChannel, block: int) -> EvenSplit:
         """The group's plan for blocks of ``block`` bytes (made on first use)."""
         key = ("all_to_all", block)
         return plans.get(key) or plans.add(key, cls(channel, block))
 
-    def run(self, ctx: Context, dsts: list, srcs: list, element_size: int) -> None:
+    def run(self, ctx: Context, dsts: Sequence[int], srcs: Sequence[int], element_size: int
+            ) -> None:
         """Send ``block`` bytes at ``srcs[k]`` to rank k, receive rank k's at ``dsts[k]``
         (addresses). Must be the call's first step."""
         n, r, size, header, per = ctx.size, ctx.rank, self.block, self.header, self.per
@@ -209,7 +235,8 @@ class EvenSplit:
                 ctx.step()
 
 
-def check_splits(table, n, element_size, ctx) -> None:
+def check_splits(table: Sequence[Sequence[int]], n: int, element_size: int, ctx: Context
+                 ) -> None:
     """Raise CollectiveMismatch unless what every rank sends to each matches what that one
     expects (``table[k]``: rank k's header, bytes sent to then expected from each rank)."""
     problems = []
@@ -226,6 +253,6 @@ def check_splits(table, n, element_size, ctx) -> None:
 
 # the ``all_to_all`` table's algorithms (selection.py): name -> what moves the rest of a
 # call after its first step, and how many steps that takes
-ALGORITHMS = {"slots": _Slots, "single_copy": _SingleCopy}
+ALGORITHMS: dict[str, _Rest] = {"slots": _Slots, "single_copy": _SingleCopy}
 # algorithm -> its single-step plan, for an even split whose blocks fit one step
 PLANS = {"slots": EvenSplit}

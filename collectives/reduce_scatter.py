@@ -16,25 +16,35 @@ per dtype and block length; it stages by memmove from the inputs' addresses.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING, Sequence
 
 from . import single_copy
 from .context import ALIGN_BYTES, Context, steps_for
 from .reduce_ops import PREMUL_SUM, reduce_into, stage
 
+if TYPE_CHECKING:
+    import torch
 
-def block_elements(channel, element_size: int) -> int:
+    from ..transport.base import StepChannel
+    from .context import Plans
+    from .reduce_ops import ReduceSpec
+    from .selection import Selection
+
+
+def block_elements(channel: StepChannel, element_size: int) -> int:
     """Elements of one destination's block in a slot (blocks start cache-line aligned)."""
     return (channel.slot_bytes // channel.size) // ALIGN_BYTES * ALIGN_BYTES // element_size
 
 
-def choose(selection, channel, nbytes: int, inputs: int) -> str:
+def choose(selection: Selection, channel: StepChannel, nbytes: int, inputs: int) -> str:
     """The ``reduce_scatter`` table's algorithm for blocks of at most ``nbytes`` (the same
     in any phase of a call)."""
     return selection.select("reduce_scatter", nbytes, channel.size, cma=channel.cma,
                             addresses=inputs)
 
 
-def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+def reduce_scatter(ctx: Context, out: torch.Tensor, inputs: Sequence[torch.Tensor],
+                   spec: ReduceSpec) -> None:
     """``out`` (rank r's result) = reduction over ranks of their ``inputs[r]``; typed, flat."""
     nbytes = max(t.numel() for t in inputs) * out.element_size()
     algo = choose(ctx.selection, ctx.channel, nbytes, len(inputs))
@@ -42,7 +52,8 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     ALGORITHMS[algo](ctx, out, inputs, spec)
 
 
-def single_step(selection, channel, count: int, element_size: int):
+def single_step(selection: Selection, channel: StepChannel, count: int, element_size: int
+                ) -> type[OneStep] | None:
     """The single-step plan class (``OneStep``) the ``reduce_scatter`` table's algorithm
     runs an even reduce_scatter of ``count`` elements per rank with, or None if it runs it
     otherwise (express.py serves a call with the plan the algorithm itself would run)."""
@@ -51,7 +62,8 @@ def single_step(selection, channel, count: int, element_size: int):
     return PLANS.get(choose(selection, channel, count * element_size, channel.size))
 
 
-def _slots(ctx: Context, out, inputs: list, spec) -> None:
+def _slots(ctx: Context, out: torch.Tensor, inputs: Sequence[torch.Tensor], spec: ReduceSpec
+           ) -> None:
     dtype = out.dtype
     n = ctx.size
     per = block_elements(ctx.channel, out.element_size())
@@ -85,7 +97,7 @@ class OneStep:
     __slots__ = ("mine", "views", "stride", "nbytes")
     ALGORITHM = "slots"
 
-    def __init__(self, channel, dtype, count: int):
+    def __init__(self, channel: StepChannel, dtype: torch.dtype, count: int):
         es = dtype.itemsize
         per, r = block_elements(channel, es), channel.rank
         self.stride, self.nbytes = per * es, count * es
@@ -94,12 +106,14 @@ class OneStep:
                        for k in range(channel.size)] for p in (0, 1)]
 
     @classmethod
-    def prepared(cls, plans, channel, dtype, count: int):
+    def prepared(cls, plans: Plans, channel: StepChannel, dtype: torch.dtype, count: int
+                 ) -> OneStep:
         """The group's plan for ``count`` elements of ``dtype`` per rank (made on first use)."""
         key = ("reduce_scatter", dtype, count)
         return plans.get(key) or plans.add(key, cls(channel, dtype, count))
 
-    def run(self, ctx, out, srcs: list, spec) -> None:
+    def run(self, ctx: Context, out: torch.Tensor, srcs: Sequence[int], spec: ReduceSpec
+            ) -> None:
         """``out`` (1-D, detached) = reduction over ranks of the block each stages for us;
         ``srcs[k]`` is the address of our block for rank k. Not for PREMUL_SUM."""
         p = (ctx.channel.epoch + 1) & 1

@@ -55,9 +55,15 @@ algorithm cannot run (``RUNS``), the table's own rows decide.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from . import net_cost, net_mpi
 from .net import PIGGYBACK_BYTES
+
+if TYPE_CHECKING:
+    from typing import TypedDict
+
+    from typing_extensions import Unpack
 
 # ------------------------------------------------------------------------ thresholds
 # Single copy (single_copy.py) from this block size: below it, memmove through a slot that
@@ -101,11 +107,31 @@ class Situation:
         self.small_bytes, self.slot_bytes, self.link = small_bytes, slot_bytes, link
 
 
+if TYPE_CHECKING:
+    class Fields(TypedDict, total=False):
+        """The fields of ``Situation`` a caller names as keywords (``Selection.select``,
+        ``Selection.serves``, ``can_run``); the group's settings come from its
+        ``Selection``."""
+
+        numel: int
+        block: int
+        cma: bool
+        first: bool
+        even: bool
+        addresses: int
+        uniform: bool
+        native: bool
+
+    # A row's condition, and whether an algorithm can run (``RUNS``): read the situation.
+    Condition = Callable[[Situation], bool]
+    Row = tuple[str, Condition]  # (algorithm, condition)
+
+
 def _always(s: Situation) -> bool:
     return True
 
 
-def _modelled(table: str, algorithm: str):
+def _modelled(table: str, algorithm: str) -> Condition:
     """A row's condition: ``algorithm`` is the one of ``table``'s ``_modelled`` rows that
     can run here (``RUNS``) and that the cost model predicts fastest."""
     def holds(s: Situation) -> bool:
@@ -113,13 +139,13 @@ def _modelled(table: str, algorithm: str):
                       if getattr(cond, "modelled", False) and _runs(table, name)(s)]
         return net_cost.cheapest(collective(table), candidates, s.ranks, s.nbytes,
                                  s.link) == algorithm
-    holds.modelled = True
+    holds.modelled = True  # type: ignore[attr-defined]  # (marks the row: read by getattr)
     return holds
 
 
 # ------------------------------------------------------------------------ the tables
 # table -> rows (algorithm, condition), first match wins; the last row always holds.
-TABLES: dict[str, tuple] = {
+TABLES: dict[str, tuple[Row, ...]] = {
     "all_reduce": (
         # every rank stages the message and reduces all slots itself: one step
         ("one_step", lambda s: s.nbytes <= s.slot_bytes and (
@@ -202,7 +228,7 @@ TABLES: dict[str, tuple] = {
 # Which path runs a call, where a lane could: not an algorithm (a lane runs the general
 # path's own algorithm, without the set-up a repeated call does not need), so no
 # NEURON_DIST_ALGO override reaches these; ``Selection.serves`` asks them. Rows as above.
-LANES: dict[str, tuple] = {
+LANES: dict[str, tuple[Row, ...]] = {
     # a group that spans nodes (neuron_dist/express_net.py): data that travels with its
     # call's descriptor, in one message per peer; beyond it the transfer, not the set-up the
     # lane saves, is the call's time
@@ -214,7 +240,7 @@ LANES: dict[str, tuple] = {
 
 # algorithm -> can it run in this situation (absent: always). A row whose algorithm cannot
 # run is skipped, overrides included.
-RUNS = {
+RUNS: dict[str, Condition] = {
     # (the addresses travel in the call descriptor or, in a later phase, in a slot:
     # single_copy.py; the descriptor holds MAX_ADDRESSES)
     "single_copy": lambda s: s.cma and s.ranks > 1 and s.addresses <= MAX_ADDRESSES,
@@ -229,7 +255,7 @@ RUNS = {
 }
 
 # table -> algorithm -> what else it needs in that table only
-RUNS_IN = {
+RUNS_IN: dict[str, dict[str, Condition]] = {
     # all_to_all decides after its first step (once every rank knows every size), and its
     # single copy reads the addresses every rank posted with that step: it can run only
     # in a call that began there (alltoall.py)
@@ -237,7 +263,7 @@ RUNS_IN = {
 }
 
 
-def _runs(table: str, algorithm: str):
+def _runs(table: str, algorithm: str) -> Condition:
     """Can ``table``'s ``algorithm`` run in a situation (``RUNS`` and ``RUNS_IN``)?"""
     anywhere = RUNS.get(algorithm, _always)
     here = RUNS_IN.get(table, {}).get(algorithm)
@@ -246,7 +272,7 @@ def _runs(table: str, algorithm: str):
     return lambda s: anywhere(s) and here(s)
 
 
-def can_run(table: str, algorithm: str, ranks: int, **situation) -> bool:
+def can_run(table: str, algorithm: str, ranks: int, **situation: Unpack[Fields]) -> bool:
     """Can ``table``'s ``algorithm`` run among ``ranks`` ranks (``RUNS``, ``RUNS_IN``; the
     other fields of ``Situation`` as keywords)? For an algorithm that must prepare in the call's first
     step what it needs if the table picks it later (all_to_all's single copy: the
@@ -275,7 +301,7 @@ class Override:
     hi: int | None = None
 
 
-def parse_overrides(text: str, parse_bytes) -> tuple[Override, ...]:
+def parse_overrides(text: str, parse_bytes: Callable[[str], int]) -> tuple[Override, ...]:
     """``NEURON_DIST_ALGO``'s text -> its override rows (see the module docstring).
 
     Raises
@@ -283,7 +309,7 @@ def parse_overrides(text: str, parse_bytes) -> tuple[Override, ...]:
     ValueError
         An unknown collective or algorithm, or a bad size range (the message names it).
     """
-    out = []
+    out: list[Override] = []
     for entry in (e.strip() for e in text.lower().split(",")):
         if not entry or entry == "auto":
             continue
@@ -322,7 +348,7 @@ def parse_overrides(text: str, parse_bytes) -> tuple[Override, ...]:
     return tuple(out)
 
 
-def _known(tables=None) -> str:
+def _known(tables: Iterable[str] | None = None) -> str:
     return "; ".join(f"{t}: {', '.join(algorithms(t))}" for t in (tables or TABLES))
 
 
@@ -334,20 +360,21 @@ class Selection:
     __slots__ = ("small_bytes", "slot_bytes", "link", "_rows", "_memo")
 
     def __init__(self, small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20,
-                 overrides: tuple = (), link: net_cost.Link = net_cost.MEASURED):
+                 overrides: tuple[Override, ...] = (),
+                 link: net_cost.Link = net_cost.MEASURED):
         self.small_bytes, self.slot_bytes, self.link = small_bytes, slot_bytes, link
-        self._rows = {}
+        # table -> rows (algorithm, condition, can it run)
+        self._rows: dict[str, tuple[tuple[str, Condition, Condition], ...]] = {}
         for table, rows in {**TABLES, **LANES}.items():
             front = tuple((o.algorithm, _in_range(o.lo, o.hi)) for o in overrides
                           if o.table == table)
-            # (algorithm, condition, can it run)
             self._rows[table] = tuple((algorithm, holds, _runs(table, algorithm))
                                       for algorithm, holds in front + rows)
         # (table, nbytes, ranks, situation) -> algorithm: the rows are pure functions of
         # these, and a dict lookup costs less than building a Situation and its rows' calls
-        self._memo: dict = {}
+        self._memo: dict[tuple[object, ...], str] = {}
 
-    def select(self, table: str, nbytes: int, ranks: int, **situation) -> str:
+    def select(self, table: str, nbytes: int, ranks: int, **situation: Unpack[Fields]) -> str:
         """The algorithm ``table`` picks for a call of ``nbytes`` among ``ranks`` ranks
         (the other fields of ``Situation`` as keywords)."""
         key = (table, nbytes, ranks, *situation.items())
@@ -359,12 +386,12 @@ class Selection:
             self._memo[key] = algorithm
         return algorithm
 
-    def serves(self, lane: str, nbytes: int, ranks: int, **situation) -> bool:
+    def serves(self, lane: str, nbytes: int, ranks: int, **situation: Unpack[Fields]) -> bool:
         """Does ``lane`` (a table of ``LANES``) serve a call of ``nbytes`` among ``ranks``
         ranks (the other fields of ``Situation`` as keywords)?"""
         return self.select(lane, nbytes, ranks, **situation) == "express"
 
-    def _select(self, table: str, nbytes: int, ranks: int, situation: dict) -> str:
+    def _select(self, table: str, nbytes: int, ranks: int, situation: Fields) -> str:
         s = Situation(nbytes, ranks, small_bytes=self.small_bytes, slot_bytes=self.slot_bytes,
                       link=self.link, **situation)
         for algorithm, holds, runs in self._rows[table]:
@@ -376,7 +403,7 @@ class Selection:
 _MEMO_ENTRIES = 4096  # choices a Selection remembers (then it starts again)
 
 
-def _in_range(lo: int, hi: int | None):
+def _in_range(lo: int, hi: int | None) -> Condition:
     if hi is None:
         return lambda s: s.nbytes >= lo
     return lambda s: lo <= s.nbytes < hi

@@ -28,9 +28,13 @@ path. Used when the node's ranks agreed CMA works and the message is large: sele
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING, Sequence
 
 from .context import ALIGN_BYTES, Context, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, reduce_into
+
+if TYPE_CHECKING:
+    import torch
 
 # Reduce this much at a time (read from each peer into scratch, then one torch call): fewer,
 # larger reads cost less than cache-sized ones (docs/design.md, "Thresholds and why").
@@ -39,10 +43,10 @@ CHUNK_BYTES = 1 << 20
 
 # n -> ctypes.c_int64 * n, kept: ctypes holds an array type only weakly, and one made per
 # call would be left for the cycle collector
-_WORDS: dict = {}
+_WORDS: dict[int, type[ctypes.Array[ctypes.c_int64]]] = {}
 
 
-def _publish(ctx: Context, addresses) -> list:
+def _publish(ctx: Context, addresses: Sequence[int]) -> list[tuple[int, ...]]:
     """Post our addresses with the next step; return every rank's (ours included)."""
     n = len(addresses)
     if not ctx.checked:  # the call's first step: in the call descriptor
@@ -52,7 +56,8 @@ def _publish(ctx: Context, addresses) -> list:
     # A later step: in our slot (the descriptor is posted with the first step only). Every
     # rank of the call runs the same phases, so all publish the same way.
     words = _WORDS.get(n) or _WORDS.setdefault(n, ctypes.c_int64 * n)
-    words.from_address(ctx.my_slot().data_ptr())[:] = addresses
+    # (typeshed lets a ctypes array's slice take a list only; any sequence does)
+    words.from_address(ctx.my_slot().data_ptr())[:] = addresses  # type: ignore[call-overload]
     ctx.step()
     return [tuple(addresses) if k == ctx.rank
             else tuple(words.from_address(ctx.peer_slot(k).data_ptr()))
@@ -64,7 +69,7 @@ def _read(ctx: Context, k: int, local: int, remote: int, nbytes: int) -> None:
         ctx.channel.read_peer(k, local, remote, nbytes)
 
 
-def all_gather(ctx: Context, outs: list, inp) -> None:
+def all_gather(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
     """``outs[k]`` (contiguous uint8) = rank k's ``inp`` on every rank."""
     addrs = _publish(ctx, (inp.data_ptr(),))
     r = ctx.rank
@@ -76,7 +81,8 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
     ctx.step()
 
 
-def _reduce_block(ctx: Context, out, mine, remote: list, spec: ReduceSpec) -> None:
+def _reduce_block(ctx: Context, out: torch.Tensor, mine: torch.Tensor, remote: Sequence[int],
+                  spec: ReduceSpec) -> None:
     """``out`` = reduction over ranks (in rank order) of their block; ``mine`` is ours,
     ``remote[k]`` the address of peer k's. ``out`` may alias ``mine``.
 
@@ -115,12 +121,13 @@ def _reduce_block(ctx: Context, out, mine, remote: list, spec: ReduceSpec) -> No
             else:
                 _read(ctx, k, buf.data_ptr(), remote[k] + o * es, m * es)
             if premul:
-                buf.mul_(spec.factor)
+                buf.mul_(spec.factor)  # type: ignore[arg-type]  # (PREMUL_SUM has one)
             views.append(buf)
         reduce_into(part, views, sum_spec, ctx.size, ctx.scratch)
 
 
-def reduce_scatter(ctx: Context, out, inputs: list, spec: ReduceSpec) -> None:
+def reduce_scatter(ctx: Context, out: torch.Tensor, inputs: Sequence[torch.Tensor],
+                   spec: ReduceSpec) -> None:
     """``out`` = reduction over ranks of their ``inputs[rank]`` (typed, flat, contiguous)."""
     addrs = _publish(ctx, [t.data_ptr() for t in inputs])
     r = ctx.rank
@@ -128,7 +135,7 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec: ReduceSpec) -> None:
     ctx.step()
 
 
-def all_reduce(ctx: Context, out, inp, spec: ReduceSpec) -> None:
+def all_reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec) -> None:
     """``out`` = reduction over ranks of ``inp`` (flat, contiguous; may alias ``inp``)."""
     es = inp.element_size()
     blocks = partition(inp.numel(), ctx.size, max(1, ALIGN_BYTES // es))

@@ -23,13 +23,23 @@ Uneven nodes, or ``NEURON_DIST_ALGO=all_gather=leader`` (``leader``)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
 import torch
 
 from . import allgather, broadcast as bcast, net_bruck, net_mpi, net_recursive_doubling
 from .context import Context
 
+if TYPE_CHECKING:
+    from .net import Exchange, NetCall
 
-def all_gather(ctx: Context, outs: list, inp) -> None:
+    # an ``all_gather/network`` algorithm: ``f(ctx, outs, column, alone)``
+    _Network = Callable[[Context, Sequence[torch.Tensor], Sequence[int], bool], None]
+    # an exchange among the column: ``run(net_call, blocks, column)``
+    _Run = Callable[[NetCall, Sequence[torch.Tensor], Sequence[int]], None]
+
+
+def all_gather(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
     """Every rank gets every rank's uint8 ``inp`` in ``outs[rank]``."""
     topo = ctx.net_call.topo
     layout = ctx.selection.select("all_gather/nodes", max(o.numel() for o in outs), ctx.size,
@@ -38,7 +48,7 @@ def all_gather(ctx: Context, outs: list, inp) -> None:
     LAYOUTS[layout](ctx, outs, inp)
 
 
-def _leader_all_gather(ctx: Context, outs: list, inp) -> None:
+def _leader_all_gather(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
     """Uneven nodes (see the module docstring)."""
     net_call = ctx.net_call
     topo = net_call.topo
@@ -60,7 +70,7 @@ def _leader_all_gather(ctx: Context, outs: list, inp) -> None:
         _unpack(packed, [outs[g] for g in remote])
 
 
-def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
+def _columns_all_gather(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
     """Nodes of equal size (see the module docstring). ``inp`` is read only in the first
     phase (it may be one of the outputs)."""
     net_call = ctx.net_call
@@ -81,7 +91,8 @@ def _columns_all_gather(ctx: Context, outs: list, inp) -> None:
     NETWORK[algo](ctx, outs, column, alone)
 
 
-def _direct(ctx: Context, outs: list, column: list, alone: bool) -> None:
+def _direct(ctx: Context, outs: Sequence[torch.Tensor], column: Sequence[int], alone: bool
+            ) -> None:
     """Each rank of the column sends its block to every other, in one round."""
     net_call = ctx.net_call
     topo = net_call.topo
@@ -101,10 +112,11 @@ def _direct(ctx: Context, outs: list, column: list, alone: bool) -> None:
     _gather_columns(ctx, outs)
 
 
-def _exchange(run):
+def _exchange(run: _Run) -> _Network:
     """An exchange among the column that waits for what it posted (``run(net_call,
     blocks, column)``, ``blocks``: the column's outputs), then the local rest."""
-    def exchange(ctx: Context, outs: list, column: list, alone: bool) -> None:
+    def exchange(ctx: Context, outs: Sequence[torch.Tensor], column: Sequence[int],
+                 alone: bool) -> None:
         run(ctx.net_call, [outs[g] for g in column], column)
         if alone:
             ctx.finish()
@@ -113,19 +125,20 @@ def _exchange(run):
     return exchange
 
 
-def _generator(algorithm):
+def _generator(algorithm: Callable[[Exchange, Sequence[torch.Tensor], torch.Tensor,
+                                    Sequence[int], int], Iterator[None]]) -> _Run:
     """An algorithm of one file (a generator over the call's NetCall)."""
-    def run(net_call, blocks: list, column: list) -> None:
+    def run(net_call: NetCall, blocks: Sequence[torch.Tensor], column: Sequence[int]) -> None:
         mine = net_call.topo.my_node
         net_call.run(algorithm(net_call, blocks, blocks[mine], column, mine))
     return run
 
 
-def _mpi(net_call, blocks: list, column: list) -> None:
+def _mpi(net_call: NetCall, blocks: Sequence[torch.Tensor], column: Sequence[int]) -> None:
     net_mpi.all_gather(net_call, blocks, net_call.topo.my_node)
 
 
-def _gather_columns(ctx: Context, outs: list) -> None:
+def _gather_columns(ctx: Context, outs: Sequence[torch.Tensor]) -> None:
     """Per other node, a local all-gather of the blocks its ranks sent this node's ranks."""
     topo = ctx.net_call.topo
     for b, node in enumerate(topo.nodes):
@@ -144,11 +157,11 @@ NETWORK = {
 }
 
 
-def _pack(blocks) -> torch.Tensor:
+def _pack(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([b.view(-1) for b in blocks]) if blocks else torch.empty(0, dtype=torch.uint8)
 
 
-def _unpack(flat, blocks) -> None:
+def _unpack(flat: torch.Tensor, blocks: Sequence[torch.Tensor]) -> None:
     o = 0
     for b in blocks:
         b.copy_(flat[o:o + b.numel()])

@@ -34,6 +34,8 @@ bfloat16 round once per level). AVG and PREMUL_SUM follow reduce_ops.phase_specs
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
 import torch
 
 from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs
@@ -41,8 +43,17 @@ from . import net_mpi, net_rabenseifner, net_recursive_doubling, net_ring
 from .context import ALIGN_BYTES, Context, flat, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, finish_phases, phase_specs, reduce_into
 
+if TYPE_CHECKING:
+    from .net import Exchange
 
-def all_reduce(ctx: Context, out, inp, spec) -> None:
+    # an exchange that waits for what it posted: ``f(ctx, buf, peers, spec)``
+    _Exchange = Callable[[Context, torch.Tensor, Sequence[int], ReduceSpec], None]
+    # an ``all_reduce/network`` algorithm: ``f(ctx, buf, peers, spec, rest)``
+    _Network = Callable[[Context, torch.Tensor, Sequence[int], ReduceSpec,
+                         Callable[[], None] | None], None]
+
+
+def all_reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec) -> None:
     """Reduce flat typed ``inp`` over the whole group into ``out`` (may alias)."""
     topo = ctx.net_call.topo
     first, later = phase_specs(spec)
@@ -57,7 +68,7 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
                 # (scaling in place must not be done twice: a call that may be run again
                 # from the start must not begin with it)
                 ctx.net_call.not_deferrable()
-            torch.mul(inp, first.factor, out=out)
+            torch.mul(inp, first.factor, out=out)  # type: ignore[arg-type]  # (PREMUL_SUM has one)
         elif out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
 
@@ -71,7 +82,8 @@ def all_reduce(ctx: Context, out, inp, spec) -> None:
     finish_phases(out, spec, topo.size)
 
 
-def _leader(ctx, out, inp, first, later) -> None:
+def _leader(ctx: Context, out: torch.Tensor, inp: torch.Tensor, first: ReduceSpec,
+            later: ReduceSpec) -> None:
     topo = ctx.net_call.topo
     allreduce.all_reduce(ctx, out, inp, first)
     if ctx.rank == 0:
@@ -79,7 +91,8 @@ def _leader(ctx, out, inp, first, later) -> None:
     bcast.broadcast(ctx, out.view(torch.uint8), 0)
 
 
-def _hierarchical(ctx, out, inp, first, later) -> None:
+def _hierarchical(ctx: Context, out: torch.Tensor, inp: torch.Tensor, first: ReduceSpec,
+                  later: ReduceSpec) -> None:
     net_call = ctx.net_call
     align = max(1, ALIGN_BYTES // inp.element_size())
     slices = partition(inp.numel(), ctx.size, align)
@@ -98,7 +111,8 @@ def _hierarchical(ctx, out, inp, first, later) -> None:
     allgather.all_gather(ctx, [b[s * es:(s + m) * es] for s, m in slices], mine)
 
 
-def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None) -> None:
+def _exchange_reduce(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec: ReduceSpec,
+                     rest: Callable[[], None] | None = None) -> None:
     """All-reduce typed ``buf`` among ``peers`` (group ranks, node order) over the network;
     then ``rest()``, if given: the rest of a call alone on its node (local work only), which
     the direct exchange may defer with its wait (net.py, ``wait_then``)."""
@@ -114,7 +128,8 @@ def _exchange_reduce(ctx: Context, buf, peers: list, spec: ReduceSpec, rest=None
     NETWORK[algo](ctx, buf, peers, spec, rest)
 
 
-def _direct(ctx: Context, buf, peers: list, spec: ReduceSpec, rest) -> None:
+def _direct(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec: ReduceSpec,
+            rest: Callable[[], None] | None) -> None:
     """Each rank sends its buffer to every other and reduces what came, in node order."""
     net_call = ctx.net_call
     me = net_call.topo.rank
@@ -141,7 +156,7 @@ def _direct(ctx: Context, buf, peers: list, spec: ReduceSpec, rest) -> None:
     net_call.wait_then(reduce)
 
 
-def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+def _halves(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec: ReduceSpec) -> None:
     """All-reduce of a large ``buf`` between two ranks: each rank reduces one half and
     sends it back (a two-rank ring). The same bytes cross the link as in the direct
     exchange, but each rank adds half as much.
@@ -168,21 +183,23 @@ def _halves(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
     net_call.wait()
 
 
-def _generator(algorithm):
+def _generator(algorithm: Callable[[Exchange, torch.Tensor, Sequence[int], int, ReduceSpec],
+                                   Iterator[None]]) -> _Exchange:
     """An algorithm of one file (a generator over the call's NetCall) as an exchange."""
-    def run(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+    def run(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec: ReduceSpec) -> None:
         net_call = ctx.net_call
         net_call.run(algorithm(net_call, buf, peers, peers.index(net_call.topo.rank), spec))
     return run
 
 
-def _mpi(ctx: Context, buf, peers: list, spec: ReduceSpec) -> None:
+def _mpi(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec: ReduceSpec) -> None:
     net_mpi.all_reduce(ctx.net_call, buf, peers, spec)
 
 
-def _then_rest(exchange):
+def _then_rest(exchange: _Exchange) -> _Network:
     """``exchange`` (which waits for what it posted), then the rest of the call, if any."""
-    def run(ctx: Context, buf, peers: list, spec: ReduceSpec, rest) -> None:
+    def run(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec: ReduceSpec,
+            rest: Callable[[], None] | None) -> None:
         exchange(ctx, buf, peers, spec)
         if rest is not None:
             rest()

@@ -10,11 +10,17 @@ waits for them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 from . import alltoall
 from .context import Context
 
+if TYPE_CHECKING:
+    import torch
 
-def all_to_all(ctx: Context, outs: list, ins: list, element_size: int) -> None:
+
+def all_to_all(ctx: Context, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
+               element_size: int) -> None:
     """Send uint8 ``ins[k]`` to rank k and receive rank k's block into ``outs[k]``."""
     net_call = ctx.net_call
     topo = net_call.topo

@@ -12,8 +12,18 @@ ranks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
 from . import net_dissemination, net_mpi, net_recursive_doubling
 from .context import Context
+
+if TYPE_CHECKING:
+    from .net import Exchange, NetCall
+
+    # a barrier among the node leaders: ``f(net_call, leaders, mine)`` (``mine``: the index
+    # of this rank's node in ``leaders``)
+    _Network = Callable[[NetCall, Sequence[int], int], None]
+
 
 def barrier(ctx: Context) -> None:
     """Nobody leaves before everybody arrived."""
@@ -29,14 +39,15 @@ def barrier(ctx: Context) -> None:
     ctx.step()
 
 
-def _generator(algorithm):
+def _generator(algorithm: Callable[[Exchange, Sequence[int], int], Iterator[None]]
+               ) -> _Network:
     """An algorithm of one file (a generator over the call's NetCall)."""
-    def run(net_call, leaders: list, mine: int) -> None:
+    def run(net_call: NetCall, leaders: Sequence[int], mine: int) -> None:
         net_call.run(algorithm(net_call, leaders, mine))
     return run
 
 
-def _mpi(net_call, leaders: list, mine: int) -> None:
+def _mpi(net_call: NetCall, leaders: Sequence[int], mine: int) -> None:
     net_mpi.barrier(net_call)
 
 

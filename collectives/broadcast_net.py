@@ -11,12 +11,19 @@ algorithm from its speaker.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import broadcast as bcast, net_binomial, net_mpi
 from .context import Context
 from .rooted_net import node_root, speakers
 
+if TYPE_CHECKING:
+    import torch
 
-def broadcast(ctx: Context, buf, root: int) -> None:
+    from .net import NetCall
+
+
+def broadcast(ctx: Context, buf: torch.Tensor, root: int) -> None:
     """Make uint8 ``buf`` equal to the root's everywhere."""
     net_call = ctx.net_call
     topo = net_call.topo
@@ -32,11 +39,11 @@ def broadcast(ctx: Context, buf, root: int) -> None:
     bcast.broadcast(ctx, buf, here)
 
 
-def _mpi(net_call, buf, root: int, root_node: int) -> None:
+def _mpi(net_call: NetCall, buf: torch.Tensor, root: int, root_node: int) -> None:
     net_mpi.broadcast(net_call, buf, root_node)
 
 
-def _binomial(net_call, buf, root: int, root_node: int) -> None:
+def _binomial(net_call: NetCall, buf: torch.Tensor, root: int, root_node: int) -> None:
     topo = net_call.topo
     net_call.run(net_binomial.broadcast(net_call, buf, speakers(topo, root), topo.my_node,
                                         root_node))

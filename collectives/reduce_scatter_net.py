@@ -26,14 +26,24 @@ reduce_ops.phase_specs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
 import torch
 
 from . import broadcast as bcast, net_halving, net_mpi, reduce_scatter as rs, rooted
 from .context import Context
 from .reduce_ops import PREMUL_SUM, finish_phases, phase_specs, reduce_into
 
+if TYPE_CHECKING:
+    from .reduce_ops import ReduceSpec
 
-def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+    # a ``reduce_scatter/network`` algorithm: ``f(ctx, out, partials, column, later, spec)``
+    _Run = Callable[[Context, torch.Tensor, Mapping[int, torch.Tensor], Sequence[int],
+                     ReduceSpec, ReduceSpec], None]
+
+
+def reduce_scatter(ctx: Context, out: torch.Tensor, inputs: Sequence[torch.Tensor],
+                   spec: ReduceSpec) -> None:
     """``out`` = reduction over all ranks of their ``inputs[rank]`` (flat typed)."""
     topo = ctx.net_call.topo
     layout = ctx.selection.select("reduce_scatter/nodes",
@@ -43,7 +53,8 @@ def reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     LAYOUTS[layout](ctx, out, inputs, spec)
 
 
-def _leader_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+def _leader_reduce_scatter(ctx: Context, out: torch.Tensor, inputs: Sequence[torch.Tensor],
+                           spec: ReduceSpec) -> None:
     """Uneven nodes (see the module docstring)."""
     net_call = ctx.net_call
     topo = net_call.topo
@@ -79,7 +90,8 @@ def _leader_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
     finish_phases(out, spec, topo.size)
 
 
-def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
+def _columns_reduce_scatter(ctx: Context, out: torch.Tensor, inputs: Sequence[torch.Tensor],
+                            spec: ReduceSpec) -> None:
     """Nodes of equal size (see the module docstring)."""
     net_call = ctx.net_call
     topo = net_call.topo
@@ -105,7 +117,7 @@ def _columns_reduce_scatter(ctx: Context, out, inputs: list, spec) -> None:
             rs.reduce_scatter(ctx, dest, blocks, first)
         elif first.kind == PREMUL_SUM:
             dest = net_call.buffer(f"rs{b}", blocks[0].numel(), out.dtype)
-            torch.mul(blocks[0], first.factor, out=dest)
+            torch.mul(blocks[0], first.factor, out=dest)  # type: ignore[arg-type]  # (has one)
         else:
             dest = blocks[0]  # alone on the node: the input itself is the partial
         partial[b] = dest
@@ -123,18 +135,20 @@ class _Exchange:
 
     __slots__ = ("run", "deferrable")
 
-    def __init__(self, run, deferrable: bool = False):
+    def __init__(self, run: _Run, deferrable: bool = False):
         self.run, self.deferrable = run, deferrable
 
 
-def _mpi(ctx: Context, out, partials: dict, column: list, later, spec) -> None:
+def _mpi(ctx: Context, out: torch.Tensor, partials: Mapping[int, torch.Tensor],
+         column: Sequence[int], later: ReduceSpec, spec: ReduceSpec) -> None:
     net_call = ctx.net_call
     net_mpi.reduce_scatter(net_call, out, [partials[b] for b in range(len(column))],
                            net_call.topo.my_node, later)
     finish_phases(out, spec, net_call.topo.size)
 
 
-def _halving(ctx: Context, out, partials: dict, column: list, later, spec) -> None:
+def _halving(ctx: Context, out: torch.Tensor, partials: Mapping[int, torch.Tensor],
+             column: Sequence[int], later: ReduceSpec, spec: ReduceSpec) -> None:
     net_call = ctx.net_call
     m = out.numel()
     work = net_call.buffer("rhwork", m * len(column), out.dtype)
@@ -145,7 +159,8 @@ def _halving(ctx: Context, out, partials: dict, column: list, later, spec) -> No
     finish_phases(out, spec, net_call.topo.size)
 
 
-def _direct(ctx: Context, out, partials: dict, column: list, later, spec) -> None:
+def _direct(ctx: Context, out: torch.Tensor, partials: Mapping[int, torch.Tensor],
+            column: Sequence[int], later: ReduceSpec, spec: ReduceSpec) -> None:
     """Each rank sends every other its partial and reduces its own block's, in node order."""
     net_call = ctx.net_call
     topo = net_call.topo

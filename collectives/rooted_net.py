@@ -18,28 +18,35 @@ gather, scatter
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Sequence
+
 import torch
 
 from . import net_binomial, rooted
 from .context import Context
 from .reduce_ops import finish_phases, phase_specs
 
+if TYPE_CHECKING:
+    from .net import NetCall, Topo
+    from .reduce_ops import ReduceSpec
 
-def node_root(topo, root: int) -> int:
+
+def node_root(topo: Topo, root: int) -> int:
     """Local index of the rank that speaks for this node in a collective rooted at ``root``."""
     if topo.node_of(root) == topo.my_node:
         return topo.local.index(root)
     return 0
 
 
-def speakers(topo, root: int) -> list:
+def speakers(topo: Topo, root: int) -> list[int]:
     """The group rank that speaks for each node (node order) in a collective rooted at
     ``root``: the root on its node, the leader elsewhere."""
     root_node = topo.node_of(root)
     return [root if b == root_node else topo.leader(b) for b in range(len(topo.nodes))]
 
 
-def reduce(ctx: Context, out, inp, spec, root: int) -> None:
+def reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec, root: int
+           ) -> None:
     """Reduce flat typed ``inp`` into ``out`` on ``root`` only (others' ``out`` untouched)."""
     net_call = ctx.net_call
     topo = net_call.topo
@@ -57,7 +64,8 @@ def reduce(ctx: Context, out, inp, spec, root: int) -> None:
         finish_phases(out, spec, topo.size)
 
 
-def _binomial_reduce(net_call, part, root: int, spec) -> None:
+def _binomial_reduce(net_call: NetCall, part: torch.Tensor, root: int, spec: ReduceSpec
+                     ) -> None:
     topo = net_call.topo
     net_call.run(net_binomial.reduce(net_call, part, speakers(topo, root), topo.my_node,
                                      topo.node_of(root), spec))
@@ -68,7 +76,7 @@ def _binomial_reduce(net_call, part, root: int, spec) -> None:
 REDUCE_NETWORK = {"binomial": _binomial_reduce}
 
 
-def gather(ctx: Context, outs: list, inp, root: int) -> None:
+def gather(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.Tensor, root: int) -> None:
     """The root gets every rank's uint8 ``inp`` in ``outs[rank]``."""
     net_call = ctx.net_call
     if _direct(ctx, root, net_call.send, inp, net_call.recv, outs):
@@ -78,7 +86,7 @@ def gather(ctx: Context, outs: list, inp, root: int) -> None:
         net_call.wait()
 
 
-def scatter(ctx: Context, out, ins: list, root: int) -> None:
+def scatter(ctx: Context, out: torch.Tensor, ins: Sequence[torch.Tensor], root: int) -> None:
     """Rank k gets the root's uint8 ``ins[k]`` in ``out``."""
     net_call = ctx.net_call
     if _direct(ctx, root, net_call.recv, out, net_call.send, ins):
@@ -88,7 +96,9 @@ def scatter(ctx: Context, out, ins: list, root: int) -> None:
         net_call.wait()
 
 
-def _direct(ctx: Context, root: int, post_mine, mine, post_root, blocks) -> bool:
+def _direct(ctx: Context, root: int, post_mine: Callable[[int, torch.Tensor], object],
+            mine: torch.Tensor, post_root: Callable[[int, torch.Tensor], object],
+            blocks: Sequence[torch.Tensor]) -> bool:
     """The network part of a gather or scatter. A rank on another node than the root posts
     its block (``post_mine(root, mine)``), takes the call's local step and waits: it is
     done (False). The root posts one message per rank on another node (``post_root(g,

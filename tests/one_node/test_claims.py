@@ -79,10 +79,14 @@ def gaps_ok(base: torch.Tensor, fill=7) -> bool:
 
 class Paths:
     """Counts the calls of the single-copy algorithms in this rank (ranks are forked, so
-    patching the module here changes nothing in the test process)."""
+    patching the module here changes nothing in the test process). The algorithm
+    registries (``ALGORITHMS``, ``INTO``) hold the functions themselves: their entries are
+    replaced too."""
 
     def __init__(self):
-        from neuron_dist.collectives import single_copy
+        from neuron_dist.collectives import allgather, allreduce, reduce_scatter, single_copy
+        registries = [getattr(m, r) for m in (allgather, allreduce, reduce_scatter)
+                      for r in ("ALGORITHMS", "INTO") if hasattr(m, r)]
         self.calls = {}
         for name in ("all_reduce", "reduce_scatter", "all_gather"):
             fn = getattr(single_copy, name)
@@ -91,6 +95,10 @@ class Paths:
                 self.calls[_name] = self.calls.get(_name, 0) + 1
                 return _fn(*a, **kw)
             setattr(single_copy, name, counted)
+            for registry in registries:
+                for key, value in list(registry.items()):
+                    if value is fn:
+                        registry[key] = counted
 
     def take(self, name: str) -> int:
         return self.calls.pop(name, 0)

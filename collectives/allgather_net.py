@@ -82,7 +82,8 @@ def _columns_all_gather(ctx: Context, outs: Sequence[torch.Tensor], inp: torch.T
     sizes = {outs[g].numel() for g in column}  # (every rank knows every block's size)
     algo = ctx.selection.select("all_gather/network", max(sizes), len(column),
                                 uniform=len(sizes) == 1,
-                                native=net_mpi.serves(net_call.net, column))
+                                native=(net_call.net.column is not None
+                                        and net_mpi.serves(net_call.net, column)))
     ctx.chose(algo)
     if not alone:
         allgather.all_gather(ctx, [outs[g] for g in topo.local], inp)

@@ -123,7 +123,8 @@ def _exchange_reduce(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec
         return
     algo = ctx.selection.select("all_reduce/network", buf.numel() * buf.element_size(),
                                 len(peers), numel=buf.numel(),
-                                native=net_mpi.serves(net_call.net, peers))
+                                native=(net_call.net.column is not None
+                                        and net_mpi.serves(net_call.net, peers)))
     ctx.chose(algo)
     NETWORK[algo](ctx, buf, peers, spec, rest)
 

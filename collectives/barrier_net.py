@@ -33,7 +33,8 @@ def barrier(ctx: Context) -> None:
     if ctx.rank == 0:
         leaders = [topo.leader(b) for b in range(len(topo.nodes))]
         algo = ctx.selection.select("barrier/network", 0, len(topo.nodes),
-                                    native=net_mpi.serves(net_call.net, leaders))
+                                    native=(net_call.net.column is not None
+                                            and net_mpi.serves(net_call.net, leaders)))
         ctx.chose(algo)
         NETWORK[algo](net_call, leaders, topo.my_node)
     ctx.step()

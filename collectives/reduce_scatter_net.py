@@ -102,7 +102,8 @@ def _columns_reduce_scatter(ctx: Context, out: torch.Tensor, inputs: Sequence[to
     sizes = {inputs[g].numel() for g in column}  # (every rank knows every block's size)
     algo = ctx.selection.select("reduce_scatter/network", max(sizes) * out.element_size(),
                                 len(column), uniform=len(sizes) == 1,
-                                native=net_mpi.serves(net_call.net, column))
+                                native=(net_call.net.column is not None
+                                        and net_mpi.serves(net_call.net, column)))
     ctx.chose(algo)
     exchange = NETWORK[algo]
     if alone and exchange.deferrable:  # every message posted before the one wait

@@ -47,7 +47,8 @@ Overrides
 ``NEURON_DIST_ALGO`` (parsed by ``neuron_dist/config.py`` with ``parse_overrides``) puts rows
 in front of the tables: ``all_reduce=ring`` forces the ring wherever it can run,
 ``all_reduce:0-64K=direct`` only for 0 <= nbytes < 64 KiB (the bytes of the table holding the
-algorithm), a bare ``leader`` every table that has a ``leader``. Entries are separated by
+algorithm), ``all_reduce/network=direct`` in that one table, a bare ``leader`` every table
+that has a ``leader``. Entries are separated by
 commas; ``auto`` (the default) adds none. An override never makes a call wrong: where its
 algorithm cannot run (``RUNS``), the table's own rows decide.
 """
@@ -323,7 +324,8 @@ def parse_overrides(text: str, parse_bytes: Callable[[str], int]) -> tuple[Overr
             out += [Override(t, algorithm) for t in tables]
             continue
         coll, colon, span = (p.strip() for p in name.partition(":"))
-        mine = [t for t in TABLES if collective(t) == coll]
+        # a collective names all its tables, a table (as the error lists them) itself
+        mine = [t for t in TABLES if collective(t) == coll or t == coll]
         if not mine:
             raise ValueError(f"NEURON_DIST_ALGO: unknown collective {coll!r} in {entry!r} "
                              f"({_known()})")

@@ -211,6 +211,19 @@ def test_a_bare_name_applies_to_every_table_that_has_it():
         "all_gather", "reduce_scatter", "all_to_all"}
 
 
+def test_an_override_may_name_one_table():
+    """``all_reduce/network=direct`` (a table, as the error message lists them) forces the
+    algorithm in that table only; ``all_reduce=direct`` in every all_reduce table."""
+    assert {o.table for o in sel.parse_overrides("all_reduce/network=direct", parse_bytes)} == {
+        "all_reduce/network"}
+    assert {o.table for o in sel.parse_overrides("all_reduce/nodes=leader", parse_bytes)} == {
+        "all_reduce/nodes"}
+    assert "all_reduce/network" in {
+        o.table for o in sel.parse_overrides("all_reduce=direct", parse_bytes)}
+    with pytest.raises(ValueError, match="all_reduce/nodes has no algorithm 'direct'"):
+        sel.parse_overrides("all_reduce/nodes=direct", parse_bytes)
+
+
 @pytest.mark.parametrize("text,words", [
     ("all_reduse=ring", ["unknown collective 'all_reduse'", "all_reduce/network: mpi, halves, direct, recursive_doubling, rabenseifner, ring"]),
     ("all_reduce=rign", ["all_reduce has no algorithm 'rign'", "ring"]),

@@ -56,6 +56,7 @@ class RankStats:
     peers: set = field(default_factory=set)
     hops: int = 0
     time: float = 0.0
+    waits: int = 0  # yields with a receive posted since the one before
 
 
 @dataclass
@@ -97,6 +98,17 @@ class Stats:
         """Messages sent by all ranks together."""
         return sum(r.sent for r in self.ranks)
 
+    def mean(self) -> dict:
+        """The average rank (what net_cost.Shape.mean counts): messages sent and received,
+        waits, bytes through its link in one direction ((sent + received) / 2), bytes
+        reduced."""
+        n = len(self.ranks)
+        return {"sent": sum(r.sent for r in self.ranks) / n,
+                "received": sum(r.received for r in self.ranks) / n,
+                "waits": sum(r.waits for r in self.ranks) / n,
+                "bytes": sum(r.bytes_sent + r.bytes_received for r in self.ranks) / (2 * n),
+                "reduced": sum(r.reduced for r in self.ranks) / n}
+
 
 def _nbytes(buf) -> int:
     if isinstance(buf, torch.Tensor):
@@ -123,6 +135,7 @@ class SimNet:
         self._told: set = set()
         self._pending = 0  # receives posted and not filled yet
         self._unwaited = 0  # sends and receives posted since the last yield
+        self._recvs = 0  # receives posted since the last yield
         self._arrived: list = []  # messages filled since the last wait
         self._link_free = 0.0
         self._heard = 1 << rank  # the ranks this one has heard from, through any chain
@@ -156,6 +169,7 @@ class SimNet:
         self.stats.peers.add(peer)
         self._pending += 1
         self._unwaited += 1
+        self._recvs += 1
         sim._post(peer, self.rank, buf)
 
     def reduce(self, out, inputs: list, spec) -> None:
@@ -259,6 +273,9 @@ class Simulation:
                                    f"receive(s) posted after its last yield") from None
                 del gens[r]
                 continue
+            if net._recvs:
+                net.stats.waits += 1
+                net._recvs = 0
             if net._pending:
                 self._waiting.add(r)
             else:

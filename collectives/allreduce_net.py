@@ -23,8 +23,9 @@ HALVES_BYTES, ``halves`` (each reduces one half and sends it back); among more, 
 algorithm the cost model (net_cost.py) predicts fastest for P and the bytes:
 ``recursive_doubling`` (net_recursive_doubling.py: log2 P rounds of whole buffers),
 ``rabenseifner`` (net_rabenseifner.py: reduce-scatter by halving, all-gather by doubling),
-``ring`` (net_ring.py: 2 (P-1) steps of 1/P of the buffer), or ``direct`` (P - 1 messages in one
-round: few nodes). Under mpiexec with the MPI transport, ``mpi``: the cluster's MPI
+``ring`` (net_ring.py: 2 (P-1) steps of 1/P of the buffer), ``direct`` (P - 1 messages in one
+round: few nodes), or, where ranks share cores, ``tree`` (net_tree.py: a binomial reduce and
+broadcast, 2 (P - 1) messages in all). Under mpiexec with the MPI transport, ``mpi``: the cluster's MPI
 (net_mpi.py).
 Every algorithm gives every rank bit-identical results: the direct exchange reduces in
 node order on every rank; the others compute each value once, or on both sides of a pair
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 
 from . import allgather, allreduce, broadcast as bcast, reduce_scatter as rs
-from . import net_mpi, net_rabenseifner, net_recursive_doubling, net_ring
+from . import net_mpi, net_rabenseifner, net_recursive_doubling, net_ring, net_tree
 from .context import ALIGN_BYTES, Context, flat, partition
 from .reduce_ops import PREMUL_SUM, ReduceSpec, finish_phases, phase_specs, reduce_into
 
@@ -218,4 +219,5 @@ NETWORK = {
     "ring": _then_rest(_generator(net_ring.all_reduce)),
     "recursive_doubling": _then_rest(_generator(net_recursive_doubling.all_reduce)),
     "rabenseifner": _then_rest(_generator(net_rabenseifner.all_reduce)),
+    "tree": _then_rest(_generator(net_tree.all_reduce)),
 }

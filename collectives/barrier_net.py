@@ -6,7 +6,7 @@ A local step (every rank of the node has arrived; it is also the call's descript
 -> the node leaders (local index 0) run a barrier over the network (the
 ``barrier/network`` table: recursive doubling among a power of two of nodes,
 net_recursive_doubling.py, else dissemination, net_dissemination.py: ceil(log2 N) rounds
-of one message) -> every node has arrived -> a second local step releases the node's
+of one message; where ranks share cores, up and down a binomial tree, net_tree.py) -> every node has arrived -> a second local step releases the node's
 ranks.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from . import net_dissemination, net_mpi, net_recursive_doubling
+from . import net_dissemination, net_mpi, net_recursive_doubling, net_tree
 from .context import Context
 
 if TYPE_CHECKING:
@@ -55,4 +55,5 @@ def _mpi(net_call: NetCall, leaders: Sequence[int], mine: int) -> None:
 # the ``barrier/network`` table's algorithms (selection.py): name -> what runs it among
 # the node leaders
 NETWORK = {"mpi": _mpi, "dissemination": _generator(net_dissemination.barrier),
-           "recursive_doubling": _generator(net_recursive_doubling.barrier)}
+           "recursive_doubling": _generator(net_recursive_doubling.barrier),
+           "tree": _generator(net_tree.barrier)}

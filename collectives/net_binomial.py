@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .reduce_ops import ReduceSpec
 
 
-def _children(rel: int, size: int) -> list[int]:
+def children(rel: int, size: int) -> list[int]:
     """Relative ranks of ``rel``'s children, largest subtree first."""
     low = rel & -rel if rel else 1 << size.bit_length()
     out, mask = [], low >> 1
@@ -56,7 +56,7 @@ def broadcast(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int, r
         net.recv(peers[index_of(rel - (rel & -rel))], buf)
         yield
     sent = False
-    for child in _children(rel, size):
+    for child in children(rel, size):
         net.send(peers[index_of(child)], buf)
         sent = True
     if sent:
@@ -70,10 +70,10 @@ def reduce(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int, root
     size = len(peers)
     rel_of, index_of = _numbering(size, root)
     rel = rel_of(me)
-    children = _children(rel, size)
-    if children:
+    below = children(rel, size)
+    if below:
         tmp = net.buffer("binomial", buf.numel(), buf.dtype)
-    for child in reversed(children):  # smallest subtree first: it is ready first
+    for child in reversed(below):  # smallest subtree first: it is ready first
         net.recv(peers[index_of(child)], tmp)
         yield
         net.reduce(buf, [buf, tmp], spec)

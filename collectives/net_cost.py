@@ -17,6 +17,20 @@ wake-up of the waiting thread); ``beta`` is per byte through one link in one dir
 above ``PIGGYBACK_BYTES`` to a new peer of the call has its call descriptor sent apart
 (net.py): one message more.
 
+Ranks that share cores (``crowd``: ranks per core where the group's cores are most
+crowded, topology.crowding) take turns on them, and then a call takes at least the CPU
+all its ranks spend, shared out over the cores::
+
+    time = max(critical path, crowd x the average rank's time)
+
+The average rank (``Shape.mean``) is priced by the same formula: its messages, the
+rounds it waits in (each a wake-up, CPU on a crowded host), its bytes and its additions.
+Where every rank does the same (recursive doubling, the ring, ...) that is the critical
+path again, so only the crowd scales it; a tree's leaves do far less than its root, and
+on crowded cores a tree (net_tree.py: 2 (P - 1) messages in all, where recursive doubling
+sends P log2 P) is the cheaper all-reduce and barrier. With a core for every rank
+(``crowd`` <= 1) the critical path alone decides.
+
 The link's figures (``MEASURED``) come from the benchmark, measured offline over a veth
 link between two network namespaces and fitted by the lab's cost model
 (``python -m bench.costmodel``, results/costmodel.json,
@@ -98,17 +112,27 @@ def parse(text: str, base: Link = MEASURED) -> Link:
 
 @dataclass(frozen=True)
 class Shape:
-    """The critical path of one call (see the module docstring)."""
+    """The critical path of one call, and ``mean``: the average rank's counts where they
+    differ from it (``rounds`` then counts the rounds that rank waits in; see the module
+    docstring)."""
 
-    rounds: int
-    sent: int
-    received: int
+    rounds: float
+    sent: float
+    received: float
     bytes: float
     reduced: float = 0.0
     copied: float = 0.0
+    mean: Shape | None = None
 
-    def time(self, link: Link) -> float:
-        """Predicted seconds on ``link``."""
+    def time(self, link: Link, crowd: float = 0.0) -> float:
+        """Predicted seconds on ``link`` with ``crowd`` ranks per core (0: unknown, taken as
+        a core for every rank)."""
+        path = self._priced(link)
+        if crowd <= 1.0:
+            return path
+        return max(path, crowd * (self.mean or self)._priced(link))
+
+    def _priced(self, link: Link) -> float:
         return (self.rounds * link.lat + (self.sent + self.received) * link.alpha
                 + self.bytes * link.beta + (self.reduced + self.copied) * link.gamma)
 
@@ -212,15 +236,44 @@ def _reduce_scatter_halving(collective: str, P: int, n: float) -> Shape:
                  copied=total)
 
 
+def _tree_mean(P: int, n: float, reduced: float = 0.0) -> Shape:
+    """The average rank of one pass over a tree of P ranks (P - 1 messages of ``n`` bytes,
+    each received in a wait of its own)."""
+    f = (P - 1) / P
+    msgs = f * (1 + _big(n))
+    return Shape(f, msgs, msgs, f * n, f * reduced)
+
+
 def _broadcast_binomial(collective: str, P: int, n: float) -> Shape:
     """The root sends to its ceil(log2 P) children."""
     d = _depth(P)
-    return Shape(_tree_depth(P), d * (1 + _big(n)), 1 + _big(n), d * n)
+    return Shape(_tree_depth(P), d * (1 + _big(n)), 1 + _big(n), d * n, mean=_tree_mean(P, n))
 
 
 def _reduce_binomial(collective: str, P: int, n: float) -> Shape:
     d = _depth(P)
-    return Shape(_tree_depth(P), 1 + _big(n), d * (1 + _big(n)), d * n, d * n)
+    return Shape(_tree_depth(P), 1 + _big(n), d * (1 + _big(n)), d * n, d * n,
+                 mean=_tree_mean(P, n, n))
+
+
+def _all_reduce_tree(collective: str, P: int, n: float) -> Shape:
+    """A binomial reduce to the first rank, then a binomial broadcast from it: the root
+    receives and sends ceil(log2 P) whole buffers, the average rank one of each."""
+    d, depth = _depth(P), _tree_depth(P)
+    msgs = d * (1 + _big(n))
+    once = _tree_mean(P, n, n)
+    mean = Shape(2 * once.rounds, 2 * once.sent, 2 * once.received, 2 * once.bytes,
+                 once.reduced)
+    return Shape(2 * depth, msgs, msgs, 2 * d * n, d * n, mean=mean)
+
+
+def _barrier_tree(collective: str, P: int, n: float) -> Shape:
+    """Empty messages up a binomial tree and back down: a rank waits once for all its
+    children and once for its parent."""
+    d, depth = _depth(P), _tree_depth(P)
+    f = (P - 1) / P
+    inner = (P - (P + 1) // 2) / P  # (the ranks with children: half of them, rounded down)
+    return Shape(2 * depth, d, d, 0.0, mean=Shape(f + inner, 2 * f, 2 * f, 0.0))
 
 
 def _barrier_dissemination(collective: str, P: int, n: float) -> Shape:
@@ -242,17 +295,20 @@ SHAPES = {
     ("broadcast", "binomial"): _broadcast_binomial,
     ("reduce", "binomial"): _reduce_binomial,
     ("barrier", "dissemination"): _barrier_dissemination,
+    ("all_reduce", "tree"): _all_reduce_tree,
+    ("barrier", "tree"): _barrier_tree,
 }
 # algorithm -> its price in any collective
 _ANY_COLLECTIVE = {"direct": _direct}
 
 
 def cheapest(collective: str, candidates: Iterable[str], ranks: int, nbytes: int,
-             link: Link) -> str:
-    """The candidate with the least predicted time (the first of equals)."""
+             link: Link, crowd: float = 0.0) -> str:
+    """The candidate with the least predicted time with ``crowd`` ranks per core (the first
+    of equals)."""
     best, best_t = None, math.inf
     for name in candidates:
-        t = shape(collective, name, ranks, nbytes).time(link)
+        t = shape(collective, name, ranks, nbytes).time(link, crowd)
         if t < best_t:
             best, best_t = name, t
     return best  # type: ignore[return-value]  # (there are candidates)

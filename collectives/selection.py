@@ -32,7 +32,9 @@ A collective has one table per stage it goes through:
     rank in all_gather and reduce_scatter), ``ranks`` the nodes. Where several algorithms
     can serve, rows marked ``_modelled`` pick the one the cost model (net_cost.py) predicts
     fastest for this many nodes and bytes on the group's ``Link`` (``NEURON_DIST_NET_COST``,
-    by default the measured one).
+    by default the measured one) with the group's ``crowd`` (ranks per core where its
+    cores are most crowded: neuron_dist/topology.py's ``crowding``; where ranks share
+    cores, the CPU all of them spend decides, and trees win over recursive doubling).
 
 ``LANES`` has tables of the same rows for what is not an algorithm but a path: which calls
 a lane serves (``express/nodes``: the express lane of a group that spans nodes), asked by
@@ -92,20 +94,22 @@ class Situation:
     begins with the call's first step: all_to_all), ``even`` (nodes of equal size),
     ``addresses`` (tensors a single-copy algorithm must publish), ``uniform`` (every rank's block has the
     same size), ``native`` (the network phase's ranks are a column the transport runs its
-    own collectives on: net_mpi.serves), and the group's ``small_bytes``, ``slot_bytes``
-    and ``link`` (net_cost.Link)."""
+    own collectives on: net_mpi.serves), and the group's ``small_bytes``, ``slot_bytes``,
+    ``link`` (net_cost.Link) and ``crowd`` (ranks per core, net_cost.py)."""
 
     __slots__ = ("nbytes", "ranks", "numel", "block", "cma", "first", "even", "addresses",
-                 "uniform", "native", "small_bytes", "slot_bytes", "link")
+                 "uniform", "native", "small_bytes", "slot_bytes", "link", "crowd")
 
     def __init__(self, nbytes: int, ranks: int, numel: int = 0, block: int = 0,
                  cma: bool = False, first: bool = True, even: bool = True, addresses: int = 1,
                  uniform: bool = True, native: bool = False, small_bytes: int = 64 << 10,
-                 slot_bytes: int = 1 << 20, link: net_cost.Link = net_cost.MEASURED):
+                 slot_bytes: int = 1 << 20, link: net_cost.Link = net_cost.MEASURED,
+                 crowd: float = 0.0):
         self.nbytes, self.ranks, self.numel, self.block = nbytes, ranks, numel, block
         self.cma, self.first, self.even, self.addresses = cma, first, even, addresses
         self.uniform, self.native = uniform, native
         self.small_bytes, self.slot_bytes, self.link = small_bytes, slot_bytes, link
+        self.crowd = crowd
 
 
 if TYPE_CHECKING:
@@ -139,7 +143,7 @@ def _modelled(table: str, algorithm: str) -> Condition:
         candidates = [name for name, cond in TABLES[table]
                       if getattr(cond, "modelled", False) and _runs(table, name)(s)]
         return net_cost.cheapest(collective(table), candidates, s.ranks, s.nbytes,
-                                 s.link) == algorithm
+                                 s.link, s.crowd) == algorithm
     holds.modelled = True  # type: ignore[attr-defined]  # (marks the row: read by getattr)
     return holds
 
@@ -190,6 +194,8 @@ TABLES: dict[str, tuple[Row, ...]] = {
         ("direct", lambda s: s.ranks == 2),
         ("direct", _modelled("all_reduce/network", "direct")),
         ("recursive_doubling", _modelled("all_reduce/network", "recursive_doubling")),
+        # (where ranks share cores: fewer messages in all, net_tree.py)
+        ("tree", _modelled("all_reduce/network", "tree")),
         ("rabenseifner", _modelled("all_reduce/network", "rabenseifner")),
         ("ring", _modelled("all_reduce/network", "ring")),
         ("direct", _always),
@@ -219,8 +225,12 @@ TABLES: dict[str, tuple[Row, ...]] = {
     "reduce/network": (("binomial", _always),),
     "barrier/network": (
         ("mpi", _always),
-        # a power of two: the peers of the other log-depth algorithms; else fewer rounds
-        ("recursive_doubling", lambda s: s.ranks & (s.ranks - 1) == 0),
+        # (before dissemination: as fast for a power of two, and with the peers of the other
+        # log-depth algorithms; among other counts dissemination has fewer rounds)
+        ("recursive_doubling", _modelled("barrier/network", "recursive_doubling")),
+        ("dissemination", _modelled("barrier/network", "dissemination")),
+        # (where ranks share cores: fewer messages in all, net_tree.py)
+        ("tree", _modelled("barrier/network", "tree")),
         ("dissemination", _always),
     ),
 }
@@ -357,14 +367,16 @@ def _known(tables: Iterable[str] | None = None) -> str:
 class Selection:
     """A group's selection: the tables above with its overrides in front, and its settings
     (``small_bytes``: NEURON_DIST_SMALL_BYTES, ``slot_bytes``: the shared-memory slot,
-    ``link``: the network's costs, NEURON_DIST_NET_COST)."""
+    ``link``: the network's costs, NEURON_DIST_NET_COST, ``crowd``: ranks per core where
+    the group's cores are most crowded, the same on every rank: topology.crowding)."""
 
-    __slots__ = ("small_bytes", "slot_bytes", "link", "_rows", "_memo")
+    __slots__ = ("small_bytes", "slot_bytes", "link", "crowd", "_rows", "_memo")
 
     def __init__(self, small_bytes: int = 64 << 10, slot_bytes: int = 1 << 20,
                  overrides: tuple[Override, ...] = (),
-                 link: net_cost.Link = net_cost.MEASURED):
+                 link: net_cost.Link = net_cost.MEASURED, crowd: float = 0.0):
         self.small_bytes, self.slot_bytes, self.link = small_bytes, slot_bytes, link
+        self.crowd = crowd
         # table -> rows (algorithm, condition, can it run)
         self._rows: dict[str, tuple[tuple[str, Condition, Condition], ...]] = {}
         for table, rows in {**TABLES, **LANES}.items():
@@ -395,7 +407,7 @@ class Selection:
 
     def _select(self, table: str, nbytes: int, ranks: int, situation: Fields) -> str:
         s = Situation(nbytes, ranks, small_bytes=self.small_bytes, slot_bytes=self.slot_bytes,
-                      link=self.link, **situation)
+                      link=self.link, crowd=self.crowd, **situation)
         for algorithm, holds, runs in self._rows[table]:
             if holds(s) and runs(s):
                 return algorithm

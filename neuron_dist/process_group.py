@@ -139,7 +139,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._plans = Plans()  # single-step plans, shared with the express lane
         # which algorithm runs (collectives/selection.py), with NEURON_DIST_ALGO's overrides
         self._selection = Selection(self.settings.small_bytes, self.settings.slot_bytes,
-                                    self.settings.algo, self.settings.net_cost)
+                                    self.settings.algo, self.settings.net_cost, links.crowd)
         self._calls = {}
         self._engine = CollectiveEngine(self._label(), self._on_error, "?", rank, size,
                                         links.hold)

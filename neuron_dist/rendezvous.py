@@ -55,7 +55,8 @@ from .transport.shm.ordering import machine, shares_memory_safely
 from .transport.shm.segment import (Segment, ShmSetupError, new_segment_name,
                                      sweep_leftovers)
 from .store_auth import StoreAuth, StoreAuthError
-from .topology import Topology, choose_addresses, core_rivals, cpu_identity, node_identity
+from .topology import (Topology, choose_addresses, core_rivals, cpu_identity, crowding,
+                       node_identity)
 
 log = logging.getLogger("neuron_dist")
 
@@ -70,6 +71,7 @@ class GroupLinks:
     key: str = ""  # prefix of this generation's keys in the store
     auth: StoreAuth | None = None  # the group's store values, checked with the job key
     hold: float = 0.0  # seconds an async collective waits for its caller (engine.py)
+    crowd: float = 0.0  # ranks per core where the group's cores are most crowded (crowding)
 
 
 def open_group(store, rank: int, size: int, settings, timeout: timedelta,
@@ -98,6 +100,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     nodes = [json.loads(r)[:4] for r in raws]
     check_same_selection(rank, [node[2] for node in nodes])
     load = _core_load([node[3] for node in nodes], rank)
+    crowd = crowding([node[3] for node in nodes])
     spin = _spin(settings, load)
     nodes = [node[:2] for node in nodes]
     topo = Topology.from_names(rank, [name for name, _ in nodes])
@@ -107,7 +110,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
                                  f"{key}/n{topo.my_node}", local.index(rank), len(local),
                                  settings, timeout, spin)
     if len(topo.nodes) == 1:
-        return GroupLinks(channel, topo, None, key, auth, _hold(settings, load, False))
+        return GroupLinks(channel, topo, None, key, auth, _hold(settings, load, False), crowd)
     try:
         if settings.transport == "mpi":
             net = _open_mpi(auth, key, rank, size, timeout, label, topo.column())
@@ -121,7 +124,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
              rank, size, len(topo.nodes), topo.describe(),
              "MPI" if settings.transport == "mpi" else f"{settings.rails} rail(s) per peer",
              net.address)
-    return GroupLinks(channel, topo, net, key, auth, _hold(settings, load, True))
+    return GroupLinks(channel, topo, net, key, auth, _hold(settings, load, True), crowd)
 
 
 _load = (0, 1)  # (ranks, cores) of the most crowded cores any group of this process showed

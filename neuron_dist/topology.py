@@ -137,6 +137,23 @@ def core_rivals(mine: list, everyone: list) -> tuple[int, int]:
         cores = reach
 
 
+def crowding(everyone: list) -> float:
+    """Ranks per core where the cores of ``everyone`` (``cpu_identity`` of each rank of a
+    group) are most crowded: ``core_rivals`` of every rank, the largest ranks / cores. Above
+    1 the ranks take turns on the cores, and a collective's time follows the CPU all of them
+    spend rather than its critical path (collectives/net_cost.py). Every rank of the group
+    computes it from the same list, so all choose alike."""
+    by_kernel: dict = {}
+    for kernel, cores in everyone:
+        by_kernel.setdefault(kernel, []).append([kernel, cores])
+    worst = 0.0
+    for same in by_kernel.values():  # (rivals share a kernel: compare within it only)
+        for identity in {tuple(i) for i in same}:
+            ranks, cores = core_rivals(list(identity), same)
+            worst = max(worst, ranks / max(1, cores))
+    return worst
+
+
 def choose_addresses(ifnames: str | None, store=None,
                      master_addr: str | None = None) -> list[str]:
     """The local addresses inter-node traffic should use: one per interface named in

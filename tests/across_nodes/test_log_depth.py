@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.harness import run_ranks
+from neuron_dist.collectives.selection import Selection
 from one_node.test_collectives import (SMALL_SLOTS, all_reduce_matrix, gather_family_matrix,
                                        reduce_family_matrix)
 
@@ -27,6 +28,7 @@ FORCED = {
     "recursive_doubling": "all_reduce=recursive_doubling,all_gather=recursive_doubling,"
                           "reduce_scatter=halving",
     "rabenseifner": "all_reduce=rabenseifner,all_gather=bruck,reduce_scatter=halving",
+    "tree": "all_reduce=tree,barrier=tree",
 }
 LAYOUTS = {
     "5x1": ["a", "b", "c", "d", "e"],
@@ -53,6 +55,9 @@ def _env(names, **extra):
     ("3x2", "rabenseifner", all_reduce_matrix),
     ("3x2", "recursive_doubling", reduce_family_matrix),
     ("uneven", "rabenseifner", all_reduce_matrix),
+    ("5x1", "tree", all_reduce_matrix),
+    ("3x2", "tree", all_reduce_matrix),
+    ("uneven", "tree", all_reduce_matrix),
 ], ids=lambda v: v if isinstance(v, str) else v.__name__)
 def test_matrix_with_log_depth_algorithms(layout, algo, matrix):
     names = LAYOUTS[layout]
@@ -128,14 +133,17 @@ def _eight_nodes(rank, world):
     for r in recorder._ring:
         if r.state == "completed":
             algos[r.op] = algos.get(r.op, "") + f" {r.algo}"
-    return {"ok": ok, "peers": sorted(pg._net._rails), "sockets": sockets, "algos": algos}
+    return {"ok": ok, "peers": sorted(pg._net._rails), "sockets": sockets, "algos": algos,
+            "crowd": pg._selection.crowd}
 
 
 @pytest.mark.timeout(300)
 def test_eight_nodes_talk_to_log_n_peers():
     """8 nodes of one rank, default settings: every result right, the log-depth algorithms
     chosen, and rails opened only to the 3 peers rank ^ 2^k (8 is a power of two: every
-    algorithm pairs ranks that way); sockets per rank bounded by those peers."""
+    algorithm pairs ranks that way); sockets per rank bounded by those peers. With fewer
+    cores than the 8 ranks (CI's 2) the small all_reduce and the barrier take the tree,
+    which pairs ranks the same way; with a core each, recursive doubling."""
     names = [f"n{k}" for k in range(8)]
     results = run_ranks(_eight_nodes, 8, env=_env(names), timeout=280, pg_timeout=120)
     for rank, out in results.items():
@@ -144,11 +152,16 @@ def test_eight_nodes_talk_to_log_n_peers():
         assert set(out["peers"]) == partners, (rank, out["peers"])
         # one rail each way per peer at most, the store, the listener and a few spare
         assert out["sockets"] <= 2 * len(partners) + 8, (rank, out["sockets"])
-        assert "recursive_doubling" in out["algos"]["all_reduce"], out["algos"]  # 8 B
-        assert "rabenseifner" in out["algos"]["all_reduce"], out["algos"]  # 1 MiB
+        assert out["crowd"] == 8 / len(os.sched_getaffinity(0)), out["crowd"]
+        choose = Selection(crowd=out["crowd"]).select
+        small = "tree" if out["crowd"] >= 2 else "recursive_doubling"
+        assert choose("all_reduce/network", 8, 8, numel=2) == small
+        assert small in out["algos"]["all_reduce"], out["algos"]  # 8 B
+        large = choose("all_reduce/network", 1 << 20, 8, numel=1 << 18)
+        assert large in out["algos"]["all_reduce"], out["algos"]  # 1 MiB
         assert "recursive_doubling" in out["algos"]["all_gather_into_tensor"], out["algos"]
         assert "halving" in out["algos"]["reduce_scatter_tensor"], out["algos"]
-        assert "recursive_doubling" in out["algos"]["barrier"], out["algos"]
+        assert small in out["algos"]["barrier"], out["algos"]
 
 
 

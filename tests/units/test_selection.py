@@ -225,7 +225,7 @@ def test_an_override_may_name_one_table():
 
 
 @pytest.mark.parametrize("text,words", [
-    ("all_reduse=ring", ["unknown collective 'all_reduse'", "all_reduce/network: mpi, halves, direct, recursive_doubling, rabenseifner, ring"]),
+    ("all_reduse=ring", ["unknown collective 'all_reduse'", "all_reduce/network: mpi, halves, direct, recursive_doubling, tree, rabenseifner, ring"]),
     ("all_reduce=rign", ["all_reduce has no algorithm 'rign'", "ring"]),
     ("all_gather=ring", ["all_gather has no algorithm 'ring'", "columns"]),
     ("bogus", ["no collective has an algorithm 'bogus'"]),

@@ -368,6 +368,22 @@ def test_cores_crowded_counts_ranks_of_one_kernel_whose_cores_overlap():
     assert mask and kernel and not cores_crowded(mine, [mine])
 
 
+def test_crowding_is_the_most_crowded_cores_ranks_per_core_the_same_on_every_rank():
+    from neuron_dist.topology import crowding
+    a, b = "host/boot-a", "host/boot-b"
+    assert crowding([[a, 0b01], [a, 0b10]]) == 1.0  # a core each
+    assert crowding([[a, 0b11]] * 16) == 8.0  # 16 virtual nodes on one 2-core machine
+    # two machines: one crowded (3 ranks on 2 cores), one not; the crowded one counts
+    assert crowding([[a, 0b11]] * 3 + [[b, 0b1111]] * 2) == 1.5
+    # pinned apart: each pair of ranks on its own 2 cores
+    assert crowding([[a, 0b0011], [a, 0b0011], [a, 0b1100], [a, 0b1100]]) == 1.0
+    # a rank on cores 0-1 joins the ranks on 0 and on 1: 3 ranks on 2 cores
+    assert crowding([[a, 0b01], [a, 0b10], [a, 0b11]]) == 1.5
+    # the answer does not depend on the order (every rank computes it from the same list)
+    big = [[f"host/{k % 7}", 1 << (k % 3)] for k in range(4096)]  # (196 on the fullest core)
+    assert crowding(big) == crowding(list(reversed(big))) == 196.0
+
+
 def test_async_collectives_are_held_for_the_caller_only_when_no_core_is_spare():
     import pytest
 

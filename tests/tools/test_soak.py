@@ -51,7 +51,8 @@ def test_the_verdict_names_every_problem():
 @pytest.mark.timeout(420)
 def test_a_short_soak_passes(tmp_path):
     out = tmp_path / "soak.json"
-    code = soak.main(["--nodes", "4", "--steps", "40", "--timeout", "300", "--json", str(out)])
+    # (enough steps for all four kinds of fault, a cut before each, at 0.5 s apart)
+    code = soak.main(["--nodes", "4", "--steps", "60", "--timeout", "300", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert code == 0, doc["problems"]
     faults = doc["faulted"]["faults"]
@@ -60,4 +61,4 @@ def test_a_short_soak_passes(tmp_path):
     assert all(f["healed_s"] < soak.HEAL_SECONDS for f in faults if f["fault"] == "cut")
     assert sum(f.get("connections", 0) for f in faults) > 0
     assert doc["faulted"]["losses"] == doc["undisturbed"]["losses"] and len(
-        doc["faulted"]["losses"]) == 40
+        doc["faulted"]["losses"]) == 60

@@ -47,8 +47,10 @@ shared-memory wait (transport/backoff.py). Waking a thread that sleeps in the ke
 more than a small message's whole trip, in time and in CPU, since every sleep and wake-up is
 CPU of its own (docs/design.md, "Thresholds and why"). ``spin`` is 0 when more ranks than
 cores share the machine (``rendezvous._spin``, which counts the ranks of other nodes on the
-same kernel too), so a waiter then yields at once; a background thread never polls ahead:
-it would keep the GIL from the user's thread.
+same kernel too), and then a waiter sleeps in ``epoll`` at once: each yield would hand the
+core to another rank and be scheduled back, a poll's CPU each turn, long before a peer
+that needs the same cores has answered. A background thread never polls ahead: it would
+keep the GIL from the user's thread.
 
 The engine also keeps the process's listeners, one per interface address, shared by every
 group (``listen``, listener.py; the handshake names the group and rank dialled, and
@@ -310,7 +312,7 @@ class Progress:
         if bg:
             self.wake()  # the background thread leaves epoll and parks
         backoff = Backoff(spin, _YIELD_SECONDS, 0.0, True)
-        sleep = backoff.background
+        sleep = backoff.background or not spin  # (crowded cores: see "Waiting")
         try:
             while not done():
                 remaining = deadline - time.monotonic()

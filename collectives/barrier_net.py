@@ -6,8 +6,8 @@ A local step (every rank of the node has arrived; it is also the call's descript
 -> the node leaders (local index 0) run a barrier over the network (the
 ``barrier/network`` table: recursive doubling among a power of two of nodes,
 net_recursive_doubling.py, else dissemination, net_dissemination.py: ceil(log2 N) rounds
-of one message; where ranks share cores, up and down a binomial tree, net_tree.py) -> every node has arrived -> a second local step releases the node's
-ranks.
+of one message; where ranks share cores, up and down a binomial tree, net_tree.py) ->
+every node has arrived -> a second local step releases the node's ranks.
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ def children(rel: int, size: int) -> list[int]:
     return out
 
 
+def parent(rel: int) -> int:
+    """Relative rank of ``rel``'s parent (``rel`` > 0): ``rel`` without its lowest set bit."""
+    return rel - (rel & -rel)
+
+
 def _numbering(size: int, root: int) -> tuple[Callable[[int], int], Callable[[int], int]]:
     """(rank index -> relative rank, relative rank -> rank index) for a tree at ``root``."""
     if size & (size - 1) == 0:
@@ -53,7 +58,7 @@ def broadcast(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int, r
     rel_of, index_of = _numbering(size, root)
     rel = rel_of(me)
     if rel:
-        net.recv(peers[index_of(rel - (rel & -rel))], buf)
+        net.recv(peers[index_of(parent(rel))], buf)
         yield
     sent = False
     for child in children(rel, size):
@@ -78,5 +83,5 @@ def reduce(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int, root
         yield
         net.reduce(buf, [buf, tmp], spec)
     if rel:
-        net.send(peers[index_of(rel - (rel & -rel))], buf)
+        net.send(peers[index_of(parent(rel))], buf)
         yield

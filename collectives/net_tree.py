@@ -9,8 +9,8 @@ rank ends with the root's bytes, so the ranks agree bit for bit; the additions f
 tree (float16 / bfloat16 round once per level).
 
 barrier: empty messages up the tree (a rank waits once, for all its children together,
-then tells its parent and waits for its answer) and back down (the root has heard, through its children, from
-every rank; its answer releases them).
+then tells its parent and waits for its answer) and back down (the root has heard,
+through its children, from every rank; its answer releases them).
 
 Why a tree: it sends 2 (P - 1) messages in all where recursive doubling sends P log2 P.
 Its critical path is twice as long (2 ceil(log2 P) rounds, the root handling ceil(log2 P)
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .net_binomial import broadcast, children, reduce
+from .net_binomial import broadcast, children, parent, reduce
 
 if TYPE_CHECKING:
     import torch
@@ -52,10 +52,10 @@ def barrier(net: Exchange, peers: Sequence[int], me: int) -> Iterator[None]:
         net.recv(child, bytearray(0))
     if below:
         yield
-    if me:
-        parent = peers[me - (me & -me)]
-        net.send(parent, b"")
-        net.recv(parent, bytearray(0))
+    if me:  # (rooted at index 0: a rank's index is its place in the tree)
+        up = peers[parent(me)]
+        net.send(up, b"")
+        net.recv(up, bytearray(0))
         yield
     for child in below:
         net.send(child, b"")

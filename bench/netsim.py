@@ -15,7 +15,8 @@ code runs, only the counts are kept, so 4096 ranks of 1 MiB cost no memory.
 
 It counts per rank: messages and bytes sent and received (a first message to a peer above
 ``net.PIGGYBACK_BYTES`` counts one more message, its call descriptor, as ``NetCall``
-sends it), distinct peers, rounds on the critical path (``hops``: a Lamport clock, +1 per
+sends it; one above ``net.ACKED_BYTES`` counts as acked: its ACK frame, which the cost
+model prices and the clock below does not), distinct peers, rounds on the critical path (``hops``: a Lamport clock, +1 per
 message along a chain of dependent messages), and predicts time with a ``net_cost.Link``:
 a rank's clock advances by alpha per message it sends or receives, gamma per byte it
 reduces; a message leaves when the sender's link is free (beta per byte, one direction)
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neuron_dist.collectives.net import PIGGYBACK_BYTES, as_bytes
+from neuron_dist.collectives.net import ACKED_BYTES, PIGGYBACK_BYTES, as_bytes
 from neuron_dist.collectives.net_cost import MEASURED, Link
 from neuron_dist.collectives.reduce_ops import Scratch, reduce_into
 
@@ -57,6 +58,8 @@ class RankStats:
     hops: int = 0
     time: float = 0.0
     waits: int = 0  # yields with a receive posted since the one before
+    acked_sent: int = 0  # sends above ACKED_BYTES (each waits for an ACK frame)
+    acked_received: int = 0  # receives above it (each answered with an ACK frame)
 
 
 @dataclass
@@ -80,6 +83,16 @@ class Stats:
     @property
     def reduced(self) -> int:
         return max(r.reduced for r in self.ranks)
+
+    @property
+    def acks(self) -> int:
+        """ACK frames of messages above ACKED_BYTES one rank sends or receives, at most."""
+        return max(r.acked_sent + r.acked_received for r in self.ranks)
+
+    @property
+    def acked(self) -> int:
+        """Sends above ACKED_BYTES of one rank (each waits for its ack), at most."""
+        return max(r.acked_sent for r in self.ranks)
 
     @property
     def peers(self) -> int:
@@ -107,7 +120,9 @@ class Stats:
                 "received": sum(r.received for r in self.ranks) / n,
                 "waits": sum(r.waits for r in self.ranks) / n,
                 "bytes": sum(r.bytes_sent + r.bytes_received for r in self.ranks) / (2 * n),
-                "reduced": sum(r.reduced for r in self.ranks) / n}
+                "reduced": sum(r.reduced for r in self.ranks) / n,
+                "acks": sum(r.acked_sent + r.acked_received for r in self.ranks) / n,
+                "acked": sum(r.acked_sent for r in self.ranks) / n}
 
 
 def _nbytes(buf) -> int:
@@ -150,6 +165,7 @@ class SimNet:
             self._told.add(peer)
             messages += n > PIGGYBACK_BYTES  # the descriptor travels apart
         st.sent += messages
+        st.acked_sent += n > ACKED_BYTES
         st.bytes_sent += n
         st.peers.add(peer)
         link = sim.link
@@ -190,6 +206,7 @@ class SimNet:
     def _filled(self, msg: _Message, messages: int) -> None:
         st = self.stats
         st.received += messages
+        st.acked_received += msg.nbytes > ACKED_BYTES
         st.bytes_received += msg.nbytes
         self._pending -= 1
         self._arrived.append(msg)

@@ -66,7 +66,10 @@ DESCRIPTOR_BYTES = _DESC.size
 # The limit keeps descriptor and data within the rdm transport's eager size
 # (transport/rdm/driver.py ``EAGER_BYTES``), so the send still completes at once; a larger
 # one message would wait for its ack and lose (docs/design.md, "Thresholds and why").
-PIGGYBACK_BYTES = (256 << 10) - _DESC.size
+# A message larger than ACKED_BYTES is not eager: its send completes when the peer's ack
+# comes (an ACK frame of its own and one wait more: net_cost.py prices them).
+ACKED_BYTES = 256 << 10  # (the rdm transport's EAGER_BYTES: a test keeps them equal)
+PIGGYBACK_BYTES = ACKED_BYTES - _DESC.size
 _BOX_REUSE_BYTES = 4 << 10  # receive boxes from this size are reused across calls ...
 _BOXES_KEPT = 4  # ... this many per size (a fresh one is zero-filled memory, maybe new pages)
 

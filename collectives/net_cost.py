@@ -15,7 +15,16 @@ acknowledgements); ``lat`` is what a dependent round adds beyond that (the wire 
 wake-up of the waiting thread); ``beta`` is per byte through one link in one direction
 (links are full duplex); ``gamma`` per byte of a binary reduction or a copy. A message
 above ``PIGGYBACK_BYTES`` to a new peer of the call has its call descriptor sent apart
-(net.py): one message more.
+(net.py): one message more. A message above ``ACKED_BYTES`` is not eager: the receiver
+answers it with an ACK frame of its own and the sender's call waits for that ack, so each
+costs its receiver an ack sent and its sender an ack received (``acks``, alpha each) and a
+wait more (``acked``, lat each)::
+
+    time += acks x alpha + acked x lat
+
+(without it the model took a recursive doubling of 392 KiB last round for cheaper than
+every rank sending to every other at 8 ranks, where it was a fifth slower: docs/design.md,
+"Thresholds and why").
 
 Ranks that share cores (``crowd``: ranks per core where the group's cores are most
 crowded, topology.crowding) take turns on them, and then a call takes at least the CPU
@@ -48,7 +57,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from .net import PIGGYBACK_BYTES
+from .net import ACKED_BYTES, PIGGYBACK_BYTES
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,8 @@ class Shape:
     bytes: float
     reduced: float = 0.0
     copied: float = 0.0
+    acks: float = 0.0  # ACK frames of messages above ACKED_BYTES, sent or received
+    acked: float = 0.0  # sends above ACKED_BYTES: each waits for its ack
     mean: Shape | None = None
 
     def time(self, link: Link, crowd: float = 0.0) -> float:
@@ -133,13 +144,19 @@ class Shape:
         return max(path, crowd * (self.mean or self)._priced(link))
 
     def _priced(self, link: Link) -> float:
-        return (self.rounds * link.lat + (self.sent + self.received) * link.alpha
+        return ((self.rounds + self.acked) * link.lat
+                + (self.sent + self.received + self.acks) * link.alpha
                 + self.bytes * link.beta + (self.reduced + self.copied) * link.gamma)
 
 
 def _big(nbytes: float) -> int:
     """1 if a first message of ``nbytes`` to a peer has its descriptor sent apart."""
     return int(nbytes > PIGGYBACK_BYTES)
+
+
+def _ack(nbytes: float) -> int:
+    """1 if a message of ``nbytes`` waits for its ack (an ACK frame of its own)."""
+    return int(nbytes > ACKED_BYTES)
 
 
 def _levels(ranks: int) -> tuple[int, int]:
@@ -176,7 +193,8 @@ def _direct(collective: str, P: int, n: float) -> Shape:
     per = P - 1
     msgs = per * (1 + _big(n))
     reduced = per * n if collective in _REDUCING else 0.0
-    return Shape(1, msgs, msgs, per * n, reduced)
+    # (its sends wait for their acks together, in the one wait for every receive)
+    return Shape(1, msgs, msgs, per * n, reduced, acks=2 * per * _ack(n), acked=_ack(n))
 
 
 _REDUCING = frozenset({"all_reduce", "reduce_scatter"})  # collectives that add what comes
@@ -186,7 +204,8 @@ def _all_reduce_recursive_doubling(collective: str, P: int, n: float) -> Shape:
     k, f = _levels(P)
     msgs = (k + f) * (1 + _big(n))
     # (the fold-in overlaps the first exchange of the partner that did not fold)
-    return Shape(k + f, msgs, msgs, (k + f) * n, (k + f) * n)
+    return Shape(k + f, msgs, msgs, (k + f) * n, (k + f) * n,
+                 acks=2 * (k + f) * _ack(n), acked=(k + f) * _ack(n))
 
 
 def _all_reduce_rabenseifner(collective: str, P: int, n: float) -> Shape:
@@ -194,25 +213,30 @@ def _all_reduce_rabenseifner(collective: str, P: int, n: float) -> Shape:
     p = 1 << k
     desc = sum(_big(n / 2 ** (j + 1)) for j in range(k)) + f * _big(n)
     msgs = 2 * k + f + desc
+    acked = 2 * sum(_ack(n / 2 ** (j + 1)) for j in range(k)) + f * _ack(n)
     return Shape(2 * k + 2 * f, msgs, msgs, 2 * n * (p - 1) / p + f * n,
-                 n * (p - 1) / p + f * n)
+                 n * (p - 1) / p + f * n, acks=2 * acked, acked=acked)
 
 
 def _all_reduce_ring(collective: str, P: int, n: float) -> Shape:
     msgs = 2 * (P - 1) + _big(n / P)
-    return Shape(2 * (P - 1), msgs, msgs, 2 * n * (P - 1) / P, n * (P - 1) / P)
+    acked = 2 * (P - 1) * _ack(n / P)
+    return Shape(2 * (P - 1), msgs, msgs, 2 * n * (P - 1) / P, n * (P - 1) / P,
+                 acks=2 * acked, acked=acked)
 
 
 def _all_reduce_halves(collective: str, P: int, n: float) -> Shape:
     msgs = 2 + _big(n / 2)
-    return Shape(2, msgs, msgs, n, n / 2)
+    return Shape(2, msgs, msgs, n, n / 2, acks=4 * _ack(n / 2), acked=2 * _ack(n / 2))
 
 
 def _all_gather_recursive_doubling(collective: str, P: int, n: float) -> Shape:
     k, f = _levels(P)
     desc = sum(_big(n * 2 ** j) for j in range(k))
+    acked = sum(_ack(n * 2 ** j) for j in range(k))
     return Shape(k + 2 * f, k + f + desc + f * _big(P * n), k + f + desc + f * _big(n),
-                 (P - 1) * n + f * P * n, copied=2 * P * n)
+                 (P - 1) * n + f * P * n, copied=2 * P * n,
+                 acks=2 * acked + f * (_ack(n) + _ack(P * n)), acked=acked + f * _ack(P * n))
 
 
 def _barrier_recursive_doubling(collective: str, P: int, n: float) -> Shape:
@@ -223,7 +247,8 @@ def _barrier_recursive_doubling(collective: str, P: int, n: float) -> Shape:
 def _all_gather_bruck(collective: str, P: int, n: float) -> Shape:
     d = _depth(P)
     msgs = d + sum(_big(n * min(2 ** j, P - 2 ** j)) for j in range(d))
-    return Shape(d, msgs, msgs, (P - 1) * n, copied=2 * P * n)
+    acked = sum(_ack(n * min(2 ** j, P - 2 ** j)) for j in range(d))
+    return Shape(d, msgs, msgs, (P - 1) * n, copied=2 * P * n, acks=2 * acked, acked=acked)
 
 
 def _reduce_scatter_halving(collective: str, P: int, n: float) -> Shape:
@@ -231,9 +256,11 @@ def _reduce_scatter_halving(collective: str, P: int, n: float) -> Shape:
     p = 1 << k
     total = P * n
     desc = sum(_big(total / 2 ** j) for j in range(1, k + 1))
+    acked = sum(_ack(total / 2 ** j) for j in range(1, k + 1))
     return Shape(k + 2 * f, k + f + desc + f * _big(n), k + f + desc + f * _big(total),
                  total * (p - 1) / p + f * total, total * (p - 1) / p + f * total,
-                 copied=total)
+                 copied=total, acks=2 * acked + f * (_ack(total) + _ack(n)),
+                 acked=acked + f * _ack(n))
 
 
 def _tree_mean(P: int, n: float, reduced: float = 0.0) -> Shape:
@@ -241,19 +268,20 @@ def _tree_mean(P: int, n: float, reduced: float = 0.0) -> Shape:
     each received in a wait of its own)."""
     f = (P - 1) / P
     msgs = f * (1 + _big(n))
-    return Shape(f, msgs, msgs, f * n, f * reduced)
+    return Shape(f, msgs, msgs, f * n, f * reduced, acks=2 * f * _ack(n), acked=f * _ack(n))
 
 
 def _broadcast_binomial(collective: str, P: int, n: float) -> Shape:
     """The root sends to its ceil(log2 P) children."""
     d = _depth(P)
-    return Shape(_tree_depth(P), d * (1 + _big(n)), 1 + _big(n), d * n, mean=_tree_mean(P, n))
+    return Shape(_tree_depth(P), d * (1 + _big(n)), 1 + _big(n), d * n, acks=d * _ack(n),
+                 acked=d * _ack(n), mean=_tree_mean(P, n))
 
 
 def _reduce_binomial(collective: str, P: int, n: float) -> Shape:
     d = _depth(P)
     return Shape(_tree_depth(P), 1 + _big(n), d * (1 + _big(n)), d * n, d * n,
-                 mean=_tree_mean(P, n, n))
+                 acks=d * _ack(n), acked=_ack(n), mean=_tree_mean(P, n, n))
 
 
 def _all_reduce_tree(collective: str, P: int, n: float) -> Shape:
@@ -263,8 +291,9 @@ def _all_reduce_tree(collective: str, P: int, n: float) -> Shape:
     msgs = d * (1 + _big(n))
     once = _tree_mean(P, n, n)
     mean = Shape(2 * once.rounds, 2 * once.sent, 2 * once.received, 2 * once.bytes,
-                 once.reduced)
-    return Shape(2 * depth, msgs, msgs, 2 * d * n, d * n, mean=mean)
+                 once.reduced, acks=2 * once.acks, acked=2 * once.acked)
+    return Shape(2 * depth, msgs, msgs, 2 * d * n, d * n, acks=2 * d * _ack(n),
+                 acked=d * _ack(n), mean=mean)
 
 
 def _barrier_tree(collective: str, P: int, n: float) -> Shape:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -273,7 +274,7 @@ ONE_WAY_THEN_THE_OTHER = {("all_reduce", "tree")}
 def test_the_cost_model_counts_what_the_code_does(collective, algorithm):
     """net_cost.shape (what the selection tables price) against what the simulator saw the
     algorithm's own code do: messages exactly (call descriptors sent apart above
-    PIGGYBACK_BYTES included), dependent rounds within one where ranks fold in, bytes
+    PIGGYBACK_BYTES included, and the ACK frames of those above ACKED_BYTES), dependent rounds within one where ranks fold in, bytes
     within 2% on powers of two (for buffers of 1 KiB per rank and more: below that,
     regions aligned to cache lines leave some ranks nothing to do). Meta tensors: the code
     runs, nothing is allocated."""
@@ -283,6 +284,7 @@ def test_the_cost_model_counts_what_the_code_does(collective, algorithm):
             sh = net_cost.shape(collective, algorithm, size, nbytes)
             where = f"{size} ranks, {nbytes} B"
             assert (st.sent, st.received) == (sh.sent, sh.received), where
+            assert (st.acks, st.acked) == (sh.acks, sh.acked), where
             pof2 = size & (size - 1) == 0
             assert st.hops == sh.rounds if pof2 else abs(st.hops - sh.rounds) <= 1, where
             tolerance = 0.02 if pof2 else 0.2
@@ -314,6 +316,8 @@ def test_the_cost_model_counts_the_average_rank(collective, algorithm):
             assert got["waits"] == pytest.approx(want.rounds, rel=0.2, abs=0.5), where
             assert got["bytes"] == pytest.approx(want.bytes, rel=0.02, abs=256), where
             assert got["reduced"] == pytest.approx(want.reduced, rel=0.02, abs=256), where
+            assert got["acks"] == pytest.approx(want.acks), where
+            assert got["acked"] == pytest.approx(want.acked), where
 
 
 def test_where_ranks_share_cores_the_trees_are_chosen():
@@ -338,6 +342,28 @@ def test_where_ranks_share_cores_the_trees_are_chosen():
     link = net_cost.MEASURED
     assert rd.time(link) < tree.time(link)
     assert tree.time(link, 8.0) < rd.time(link, 8.0) / 1.8  # (8 message ends a rank against 3.75)
+
+
+def test_messages_that_wait_for_their_ack_are_priced():
+    """A message above net.ACKED_BYTES (the rdm transport's eager limit) costs an ACK frame
+    at each end and a wait: so among 8 ranks sharing cores, an all-gather of 98 KiB blocks
+    (an FSDP2 layer's parameters) is sent to every peer at once, not by recursive doubling,
+    whose last round of 392 KiB waits for its ack; with 16 ranks of 64 KiB blocks the
+    doubling still wins (the fewer messages outweigh one ack)."""
+    from neuron_dist.collectives import net
+    from neuron_dist.collectives.selection import Selection
+    from neuron_dist.transport.rdm.driver import EAGER_BYTES
+    assert net.ACKED_BYTES == EAGER_BYTES
+    s = Selection(crowd=4.0)
+    assert s.select("all_gather/network", 100480, 8, block=100480) == "direct"
+    assert s.select("reduce_scatter/network", 100480, 8, block=100480) == "direct"
+    assert Selection(crowd=8.0).select("all_gather/network", 65536, 16, block=65536) == \
+        "recursive_doubling"
+    rd = net_cost.shape("all_gather", "recursive_doubling", 8, 100480)
+    assert (rd.acks, rd.acked) == (2, 1)  # (the 392 KiB round: its ack, sent and received)
+    link = net_cost.MEASURED
+    priced = rd.time(link) - replace(rd, acks=0, acked=0).time(link)
+    assert priced == pytest.approx(2 * link.alpha + link.lat)
 
 
 @pytest.mark.timeout(60)

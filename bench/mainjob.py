@@ -43,6 +43,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def measure(args) -> dict:
 def report(res: dict, args) -> str:
     cores = len(os.sched_getaffinity(0))
     ranks = args.nodes * args.nproc_per_node
-    lines = [f"# python -m bench.mainjob {' '.join(args.argv)}".rstrip(),
+    lines = [f"# python -m bench.mainjob {shlex.join(args.argv)}".rstrip(),
              f"# {args.nodes} netns vnodes x {args.nproc_per_node} ranks on {cores} cores; "
              f"launch/train.py --steps {args.steps[0]} and {args.steps[1]} "
              f"{args.train_args}; {args.reps} round(s), medians; load {os.getloadavg()[0]:.2f}",

@@ -45,3 +45,45 @@ def numel(t: torch.Tensor, expected: int, what: str) -> None:
 def length(items, expected: int, what: str) -> None:
     if len(items) != expected:
         raise ValueError(f"{what} has {len(items)} entries, expected {expected} (the group size)")
+
+
+def rank_list(lists, like: torch.Tensor, size: int, what: str,
+              equal_numel: bool = False) -> list:
+    """c10d's ``[[one tensor per rank]]`` argument, checked against ``like``."""
+    if len(lists) != 1:
+        raise ValueError(f"{what}: expected exactly one list of tensors, got {len(lists)}")
+    tensors = lists[0]
+    length(tensors, size, f"{what} list")
+    for k, t in enumerate(tensors):
+        tensor(t, f"{what} tensor {k}")
+        same_dtype(t, like, f"{what} tensor {k}")
+        if equal_numel:
+            numel(t, like.numel(), f"{what} tensor {k}")
+    return tensors
+
+
+def root_list(lists, like: torch.Tensor, root: int, me: int, size: int, what: str) -> list:
+    """A rooted call's list of one tensor per rank: the root's, checked (each like
+    ``like``); any other rank must pass none and gets ``[]``."""
+    if me != root:
+        if lists and any(len(x) for x in lists):
+            raise ValueError(f"{what}: only the root (rank {root}) may pass a tensor list")
+        return []
+    return rank_list(lists, like, size, what, equal_numel=True)
+
+
+def splits(t: torch.Tensor, sizes, size: int, what: str) -> list[int]:
+    """all_to_all_single's split sizes of ``t`` along dim 0 (even when none are given), as
+    element counts, checked."""
+    rows = t.shape[0] if t.dim() else 1
+    per_row = t.numel() // rows if rows else 0
+    if not sizes:
+        if rows % size:
+            raise ValueError(f"all_to_all_single: {what} dim 0 ({rows}) is not divisible by "
+                             f"the group size {size} and no split sizes were given")
+        return [rows // size * per_row] * size
+    length(sizes, size, f"all_to_all_single {what}_split_sizes")
+    if any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single: {what}_split_sizes {list(sizes)} do not sum to "
+                         f"the {what}'s dim 0 ({rows})")
+    return [s * per_row for s in sizes]

@@ -412,21 +412,21 @@ def test_an_abort_heard_through_shared_memory_is_passed_on_to_the_other_nodes():
     peers too, with the same kind: one of them may be waiting on this rank and would
     otherwise see only its rails close when this process exits (a mismatch between two
     ranks of one node reached the other node as PeerDiedError, 1 run in 3-5)."""
-    from types import SimpleNamespace
     from unittest import mock
     from neuron_dist.errors import CollectiveMismatchError
-    from neuron_dist.process_group import ProcessGroupNeuron
+    from neuron_dist.failures import Failures
     from neuron_dist.transport.errors import ABORTED_MISMATCH, PeerAborted
-    group = SimpleNamespace(_net=mock.Mock(), _channel=mock.Mock(), _peer=lambda k: k + 10)
-    error, fatal = ProcessGroupNeuron._on_error(
-        group, PeerAborted(1, "collective mismatch: ...", ABORTED_MISMATCH), "all_reduce #1")
+    local = [10, 11, 12, 13]  # (the group ranks of this node's channel ranks 0-3)
+    group = Failures(mock.Mock(), mock.Mock(), local, lambda: "5 s")
+    error, fatal = group.translate(
+        PeerAborted(1, "collective mismatch: ...", ABORTED_MISMATCH), "all_reduce #1")
     assert fatal and isinstance(error, CollectiveMismatchError)
     assert "rank 11 aborted the group: collective mismatch" in str(error)
     group._net.abort.assert_called_once_with(str(error), ABORTED_MISMATCH)
     group._channel.abort.assert_not_called()  # (this node knows already)
     # heard from another node: told to this node, not sent back over the network
-    group = SimpleNamespace(_net=mock.Mock(), _channel=mock.Mock(), _peer=lambda k: k + 10)
-    ProcessGroupNeuron._on_error(group, PeerAborted(3, "x", ABORTED_MISMATCH, network=True), "w")
+    group = Failures(mock.Mock(), mock.Mock(), local, lambda: "5 s")
+    group.translate(PeerAborted(3, "x", ABORTED_MISMATCH, network=True), "w")
     group._channel.abort.assert_called_once()
     group._net.abort.assert_not_called()
 

@@ -418,6 +418,17 @@ def net_phase(x: float, peers: int, sharers: int, m: Machine, msgs: int | None =
     return net.lat + msgs * net.alpha + t_bytes
 
 
+_SELECTIONS: dict = {}  # product_link(m) -> its Selection (Selection keeps a memo)
+
+
+def _selection_for(m: Machine) -> Selection:
+    link = product_link(m)
+    selection = _SELECTIONS.get(link)
+    if selection is None:
+        selection = _SELECTIONS[link] = Selection(link=link)
+    return selection
+
+
 def exchange_choice(x: float, N: int, selection: Selection = DEFAULT) -> str:
     """What ``allreduce_net._exchange_reduce`` runs for x bytes (float32) among N ranks: the
     ``all_reduce/network`` table's choice (ring, halves: a two-rank ring, or direct)."""
@@ -425,9 +436,18 @@ def exchange_choice(x: float, N: int, selection: Selection = DEFAULT) -> str:
     return selection.select("all_reduce/network", x, N, numel=x // ELEM)
 
 
+def product_link(m: Machine) -> net_cost.Link:
+    """``m``'s network as collectives/net_cost.py's ``Link`` (what NEURON_DIST_NET_COST
+    would say for it): the same alpha; the product also charges a received message alpha,
+    so its ``lat`` is this model's less one alpha."""
+    return net_cost.Link(alpha=m.net.alpha, lat=max(m.net.lat - m.net.alpha, 0.0),
+                         beta=m.net.beta_link, gamma=m.intra.g)
+
+
 def exchange_reduce(x: float, N: int, sharers: int, m: Machine) -> float:
-    """``allreduce_net._exchange_reduce`` as the code runs it (``exchange_choice``)."""
-    algo = exchange_choice(x, N)
+    """``allreduce_net._exchange_reduce`` as the code runs it on ``m`` (``exchange_choice``,
+    with the group's link set to ``m``'s network: ``product_link``)."""
+    algo = exchange_choice(x, N, _selection_for(m))
     if algo == "direct":
         return direct_exchange(x, N, sharers, m)
     if algo in LOG_DEPTH:
@@ -439,21 +459,24 @@ LOG_DEPTH = ("recursive_doubling", "rabenseifner")  # the log-depth all_reduce e
 
 
 def log_depth(x: float, N: int, sharers: int, m: Machine, algo: str | None = None) -> float:
-    """A log-depth exchange among N ranks (``algo``, or whichever of ``LOG_DEPTH`` the
-    product's cost model, collectives/net_cost.py, prefers): its critical path counted by
-    ``net_cost.shape``, priced here as every network phase is (``lat`` per dependent round,
-    ``alpha`` per message sent, bytes through the rank and its node link, gamma per byte
-    reduced)."""
+    """A log-depth exchange among N ranks (``algo``, or the cheaper of ``LOG_DEPTH`` on
+    ``m``: what the product's cost model, collectives/net_cost.py, chooses on a link with
+    ``m``'s costs): its critical path counted by ``net_cost.shape``, priced here as every
+    network phase is (``lat`` per dependent round, ``alpha`` per message sent, bytes
+    through the rank and its node link, gamma per byte reduced), plus what a message above
+    the transport's eager size adds: the ACK frame its receiver sends (alpha) and its
+    sender's wait for it (lat)."""
     if N <= 1:
         return 0.0
     if algo is None:
-        algo = net_cost.cheapest("all_reduce", LOG_DEPTH, N, int(x), DEFAULT.link)
+        return min(log_depth(x, N, sharers, m, a) for a in LOG_DEPTH)
     sh = net_cost.shape("all_reduce", algo, N, int(x))
     net = m.net
     t_bytes = max(sh.bytes * net.beta_rank, sharers * sh.bytes * net.beta_link)
     if not net.duplex:
         t_bytes *= 2
-    return sh.rounds * net.lat + sh.sent * net.alpha + t_bytes + sh.reduced * m.intra.g
+    return ((sh.rounds + sh.acked) * net.lat + (sh.sent + sh.acks - sh.acked) * net.alpha
+            + t_bytes + sh.reduced * m.intra.g)
 
 
 def direct_exchange(x: float, N: int, sharers: int, m: Machine) -> float:

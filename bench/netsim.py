@@ -16,8 +16,9 @@ code runs, only the counts are kept, so 4096 ranks of 1 MiB cost no memory.
 It counts per rank: messages and bytes sent and received (a first message to a peer above
 ``net.PIGGYBACK_BYTES`` counts one more message, its call descriptor, as ``NetCall``
 sends it; one above ``net.ACKED_BYTES`` counts as acked: its ACK frame, which the cost
-model prices and the clock below does not), distinct peers, rounds on the critical path (``hops``: a Lamport clock, +1 per
-message along a chain of dependent messages), and predicts time with a ``net_cost.Link``:
+model prices and the clock below does not), distinct peers, rounds on the critical path
+(``hops``: a Lamport clock, +1 per message along a chain of dependent messages), and
+predicts time with a ``net_cost.Link``:
 a rank's clock advances by alpha per message it sends or receives, gamma per byte it
 reduces; a message leaves when the sender's link is free (beta per byte, one direction)
 and arrives lat later; a ``yield`` waits for the last arrival. A rank that waits for a

@@ -132,7 +132,9 @@ class Shape:
     reduced: float = 0.0
     copied: float = 0.0
     acks: float = 0.0  # ACK frames of messages above ACKED_BYTES, sent or received
-    acked: float = 0.0  # sends above ACKED_BYTES: each waits for its ack
+    # sends above ACKED_BYTES, each priced as a wait for its ack; the direct exchange counts
+    # one (its acks come back while it waits for its receives), the others every such send
+    acked: float = 0.0
     mean: Shape | None = None
 
     def time(self, link: Link, crowd: float = 0.0) -> float:

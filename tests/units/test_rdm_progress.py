@@ -1,6 +1,7 @@
 """The rdm progress engine's wait (transport/rdm/progress.py, "Waiting"): a waiting thread
 polls without sleeping first, yields, and only then sleeps in epoll; a background thread,
-and a waiter that may not spin (ranks outnumber cores), sleeps at once. The engine's real ``poll`` is replaced by one that records its timeouts."""
+and a waiter that may not spin (ranks outnumber cores), sleeps at once. The engine's real
+``poll`` is replaced by one that records its timeouts."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Every other fault is a cut; the others come in turn between them.
   rank's namespace: it ends at a rank's listening port) is destroyed with ``ss -K``, which
   resets it at both ends. Only one rail is cut at a time, so every pair keeps the others,
   and the next fault waits until the rails are back (the rank that dialed the lost one
-  dials it again: transport/rdm/driver.py, ``_heal``); a rail not back in ``HEAL_SECONDS``
+  dials it again: transport/rdm/dialing.py, ``Healer``); a rail not back in ``HEAL_SECONDS``
   fails the soak.
 * **flood**: from inside one node's namespace, a stranger opens connections to every
   rank's listener at a high rate for a moment, bounded in count: a third send garbage, a

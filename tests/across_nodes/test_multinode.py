@@ -601,7 +601,7 @@ def _groups_share_rails(rank, world):
     links = {}  # global rank of a partner -> the links the groups use to it
     for g in groups:
         net = g._get_backend(torch.device("cpu"))._net
-        for peer, link in net._link_of.items():
+        for peer, link in net.opening.link_of.items():
             partner = peer if g is dist.group.WORLD else dist.get_global_rank(g, peer)
             links.setdefault(partner, set()).add(id(link))
     ok = []

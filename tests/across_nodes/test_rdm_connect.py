@@ -59,7 +59,7 @@ def _consistent(a, b, rails):
     for i in range(rails):
         assert mine[i].alive and theirs[i].alive, i
         assert mine[i].sock.getsockname() == theirs[i].sock.getpeername(), i
-    assert not a._links and not b._links and not a._reserved and not b._reserved
+    assert not a.opening._links and not b.opening._links and not a.opening._reserved and not b.opening._reserved
 
 
 def _first_message_then_traffic_both_ways(ts):
@@ -207,7 +207,7 @@ def test_a_withdrawn_receive_is_told_to_a_peer_that_opens_its_rails_later():
         except PeerAborted:
             pass
         end = time.monotonic() + 10
-        while 1 not in ts[0]._failed:
+        while 1 not in ts[0].failed:
             assert time.monotonic() < end
             time.sleep(0.002)
         with pytest.raises(PeerAborted, match="withdrew a request"):
@@ -223,13 +223,13 @@ def test_a_crossing_dial_that_comes_in_after_the_rails_are_up_is_told_to_wait():
     the rails you already accepted), not refused: a refusal would fail the pair."""
     ts = _pair(open_rails=False)
     try:
-        real = ts[1]._may_dial
+        real = ts[1].opening.may_dial
 
         def late(rank, rail):
             if rank == 0:
                 time.sleep(0.3)
             return real(rank, rail)
-        ts[1]._may_dial = late
+        ts[1].opening.may_dial = late
         go = threading.Barrier(2)
 
         def run(t):
@@ -255,19 +255,19 @@ def test_a_rail_that_breaks_before_the_acceptor_took_the_last_one_costs_only_tha
     ts = _pair(open_rails=False)
     release = threading.Event()
     try:
-        real = ts[1]._accepted
+        real = ts[1].opening.accepted
 
         def late(sock, peer, index, session=b""):
             if index == 2:
                 release.wait(10)
             return real(sock, peer, index, session)
-        ts[1]._accepted = late
+        ts[1].opening.accepted = late
         ts[0].isend(1, 1, np.full(10, 1, np.uint8))  # rank 0 dials: its rails are up
         end = time.monotonic() + 10
         while None in ts[1]._rails.get(0, [None])[:2]:  # (its threads may finish in any order)
             assert time.monotonic() < end, "rank 1 did not take rails 0 and 1"
             time.sleep(0.002)
-        assert 0 not in ts[1]._up and (0, 2) in ts[1]._reserved
+        assert 0 not in ts[1]._up and (0, 2) in ts[1].opening._reserved
         ts[0]._rails[1][0].sock.shutdown(socket.SHUT_RDWR)
         while ts[1]._rails[0][0].alive:  # rank 1 sees rail 0 break
             assert time.monotonic() < end, "rank 1 did not see rail 0 break"
@@ -291,14 +291,14 @@ def test_a_rail_that_breaks_before_the_dialer_took_the_last_one_costs_only_that_
     release, taking_last = threading.Event(), threading.Event()
     last = ts[0].nrails - 1
     try:
-        real = ts[0]._add_rail
+        real = ts[0].opening.add_rail
 
-        def late(sock, peer, index, session=b"", dialer=False):
+        def late(conn, peer, index, dialer):
             if index == last:
                 taking_last.set()
                 release.wait(10)
-            return real(sock, peer, index, session, dialer)
-        ts[0]._add_rail = late
+            return real(conn, peer, index, dialer)
+        ts[0].opening.add_rail = late
         errors = []
 
         def first_send():

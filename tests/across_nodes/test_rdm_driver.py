@@ -43,7 +43,7 @@ def _pair(rails=3, segment_bytes=256 << 10, crc=False, world=2, group=GROUP, ope
     if open_rails:
         for hi, t in enumerate(ts):
             for lo in range(hi):
-                t._open_rails(lo)
+                t.opening.open(lo)
         end = time.monotonic() + 10  # (the acceptor adds the last rail just after the dialer)
         while not all(len(t._up) == world - 1 for t in ts):
             assert time.monotonic() < end, "rails not up in time"
@@ -163,7 +163,7 @@ def test_an_oversized_message_fails_at_once_on_both_sides_and_the_stream_goes_on
             x.isend(y.rank, 5, src).wait(time.monotonic() + 10)
             r.wait(time.monotonic() + 10)
             assert np.array_equal(src, dst)
-        assert not a._failed and not b._failed and not buf.any()
+        assert not a.failed and not b.failed and not buf.any()
         assert a.stats()["retransmits"] == 0
     finally:
         for t in ts:
@@ -225,7 +225,7 @@ def test_rails_cut_one_after_another_heal_and_carry_traffic_again():
             time.sleep(0.0002)
         r.wait(time.monotonic() + 30)
         assert np.array_equal(src, dst) and spread == {0, 1, 2}, spread
-        assert not b._healing and all(not t.is_alive() for t in b._threads)
+        assert not b.opening._healer.healing and all(not t.is_alive() for t in b.opening._healer.threads)
     finally:
         for t in ts:
             t.close()
@@ -255,9 +255,9 @@ def test_last_message_of_a_peer_that_closed_is_still_delivered():
         a.isend(1, 5, np.arange(40, dtype=np.uint8)).wait(time.monotonic() + 5)
         a.close()
         deadline = time.monotonic() + 10
-        while 0 not in b._failed and time.monotonic() < deadline:
+        while 0 not in b.failed and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert 0 in b._failed, "the receiver never noticed the sender closing"
+        assert 0 in b.failed, "the receiver never noticed the sender closing"
         buf = np.zeros(40, np.uint8)
         b.irecv(0, 5, buf).wait(time.monotonic() + 5)
         assert np.array_equal(buf, np.arange(40, dtype=np.uint8))
@@ -297,8 +297,8 @@ def test_a_receiver_that_closes_at_once_still_acks_the_last_message(monkeypatch)
 
 
 def test_copy_pool_reuses_only_buffers_nothing_points_into():
-    from neuron_dist.transport.rdm.driver import _CopyPool
-    pool = _CopyPool(limit=3 << 16)
+    from neuron_dist.transport.rdm.pending import CopyPool
+    pool = CopyPool(limit=3 << 16)
     a = pool.take(40_000)
     assert len(a) == 1 << 16  # size classes are powers of two
     view = memoryview(a)[:10]  # a resend still queued on a rail
@@ -630,7 +630,7 @@ def test_crc_catches_corruption_and_the_rail_is_dropped(caplog):
         # a path that corrupts data is not used again: rank 1 dials it again (it saw the
         # connection close), and rank 0, which found the corruption, does not take it
         time.sleep(0.5)
-        link = ts[0]._link_of[1]
+        link = ts[0].opening.link_of[1]
         assert link.untrusted == {0} and not link.rails[0].alive and link.rails[1].alive
         assert ts[0].stats().get("rails_restored", 0) == ts[1].stats().get("rails_restored", 0) == 0
     finally:
@@ -772,7 +772,7 @@ def test_a_withdrawn_receive_gets_nothing_and_both_ranks_are_told(pair):
         pair[0].isend(1, 7, np.full(300_000, 7, np.uint8))
     except PeerAborted:
         pass
-    _until(lambda: 1 in pair[0]._failed)
+    _until(lambda: 1 in pair[0].failed)
     with pytest.raises(PeerAborted, match="withdrew a request"):
         pair[0].isend(1, 7, np.ones(3, np.uint8))
     with pytest.raises(PeerTimeout, match="did not send it"):
@@ -799,8 +799,8 @@ def test_a_withdrawn_send_leaves_the_callers_buffer_alone(pair):
         assert not any(m.data.obj is obj for m in pair[0].ep._peers[1].open.values())
     with pytest.raises(PeerTimeout, match="did not take it"):
         req.wait(time.monotonic() + 1)
-    _until(lambda: 0 in pair[1]._failed)
-    assert isinstance(pair[1]._failed[0], PeerAborted)
+    _until(lambda: 0 in pair[1].failed)
+    assert isinstance(pair[1].failed[0], PeerAborted)
 
 
 def test_a_receive_being_read_is_withdrawn_at_once_and_nothing_lands_later(pair, monkeypatch):
@@ -1040,8 +1040,8 @@ def test_a_rail_granted_to_a_handshake_that_then_fails_is_given_back():
     # pair then opens its rails and talks
     ts = _pair(rails=2, open_rails=False)
     try:
-        assert ts[1]._may_dial(0, 0) is True and ts[1]._may_dial(0, 0) is False
-        ts[1]._release(0, 0)
+        assert ts[1].opening.may_dial(0, 0) is True and ts[1].opening.may_dial(0, 0) is False
+        ts[1].opening.release(0, 0)
         got = np.zeros(10, np.uint8)
         r = ts[1].irecv(0, 1, got)
         ts[0].isend(1, 1, np.full(10, 7, np.uint8))
@@ -1104,7 +1104,7 @@ def test_a_message_that_landed_in_a_withdrawn_receive_goes_to_nobody(pair):
     anyone = pair[1].irecv_any(6, np.zeros(4, np.uint8))
     landed = memoryview(bytearray(b"late"))
     with pair[1]._lock:
-        pair[1]._on_message(MessageReceived(0, 6, 0, landed, True))
+        pair[1].pending.on_message(MessageReceived(0, 6, 0, landed, True))
     assert not anyone.test()
     pair[0].isend(1, 6, np.full(4, 3, np.uint8))
     anyone.wait(time.monotonic() + 5)
@@ -1456,9 +1456,9 @@ def test_a_failing_progress_thread_closes_its_transports_naming_why():
             eng._last_wait = 0.0
             eng._idle.notify()
         end = time.monotonic() + 10
-        while not all(t._closed for t in ts) and time.monotonic() < end:
+        while not all(t.closed for t in ts) and time.monotonic() < end:
             time.sleep(0.01)
-        assert all(t._closed for t in ts)
+        assert all(t.closed for t in ts)
         for t in ts:
             with pytest.raises(TransportError, match="progress engine failed.*injected"):
                 t.irecv(1 - t.rank, 5, bytearray(1))

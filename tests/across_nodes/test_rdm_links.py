@@ -70,8 +70,8 @@ def test_a_second_group_joins_the_rails_of_the_first():
         assert _sockets() == 2 * 3
         _exchange(g2, 1000)
         assert _sockets() == 2 * 3  # no connection of its own
-        ends = {id(g1[0]._link_of[1]), id(g1[1]._link_of[0])}
-        assert {id(g2[0]._link_of[1]), id(g2[1]._link_of[0])} == ends  # one end each
+        ends = {id(g1[0].opening.link_of[1]), id(g1[1].opening.link_of[0])}
+        assert {id(g2[0].opening.link_of[1]), id(g2[1].opening.link_of[0])} == ends  # one end each
         # both groups at once, large and small messages, both ways: every byte where it belongs
         threads = [threading.Thread(target=_exchange, args=(g, n, tag, seed))
                    for seed, (g, n, tag) in enumerate([(g1, 6 << 20, 1), (g2, 6 << 20, 1),
@@ -137,12 +137,12 @@ def test_a_rail_that_breaks_is_lost_to_every_group_and_no_byte_is_lost():
     try:
         _exchange(g1, 1000)
         _exchange(g2, 1000)
-        link = g1[0]._link_of[1]
+        link = g1[0].opening.link_of[1]
         link.rails[1].sock.shutdown(socket.SHUT_RDWR)
-        _until(lambda: not g1[1]._link_of[0].rails[1].alive)
+        _until(lambda: not g1[1].opening.link_of[0].rails[1].alive)
         for g in (g1, g2):
             _exchange(g, 4 << 20, seed=3)
-        assert g1[0]._link_of[1] is link and g2[0]._link_of[1] in (link, g1[1]._link_of[0])
+        assert g1[0].opening.link_of[1] is link and g2[0].opening.link_of[1] in (link, g1[1].opening.link_of[0])
     finally:
         _close(g1, g2)
 
@@ -152,12 +152,12 @@ def test_a_rail_that_breaks_heals_for_every_group_on_the_link():
     try:
         _exchange(g1, 1000)
         _exchange(g2, 1000)
-        link = g1[0]._link_of[1]
+        link = g1[0].opening.link_of[1]
         assert _sockets() == 2 * 3
         link.rails[2].sock.shutdown(socket.SHUT_RDWR)
         _until(lambda: all(t.stats().get("rails_restored", 0) == 1 for t in g1 + g2))
         _until(lambda: all(r.alive for r in link.rails) and all(
-            r.alive for r in g1[1]._link_of[0].rails))
+            r.alive for r in g1[1].opening.link_of[0].rails))
         assert _sockets() == 2 * 3  # (the broken connection is gone, its successor in place)
         for g in (g1, g2):
             assert g[0].ep._peers[1].rails == g[1].ep._peers[0].rails == [True] * 3
@@ -166,7 +166,7 @@ def test_a_rail_that_breaks_heals_for_every_group_on_the_link():
         g3 = _group(b"three")
         try:
             _exchange(g3, 1000)
-            assert g3[0]._link_of[1] in (link, g1[1]._link_of[0]) and _sockets() == 2 * 3
+            assert g3[0].opening.link_of[1] in (link, g1[1].opening.link_of[0]) and _sockets() == 2 * 3
         finally:
             _close(g3)
     finally:
@@ -178,14 +178,14 @@ def test_a_join_with_a_wrong_proof_is_ignored(caplog):
     g1, g2 = _group(b"real"), _group(b"target")
     try:
         _exchange(g1, 1000)
-        link = g1[0]._link_of[1]
+        link = g1[0].opening.link_of[1]
         with g1[0]._lock:
             for rail in link.rails:
                 link.send_block(rail, links.JOIN, 0, 1, g2[1]._context, os.urandom(32))
         _until(lambda: "ignored a JOIN" in caplog.text)
         with g2[1]._lock:
-            assert 0 not in g2[1]._links and 0 not in g2[1]._up
-            assert all(c != g2[1]._context for c, _ in g1[1]._link_of[0].members)
+            assert 0 not in g2[1].opening._links and 0 not in g2[1]._up
+            assert all(c != g2[1]._context for c, _ in g1[1].opening.link_of[0].members)
         _exchange(g2, 1000)  # the real rank 0 joins as usual
         _exchange(g1, 1000)
     finally:
@@ -196,7 +196,7 @@ def test_frames_of_a_group_that_is_not_there_are_read_and_dropped():
     g1 = _group(b"here")
     try:
         _exchange(g1, 1000)
-        link = g1[0]._link_of[1]
+        link = g1[0].opening.link_of[1]
         stray = links.prefix_of(12345) + F.encode(F.DATA, 0, 1, tag=1,
                                                   payload=os.urandom(200_000))
         with g1[0]._lock:
@@ -219,19 +219,19 @@ def test_a_join_whose_link_breaks_opens_rails_of_its_own(monkeypatch):
             real(self, rail, kind, *args)
     try:
         _exchange(g1, 1000)
-        link = g1[0]._link_of[1]
+        link = g1[0].opening.link_of[1]
         monkeypatch.setattr(links.Link, "send_block", no_joins)
         got = np.zeros(100, np.uint8)
         r = g2[1].irecv(0, 1, got)
         sender = threading.Thread(target=lambda: g2[0].isend(1, 1, np.full(100, 7, np.uint8)))
         sender.start()
-        _until(lambda: 1 in g2[0]._joins)  # joining, and never answered
+        _until(lambda: 1 in g2[0].opening._joins)  # joining, and never answered
         with g1[0]._lock:
             link.rail_down(link.rails[0], "cut by the test")
         sender.join(10)
         r.wait(time.monotonic() + 10)
         assert (got == 7).all()
-        assert g2[0]._link_of[1] is not link
+        assert g2[0].opening.link_of[1] is not link
         _until(lambda: _sockets() == 2 * 3 + 2 * 3 - 2)  # (the far end of the cut sees it)
     finally:
         _close(g1, g2)
@@ -248,7 +248,7 @@ def test_groups_whose_ranks_open_rails_at_once_agree_on_one_link():
             g = _group(b"racer-%d" % i)
             groups.append(g)
             _exchange(g, 10_000 * (i + 1), seed=i)
-            a, b = g[0]._link_of[1], g[1]._link_of[0]
+            a, b = g[0].opening.link_of[1], g[1].opening.link_of[0]
             assert a is not b
             assert [r.sock.getsockname() for r in a.rails] == [r.sock.getpeername() for r in b.rails]
         assert _sockets() == 2 * 3
@@ -300,7 +300,7 @@ def test_a_join_that_comes_before_the_peer_knows_its_group_waits_for_it():
         ts[0].connect(addrs, time.monotonic() + 10)  # rank 1 has not called connect() yet
         sender = threading.Thread(target=lambda: ts[0].isend(1, 1, np.full(10, 3, np.uint8)))
         sender.start()
-        _until(lambda: ts[1]._early_joins)
+        _until(lambda: ts[1].opening._early_joins)
         ts[1].connect(addrs, time.monotonic() + 10)
         got = np.zeros(10, np.uint8)
         ts[1].irecv(0, 1, got).wait(time.monotonic() + 10)
@@ -323,29 +323,29 @@ def test_a_join_and_a_dial_that_cross_keep_the_higher_ranks_choice(monkeypatch):
     try:
         _exchange(g1, 1000)
         lo, hi = g2
-        link_lo, link_hi = lo._joinable(1), hi._joinable(0)
+        link_lo, link_hi = lo.opening._joinable(1), hi.opening._joinable(0)
         with hi._lock:
-            hi._start_join(0, link_hi)
-            assert hi._may_dial(0, 0) is handshake.CROSSED  # the lower rank's dial yields
-            lo._start_join(1, link_lo)
-            assert lo._may_dial(1, 0) is True  # the higher rank's dial wins over our join
-            assert 1 not in lo._joins and (lo._context, 0) not in link_lo.members
-            lo._release(1, 0)
-            hi._abandon_join(0)
+            hi.opening._start_join(0, link_hi)
+            assert hi.opening.may_dial(0, 0) is handshake.CROSSED  # the lower rank's dial yields
+            lo.opening._start_join(1, link_lo)
+            assert lo.opening.may_dial(1, 0) is True  # the higher rank's dial wins over our join
+            assert 1 not in lo.opening._joins and (lo._context, 0) not in link_lo.members
+            lo.opening.release(1, 0)
+            hi.opening._abandon_join(0)
             # a dialing rank and a JOIN: the lower one takes the higher one's JOIN ...
-            lo._links[1] = "dialing"
+            lo.opening._links[1] = "dialing"
             rail = link_lo.rails[0]
-            lo._on_join(link_lo, rail, 1, handshake.join_proof(KEY, b"crossing", rail.session,
+            lo.opening.on_join(link_lo, rail, 1, handshake.join_proof(KEY, b"crossing", rail.session,
                                                               1, 0, 0))
-            assert lo._links[1] == "joining" and lo._joins[1].heard == {0}
-            lo._abandon_join(1)
+            assert lo.opening._links[1] == "joining" and lo.opening._joins[1].heard == {0}
+            lo.opening._abandon_join(1)
             # ... the higher one ignores the lower one's
-            hi._links[0] = "dialing"
+            hi.opening._links[0] = "dialing"
             rail = link_hi.rails[0]
-            hi._on_join(link_hi, rail, 0, handshake.join_proof(KEY, b"crossing", rail.session,
+            hi.opening.on_join(link_hi, rail, 0, handshake.join_proof(KEY, b"crossing", rail.session,
                                                               0, 1, 0))
-            assert hi._links[0] == "dialing" and 0 not in hi._joins
-            del hi._links[0]
+            assert hi.opening._links[0] == "dialing" and 0 not in hi.opening._joins
+            del hi.opening._links[0]
         monkeypatch.undo()
         _exchange(g2, 1000)  # and the pair still opens its rails and talks
         _exchange(g1, 1000)
@@ -354,8 +354,8 @@ def test_a_join_and_a_dial_that_cross_keep_the_higher_ranks_choice(monkeypatch):
 
 
 def test_a_join_nobody_answers_fails_like_a_stalled_handshake(monkeypatch):
-    from neuron_dist.transport.rdm import driver
-    monkeypatch.setattr(driver, "HANDSHAKE_TIMEOUT", 0.5)
+    from neuron_dist.transport.rdm import opening
+    monkeypatch.setattr(opening, "HANDSHAKE_TIMEOUT", 0.5)
     real = links.Link.send_block
     monkeypatch.setattr(links.Link, "send_block",  # (the peer never hears it: stalled)
                         lambda self, rail, kind, *a: None if kind == links.JOIN else
@@ -384,7 +384,7 @@ def test_a_send_that_fails_with_its_peer_leaves_nothing_queued_that_reads_its_bu
     try:
         _exchange(g1, 1000)
         _exchange(g2, 1000)
-        rails = g2[0]._link_of[1].rails  # (rank 0's end of the link g2 uses)
+        rails = g2[0].opening.link_of[1].rails  # (rank 0's end of the link g2 uses)
         held = {r.sock for r in rails}
         monkeypatch.setattr(links, "_send_some", lambda sock, views: (
             (_ for _ in ()).throw(BlockingIOError()) if sock in held else real(sock, views)))
@@ -414,7 +414,7 @@ def test_sends_failed_by_a_withdrawal_leave_nothing_queued_that_reads_their_buff
     real = links._send_some
     try:
         _exchange(g, 1000)
-        rails = g[0]._link_of[1].rails
+        rails = g[0].opening.link_of[1].rails
         held = {r.sock for r in rails}
         monkeypatch.setattr(links, "_send_some", lambda sock, views: (
             (_ for _ in ()).throw(BlockingIOError()) if sock in held else real(sock, views)))

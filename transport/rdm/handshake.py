@@ -19,7 +19,7 @@ at once, naming the reason (``HandshakeError``). A connection that ends without 
 was dropped, not refused (the listener sheds unfinished handshakes under a flood of
 strangers, listener.py): the dialer sees ``HandshakeDropped`` and dials again.
 
-Rails are opened on first use, by the rank that sends first (driver.py), so two ranks may
+Rails are opened on first use, by the rank that sends first (opening.py), so two ranks may
 dial each other at once. The acceptor that is itself dialing the dialer and has the higher
 rank answers CROSSED instead of OK: its own rails will be the pair's, and the dialer
 (``Crossed``) waits for them instead of opening its own.
@@ -58,12 +58,12 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from typing_extensions import TypeAlias
 
-    from .driver import RdmTransport
+    from .opening import RailOpening
 
     # ``resolve(group_id, dst)``: ``(owner, key, group, may_dial, release)`` of the group
     # and rank dialled, or None (see ``accept``)
     Resolve: TypeAlias = Callable[
-        [bytes, int], tuple[RdmTransport, bytes, bytes, Callable[[int, int], bool | bytes],
+        [bytes, int], tuple[RailOpening, bytes, bytes, Callable[[int, int], bool | bytes],
                             Callable[[int, int], None]] | None]
 
 MAGIC = b"NRH2"
@@ -189,7 +189,7 @@ def _until(sock: socket.socket, deadline: float) -> None:
 
 def accept(sock: socket.socket, resolve: Resolve, deadline: float | None = None,
            progress: Callable[[int], None] | None = None
-           ) -> tuple[RdmTransport, int, int, bytes]:
+           ) -> tuple[RailOpening, int, int, bytes]:
     """Authenticate a dialer on the accepted ``sock``; return ``(owner, rank, rail,
     session)``, ``session`` being the connection's ``session_key``.
 

@@ -3,7 +3,7 @@
 How it works
 ------------
 A *link* is the set of ``rails`` TCP connections between two processes (rail ``i`` at
-both ends). The first group of the pair that talks opens it (driver.py: dial, handshake,
+both ends). The first group of the pair that talks opens it (opening.py: dial, handshake,
 crossing rules); every later group of the same two processes *joins* it in band instead of
 opening connections of its own, so a process holds one set of rails per peer process, not
 one per group and peer.
@@ -32,7 +32,7 @@ Context 0 carries the link's own 64-byte control blocks::
                                | src | dst | rail)  (handshake.join_proof)
      56   8  zero
 
-* **JOIN** (driver.py, ``RdmTransport._on_join``): a group that wants rails to a peer whose
+* **JOIN** (opening.py, ``RailOpening.on_join``): a group that wants rails to a peer whose
   process it already has a link to sends a JOIN on every rail of the link, proving with its
   own group's key that it is rank ``src`` of that group (the proof names the rail's session
   key, so it is worth nothing on another connection). The peer checks the proof with its
@@ -52,7 +52,7 @@ Context 0 carries the link's own 64-byte control blocks::
 
 A rail that breaks is lost to every group on the link: each one's endpoint resends on its
 remaining rails. While one rail is left, the process that dialed the link dials the lost
-one again, with a growing pause (driver.py, ``_heal``), and the peer takes the new
+one again, with a growing pause (dialing.py, ``Healer``), and the peer takes the new
 connection as that rail (its old one must have broken there too): every group's endpoint
 then sends on it again. A rail closed because its bytes could not be trusted (a malformed,
 corrupted or unauthenticated frame) is not dialed again. All of this runs under the process's one network lock (progress.py), so
@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from .progress import Progress
     from .railmac import RailMac
 
-    # what a link to a peer's process matches (``RdmTransport._link_key``): the addresses
+    # what a link to a peer's process matches (``RailOpening.link_key``): the addresses
     # at both ends, the number of rails, the frame authentication
     LinkKey: TypeAlias = tuple[tuple[str, ...], str, int, tuple[bool, bool]]
 
@@ -219,8 +219,8 @@ class Link:
 
     def reaches(self, key: LinkKey) -> bool:
         """Does this link go to the process a group with link key ``key`` names (the key
-        its members compute for their peers: ``RdmTransport._link_key``)?"""
-        return any(t._link_key(p) == key for t, p in self.members.values())
+        its members compute for their peers: ``RailOpening.link_key``)?"""
+        return any(t.opening.link_key(p) == key for t, p in self.members.values())
 
     def joinable(self, context: int) -> bool:
         """May a group (``context``) join this link now? (Not a group it carries already:
@@ -253,7 +253,7 @@ class Link:
                     log.exception("neuron %s: reading rail %d failed", self.label, rail.index)
                     self.rail_down(rail, f"reader failed: {type(e).__name__}: {e}")
                 for t in touched:  # (the members that took frames and have work left)
-                    if not t._closed:
+                    if not t.closed:
                         t._pump()
 
     # -------------------------------------------------------------- reading
@@ -513,7 +513,7 @@ class Link:
             t._rail_lost(rail, peer, reason, t is claimed)
         if heal and self.dialer and self.healable():
             t, peer = next(iter(self.members.values()))
-            t._heal(self, peer, rail.index)
+            t.opening.heal(self, peer, rail.index)
 
     def healable(self) -> bool:
         """Is this link one whose lost rails are worth dialing again: in use, not closing,
@@ -538,11 +538,11 @@ class Link:
                          "(closed already?)", self.label, rail.index)
                 self.send_block(rail, LEAVE, dst, src, context)
                 return
-            t._on_join(self, rail, src, proof)
+            t.opening.on_join(self, rail, src, proof)
         else:
             m = self.members.get((context, dst))
             if m is not None and m[1] == src:
-                m[0]._on_leave(self, rail, src)
+                m[0].opening.on_leave(self, rail, src)
 
 
 

@@ -4,7 +4,7 @@ transport) of the process.
 A rank publishes this address for each of its groups; peers dial it and name, in the
 handshake, the group and rank they want (handshake.py). ``resolve(group_id, rank)`` finds
 that group's transport, whose key checks the proof; the authenticated connection becomes
-a rail of that transport (``_accepted``). Each connection gets a thread for its
+a rail of that transport (``RailOpening.accepted``). Each connection gets a thread for its
 handshake, with one deadline for the whole of it; at most ``MAX_HANDSHAKES`` may be
 unfinished at once, and an error from ``accept`` (out of descriptors, a connection reset
 before it was taken) is retried with a growing pause, never the end of the loop.
@@ -19,7 +19,7 @@ then the oldest: idle and stalled connections go, a dialer whose proof is on its
 not. A connection younger than that which has sent nothing looks like an idle stranger,
 yet may be a dialer one round trip from sending its proof: so when every unfinished
 handshake is that young (or proven), the new connection is closed at once instead. A
-dialer whose connection is closed before an answer dials again (driver.py), a refused
+dialer whose connection is closed before an answer dials again (dialing.py), a refused
 one is told why (handshake.py). Garbage ends a connection at once, and the handshake
 deadline still bounds every connection.
 """
@@ -250,13 +250,13 @@ class Listener:
             evicted = self._handshakes.pop(conn, None) is None
         if evicted:  # (dropped just after its OK went out: the dialer's new rail breaks)
             conn.close()
-            owner._release(peer, rail)
+            owner.release(peer, rail)
             return
         try:
-            owner._accepted(conn, peer, rail, session)
+            owner.accepted(conn, peer, rail, session)
         except Exception as e:  # noqa: BLE001 - never end this thread silently
             log.exception("neuron listener: taking rail %d of rank %d failed", rail, peer)
             conn.close()
-            owner._release(peer, rail)
+            owner.release(peer, rail)
             self._strangers.note(f"could not take a rail from rank {peer}: {e!r}",
                                  level=logging.WARNING)

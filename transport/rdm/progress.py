@@ -78,6 +78,7 @@ from .listener import Listener
 
 if TYPE_CHECKING:
     from .driver import RdmTransport
+    from .opening import RailOpening
     from .handshake import Resolve
     from .links import Link, LinkKey, Rail
 
@@ -177,11 +178,14 @@ class Progress:
                 return link
         return None
 
-    def _resolve(self, gid: bytes, rank: int) -> tuple[RdmTransport, bytes, bytes, Callable[
+    def _resolve(self, gid: bytes, rank: int) -> tuple[RailOpening, bytes, bytes, Callable[
             [int, int], bool | bytes], Callable[[int, int], None]] | None:
         with self._lock:
             t = self._groups.get((gid, rank))
-        return None if t is None else (t, t._key, t._group, t._may_dial, t._release)
+        if t is None:
+            return None
+        o = t.opening
+        return o, o.key, o.group, o.may_dial, o.release
 
     def register(self, fd: int, handler: Link, rail: Rail, events: int) -> None:
         """Tell ``handler`` (a link) when ``rail`` is ready (``_in_bulk``, ``_on_ready``)."""

@@ -383,7 +383,7 @@ def _eager_stream_acked(a, b, bufs, tag):
     assert all(np.array_equal(g, x) for g, x in zip(got, bufs))
     b.ep.release_acks()  # (acks of small messages may wait up to ack_delay)
     with b._lock:
-        b._pump()
+        b.wire.pump()
     deadline = time.monotonic() + 10
     while a._copies and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -1126,7 +1126,7 @@ def _count_whole(monkeypatch):
 
 @pytest.mark.parametrize("mac", [False, True])
 def test_small_messages_land_alike_in_one_step_and_on_the_general_path(monkeypatch, mac):
-    """The one-step path (``_take_whole``: a whole small frame landed and its receive
+    """The one-step path (``Wire.take_whole``: a whole small frame landed and its receive
     completed with no event) and the general one it bypasses (with frame authentication,
     every frame; and every case ``take_whole`` declines) deliver the same: receives posted
     before their messages come and after, sizes that match their receives and that do not,

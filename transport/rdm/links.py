@@ -254,7 +254,7 @@ class Link:
                     self.rail_down(rail, f"reader failed: {type(e).__name__}: {e}")
                 for t in touched:  # (the members that took frames and have work left)
                     if not t.closed:
-                        t._pump()
+                        t.wire.pump()
 
     # -------------------------------------------------------------- reading
 
@@ -269,7 +269,7 @@ class Link:
         visit that has read ``_VISIT_BYTES`` (epoll reports the socket again).
 
         A frame that starts in the read-ahead buffer is first offered whole to its member
-        (``RdmTransport._take_whole``: a small message, landed and delivered in one step,
+        (``Wire.take_whole``: a small message, landed and delivered in one step,
         header unread by this link); what it declines is read stage by stage (``advance``).
         """
         sock, inbuf, hview = rail.sock, rail.inbuf, rail.hview
@@ -288,7 +288,7 @@ class Link:
                         lo = rail.lo
                         member = members.get(_ROUTE.unpack_from(inbuf, lo))
                         if member is not None:
-                            end = member[0]._take_whole(rail, member[1], inbuf, lo, rail.hi,
+                            end = member[0].wire.take_whole(rail, member[1], inbuf, lo, rail.hi,
                                                         touched)
                             if end:
                                 rail.lo = end
@@ -338,7 +338,7 @@ class Link:
     def advance(self, rail: Rail, touched: set[RdmTransport]) -> None:
         """Under the lock: the current stage of ``rail``'s frame is read; go to the next.
         A header (after its tag, with authentication) names the frame's member: the rest
-        of the frame is that member's (``RdmTransport._on_header``, ``_on_stage``)."""
+        of the frame is that member's (``Wire.on_header``, ``on_stage``)."""
         stage = rail.stage
         if stage == _HEADER:
             if rail.mac is not None:
@@ -360,7 +360,7 @@ class Link:
             t, rail.rpeer = member
             rail.reader = t
             touched.add(t)
-            t._on_header(rail)
+            t.wire.on_header(rail)
             return
         if stage == _SKIP:
             rail.skip -= rail.view.nbytes
@@ -371,7 +371,7 @@ class Link:
             return
         # (past a header: the rail has a reader until its frame is read)
         touched.add(rail.reader)  # type: ignore[arg-type]
-        rail.reader._on_stage(rail)  # type: ignore[union-attr]
+        rail.reader.wire.on_stage(rail)  # type: ignore[union-attr]
 
     def _skip(self, rail: Rail) -> None:
         """Under the lock: read the frame whose header is in ``rail.hbuf`` and drop it."""

@@ -22,8 +22,8 @@ last group closes them.
 
 Everything here runs under the process's network lock (progress.NET_LOCK) except the
 dials themselves. What the transport learns from it comes through a few calls on the
-transport: ``check_usable``, ``fail_peer``, ``peer_up``, ``rail_failed`` and
-``rail_restored``; its ``closed`` and ``failed`` say whether it still talks to a peer.
+transport: ``check_usable``, ``fail_peer``, ``rail_failed``, ``rail_restored`` and its
+abort notices' ``rails_up``; its ``closed`` and ``failed`` say whether it still talks to a peer.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class RailOpening:
             with owner._lock:
                 if peer in self.up:
                     return True
-                if not (notice and owner.has_notice(peer) and not owner.closed):
+                if not (notice and owner.notices.waiting_for(peer) and not owner.closed):
                     owner.check_usable(peer)
                 if dial_ and peer not in self._links:
                     link = self._joinable(peer)
@@ -456,7 +456,7 @@ class RailOpening:
         """Under the lock: every rail to ``peer`` is open (or joined) for this group."""
         self.up.add(peer)
         self._links.pop(peer, None)
-        self.owner.peer_up(peer)
+        self.owner.notices.rails_up(peer)
         self._connected.notify_all()
 
     # ------------------------------------------------------------------ losing rails

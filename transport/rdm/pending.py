@@ -286,7 +286,7 @@ class Pending:
         """Does a pending request need the engine to move while nobody waits on it: a
         receive larger than ``eager_bytes`` (its sender's request completes only when this
         end reads it), or a request with a completion callback? Read without the lock,
-        from snapshots: a hint (``RdmTransport._bulk_pending``)."""
+        from snapshots: a hint (``Wire.bulk_pending``)."""
         for req in list(self.positions):
             if req.nbytes > eager_bytes or req.callback is not None:
                 return True

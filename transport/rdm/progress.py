@@ -6,7 +6,7 @@ Rails are non-blocking sockets registered here (``register``), each with the lin
 rails to one peer process, shared by the groups that have both processes: links.py) it
 belongs to. ``poll(timeout)`` waits in ``epoll`` until a rail is readable or writable, or a
 transport's timer (a retransmission, held acks) is due, and lets the link or transport
-handle it (``_on_ready``; ``_on_tick`` once the transport's ``_due`` has passed) under
+handle it (``_on_ready``; ``Wire.on_tick`` once the transport's ``wire.due`` has passed) under
 the process's one network lock (``NET_LOCK``: a rail carries several groups' frames, so
 their transports share it). The engine also keeps the links other groups may join
 (``publish``, ``find_link``).
@@ -25,7 +25,7 @@ costs two thread wake-ups, so the background thread holds back as long as it can
 * ``_LINGER_BULK`` (2 ms) when a transport has work that only progress moves on and that
   someone waits for without driving it: bytes queued behind a full socket, a message part
   way (held back by the window, or partly received), a posted receive larger than an eager message (its sender waits for the
-  acknowledgement), a request with a completion callback (``RdmTransport._bulk_pending``).
+  acknowledgement), a request with a completion callback (``Wire.bulk_pending``).
   The transport calls ``kick`` when such work appears.
 * ``_LINGER_IDLE`` (100 ms) otherwise: what is left then (held acks, small messages that
   arrive before their receive, the ack of a send that will be waited for) waits in socket
@@ -221,7 +221,7 @@ class Progress:
 
     def _bulk_waiting(self) -> bool:
         """Under ``_lock``: does a transport have bulk work that only progress moves on?"""
-        return any(t._bulk_pending() for t in self._transports)
+        return any(t.wire.bulk_pending() for t in self._transports)
 
     def wake(self) -> None:
         """Make the thread in ``epoll`` (if any) return now."""
@@ -246,7 +246,7 @@ class Progress:
         if timeout > 0:  # (a poll that does not sleep needs no deadline and no waking)
             now = time.monotonic()
             for t in self._transports:
-                due = t._due
+                due = t.wire.due
                 if due is not None and due - now < timeout:
                     timeout = max(0.0, due - now)
             self._poll_until = now + timeout
@@ -286,9 +286,9 @@ class Progress:
             handler[0]._on_ready(handler[1], mask)
         now = time.monotonic()
         for t in list(self._transports):
-            due = t._due
+            due = t.wire.due
             if due is not None and now >= due:
-                t._on_tick(now)
+                t.wire.on_tick(now)
 
     def _drain_wake(self) -> None:
         try:

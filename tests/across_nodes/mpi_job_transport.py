@@ -343,8 +343,8 @@ def check_tag_conflict(t: MpiTransport) -> None:
     """Two large tags on one MPI tag: the sender refuses the second towards the same peer;
     a receiver fails a receive whose MPI tag the peer announced for another tag."""
     t1 = BIG_TAG + 100
-    t2 = t1 + t._modulus
-    assert t._mpi_tag(t1) == t._mpi_tag(t2)
+    t2 = t1 + t.matcher.modulus
+    assert t.matcher.mpi_tag(t1) == t.matcher.mpi_tag(t2)
     if RANK == 0:
         t.isend(1, t1, b"abc").wait(deadline())
         try:

@@ -25,7 +25,7 @@ here.
 * ``close``: as ``receive``, but rank 1 closes its transport with an error instead of
   cancelling (``close(error)`` fails pending requests): the job must end in ``close``.
 * ``notice``: rank 0 posts an 8 MiB send to rank 1 and stops; rank 1's receive is matched,
-  and rank 1 fails rank 0 as an abort notice from it does (``_fail_peer``: a real notice
+  and rank 1 fails rank 0 as an abort notice from it does (``fail_peer``: a real notice
   cannot overtake the message's data on one node), and lets rank 0 go on 0.1 s later. The
   receive fails with ``PeerAborted`` only once MPI has finished with its buffer: a
   sentinel rank 1 writes into it after the failure stays intact.
@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from transport.errors import PeerAborted, PeerTimeout, TransportError  # noqa: E402
 from transport.mpi import MpiTransport, mpi_lock  # noqa: E402
-from transport.mpi import driver  # noqa: E402
+from transport.mpi import orphans  # noqa: E402
 
 import mpi_job_common as common  # noqa: E402
 
@@ -101,8 +101,8 @@ def matched(t: MpiTransport, peer: int, tag: int):
     """A condition: MPI has matched the receive posted on ``(peer, tag)``."""
     def cond() -> bool:
         with t._lock:
-            t._poll()
-            return (peer, tag) not in t._recvq
+            t.poll()
+            return (peer, tag) not in t.matcher.recvq
     return cond
 
 
@@ -111,10 +111,9 @@ def drain(t: MpiTransport) -> None:
     do this at once: the message moves on only while both make MPI calls)."""
     def done() -> bool:
         with t._lock:
-            t._poll()
-            driver._sweep_orphans(MPI)
-            with driver._ORPHANS_LOCK:
-                return not driver._ORPHANS and not t._reqs
+            t.poll()
+            orphans.sweep(MPI)
+            return not orphans.ORPHANS and not t.active.reqs
     wait_until("MPI's completion of the withdrawn requests", done, 30.0, pause=0)
 
 
@@ -268,7 +267,7 @@ def case_notice(t: MpiTransport, pids: list) -> None:
         # What reading rank 0's abort notice does (_read_control). A real notice cannot
         # overtake the message here: on one node MPICH queues it behind the message's data.
         with t._lock:
-            t._fail_peer(0, PeerAborted(0, "rank 0 gave up (the test)", network=True))
+            t.fail_peer(0, PeerAborted(0, "rank 0 gave up (the test)", network=True))
         try:
             req.wait(deadline())
         except PeerAborted as e:

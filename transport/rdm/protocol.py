@@ -1546,5 +1546,5 @@ class Endpoint:
         self._events.append(MessageReceived(src, r.tag, r.msg_id, data, False))
 
 
-__all__ =__all__ = ["Endpoint", "MessageReceived", "MessageRefused", "SendCompleted", "SendRefused",
+__all__ = ["Endpoint", "MessageReceived", "MessageRefused", "SendCompleted", "SendRefused",
            "PeerFailed", "FrameRejected", "Transmit", "ProtocolError"]

@@ -1,10 +1,13 @@
 """Inter-node "EFA-style" transport: reliable, message-oriented, tagged datagrams over N rails.
 
 ``frames`` is the wire format, ``protocol`` the sans-I/O protocol core (segmentation,
-per-segment acks, retransmission, reassembly, per-(src, tag) ordering). ``driver`` moves
-frames over TCP rails and keeps no protocol logic of its own; ``links`` shares the rails of
-two processes among all their groups (reading, routing, JOIN and LEAVE); ``progress`` is the process's
-one progress engine, ``listener`` and ``handshake`` accept and authenticate rails,
+per-segment acks, retransmission, reassembly, per-(src, tag) ordering). ``driver`` is the
+transport's face (requests, cancel, abort, close) and keeps no protocol logic of its own:
+``wire`` moves the protocol's frames to and from the TCP rails, ``pending`` keeps the
+requests until they end, ``notices`` tells peers of an abort, ``opening`` and ``dialing``
+open the rails; ``links`` shares the rails of two processes among all their groups
+(reading, routing, JOIN and LEAVE); ``progress`` is the process's one progress engine,
+``listener`` and ``handshake`` accept and authenticate rails,
 ``railmac`` authenticates frames, ``fd_budget`` makes room for a group's rails within the
 file-descriptor limit.
 Nothing here imports torch or torch.distributed.

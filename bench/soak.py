@@ -52,6 +52,7 @@ import time
 
 from bench import ROOT
 from launch import vnodes
+from neuron_dist.transport.shm import procid
 
 HEAL_SECONDS = 30.0  # a cut rail must be back within this
 STOP_SECONDS = 2.0  # how long a stopped rank stays stopped
@@ -226,8 +227,10 @@ def inject(job: Job, done, log: list, errors: list, seed: int = 1) -> None:
             i += 1
             time.sleep(PAUSE_SECONDS)
     except Exception as e:  # noqa: BLE001 - reported, and the run goes on to its end
-        if not done() and all(os.path.exists(f"/proc/{p}") for p in job.pids.values()):
-            errors.append(f"{type(e).__name__}: {e}")  # (not a rank that finished meanwhile)
+        # (not a rank that finished meanwhile: one that has exited but is not reaped yet
+        # still has its /proc entry, but no namespace to enter any more)
+        if not done() and all(procid.alive(p) for p in job.pids.values()):
+            errors.append(f"{type(e).__name__}: {e}")
 
 
 def _run(args, out: str, faults: bool) -> dict:

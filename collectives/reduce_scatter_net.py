@@ -96,7 +96,7 @@ def _columns_reduce_scatter(ctx: Context, out: torch.Tensor, inputs: Sequence[to
     net_call = ctx.net_call
     topo = net_call.topo
     first, later = phase_specs(spec)
-    j, mine = ctx.rank, topo.my_node
+    j = ctx.rank
     alone = len(topo.local) == 1
     column = [node[j] for node in topo.nodes]
     sizes = {inputs[g].numel() for g in column}  # (every rank knows every block's size)

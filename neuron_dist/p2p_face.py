@@ -357,7 +357,7 @@ class _NetOp:
             return
         try:
             req.wait(min(deadline, op_deadline))
-        except PeerTimeout as e:
+        except PeerTimeout:
             work = self.work
             if work is None:
                 return  # completed meanwhile, by a thread that ran finish()

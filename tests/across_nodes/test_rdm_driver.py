@@ -408,9 +408,9 @@ def test_a_stream_of_eager_sends_keeps_every_copy_it_had_in_flight(monkeypatch):
     # slow run acks come back mid-stream); a resend queued when its ack comes keeps its
     # copy out of the pool (by design), so the timeout is long enough that a loaded machine
     # resends nothing.
-    from neuron_dist.transport.rdm import protocol
+    from neuron_dist.transport.rdm import acks
     from neuron_dist.transport.rdm.driver import EAGER_BYTES
-    monkeypatch.setattr(protocol, "DELAYED_ACK_HELD_BYTES", 1 << 40)
+    monkeypatch.setattr(acks, "DELAYED_ACK_HELD_BYTES", 1 << 40)
     a, b = _pair(rails=1, window_bytes=32 << 20, rto=60.0, ack_delay=60.0)
     try:
         n, count = EAGER_BYTES, 48  # 12 MiB of copies at once

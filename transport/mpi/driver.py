@@ -58,11 +58,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import queue
 import socket
-import struct
-import sys
 import threading
 import time
 import weakref
@@ -71,8 +68,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 
 from ..base import ColumnCollectives
-from ..errors import (ABORTED, ABORTED_TIMEOUT, ChannelClosed, PeerAborted, PeerTimeout,
-                      TransportError)
+from ..errors import ABORTED, ABORTED_TIMEOUT, ChannelClosed, PeerAborted, PeerTimeout
 from ..requests import Request as _Request, run_callbacks
 from . import communicator
 from .active import (ABORT_ERRORCODE, ABORT_SEND, CANCEL_GRACE, HELLO_RECV, HELLO_SEND,

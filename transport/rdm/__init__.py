@@ -1,7 +1,9 @@
 """Inter-node "EFA-style" transport: reliable, message-oriented, tagged datagrams over N rails.
 
 ``frames`` is the wire format, ``protocol`` the sans-I/O protocol core (segmentation,
-per-segment acks, retransmission, reassembly, per-(src, tag) ordering). ``driver`` is the
+per-segment acks, retransmission, reassembly, per-(src, tag) ordering), built in layers:
+``endpoint_core``, ``acks``, ``sending``, ``delivery``, ``refusal`` and ``reassembly``,
+over the records of ``peer_state``, reporting ``events``. ``driver`` is the
 transport's face (requests, cancel, abort, close) and keeps no protocol logic of its own:
 ``wire`` moves the protocol's frames to and from the TCP rails, ``pending`` keeps the
 requests until they end, ``notices`` tells peers of an abort, ``opening`` and ``dialing``

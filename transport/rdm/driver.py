@@ -377,7 +377,7 @@ class RdmTransport(SharedAnySource):
             if waiting is None:
                 waiting = self._recvs[(peer, tag)] = deque()
             waiting.append(req)
-            if ep._events:  # (a message known to be too large for it was refused)
+            if ep.pending_events:  # (a message known to be too large for it was refused)
                 self.wire.pump()
         if req.nbytes > EAGER_BYTES or callback is not None:
             self._engine.kick()  # see Wire.bulk_pending

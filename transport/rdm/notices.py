@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from ..errors import ABORTED, ABORTED_TIMEOUT, PeerAborted, PeerTimeout
 
 if TYPE_CHECKING:
-    from .driver import RdmTransport, Request
+    from .driver import RdmTransport
 
 log = logging.getLogger("neuron_dist.rdm")
 

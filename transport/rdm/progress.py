@@ -79,7 +79,6 @@ from .listener import Listener
 if TYPE_CHECKING:
     from .driver import RdmTransport
     from .opening import RailOpening
-    from .handshake import Resolve
     from .links import Link, LinkKey, Rail
 
 log = logging.getLogger("neuron_dist.rdm")

@@ -171,7 +171,7 @@ class Wire:
         link reads it stage by stage, ``on_header``). ``touched`` gets this transport if
         the endpoint has more for ``pump``."""
         ep = self.ep
-        if ep._events:  # (earlier frames' deliveries complete their receives first)
+        if ep.pending_events:  # (earlier frames' deliveries complete their receives first)
             self.handle_events()
         got = ep.take_whole(rail.index, peer, buf, lo + links.PREFIX, hi, time.monotonic())
         if got is None:
@@ -189,8 +189,8 @@ class Wire:
         elif tag == self._abort_tag or self._any:
             self._pending.on_message(MessageReceived(peer, tag, msg_id, data, False))
         # (pump acts on the acks' events and on held acks' deadline: ack_delay)
-        hint = ep._ack_hint
-        if ep._events or ep.has_work or (hint != math.inf and (self.due is None
+        hint = ep.ack_hint
+        if ep.pending_events or ep.has_work or (hint != math.inf and (self.due is None
                                                                  or hint < self.due)):
             touched.add(self._owner)
         return end
@@ -287,7 +287,7 @@ class Wire:
         """Under the lock: act on the endpoint's events (completing requests), then write
         the frames it wants sent."""
         ep = self.ep
-        if ep._events:
+        if ep.pending_events:
             self.handle_events()
         if ep.has_work or deadline_passed:
             touched = set()

@@ -1,6 +1,6 @@
 """The request object both inter-node transports (rdm, mpi) hand out, and their callbacks.
 
-A request completes once (``_finish``), with or without an error. ``wait(deadline)``
+A request completes once (``finish``, called by the transport that made it), with or without an error. ``wait(deadline)``
 blocks until then; past the deadline it allows a short grace (a peer that timed out at the
 same moment may be about to send its abort notice, which says why) and then raises
 ``PeerTimeout`` naming the peer (``network=True``: the ranks are group ranks). A
@@ -42,18 +42,18 @@ class Completion:
     two always sees the other (the GIL orders them).
     """
 
-    __slots__ = ("_lock", "_set")
+    __slots__ = ("_lock", "done")
 
     def __init__(self) -> None:
-        self._set = False
+        self.done = False  # (is_set(); read directly where a call would cost)
         self._lock: threading.Lock | None = None
 
     def is_set(self) -> bool:
-        return self._set
+        return self.done
 
     def set(self) -> None:
-        if not self._set:
-            self._set = True
+        if not self.done:
+            self.done = True
             lock = self._lock
             if lock is not None:
                 try:
@@ -62,7 +62,7 @@ class Completion:
                     pass
 
     def wait(self, timeout: float | None = None) -> bool:
-        if self._set:
+        if self.done:
             return True
         lock = self._lock
         if lock is None:
@@ -72,7 +72,7 @@ class Completion:
                     lock = threading.Lock()
                     lock.acquire()
                     self._lock = lock
-            if self._set:
+            if self.done:
                 return True  # (set before the lock was there: nobody releases it)
         if timeout is None:
             got = lock.acquire()
@@ -85,7 +85,7 @@ class Completion:
                 lock.release()
             except RuntimeError:  # a racing second set() released it already
                 pass
-        return self._set
+        return self.done
 
 
 _MAKING = threading.Lock()  # (the lock of a Completion is made once, by one thread)
@@ -109,7 +109,7 @@ class Request(NetRequest):
     """
 
     __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "source",
-                 "_event", "_sink", "_waiting", "_token")
+                 "completion", "_sink", "_waiting", "_token")
     VIA = "the network"  # how the timeout message names the path
 
     def __init__(self, peer: int | None, tag: int, buf: memoryview, is_send: bool,
@@ -119,7 +119,7 @@ class Request(NetRequest):
         self.error: Exception | None = None
         self.callback: Callable[[Request], object] | None = None
         self.source = peer
-        self._event = Completion()
+        self.completion = Completion()
         self._sink = sink  # the queue of the transport's callback thread
         # one entry per thread in wait() (list append/pop are atomic)
         self._waiting: list[None] = []
@@ -133,13 +133,13 @@ class Request(NetRequest):
         req.peer = req.source = peer
         req.tag, req.buf, req.is_send, req.nbytes = tag, buf, True, buf.nbytes
         req.error = req.callback = req._sink = None
-        req._event = _DONE
+        req.completion = _DONE
         req._waiting, req._token = [], [True]
         return req
 
-    def _finish(self, error: Exception | None = None) -> None:
-        event = self._event
-        if not event._set:
+    def finish(self, error: Exception | None = None) -> None:
+        event = self.completion
+        if not event.done:
             self.error = error
             event.set()
             if self.callback is not None and self._sink is not None and not self._waiting:
@@ -149,7 +149,7 @@ class Request(NetRequest):
         """Attach ``callback(request)`` after posting; it runs once, now if the request has
         already completed."""
         self.callback = callback
-        if self._event.is_set():
+        if self.completion.is_set():
             self._run_callback()
 
     def _run_callback(self) -> None:
@@ -166,11 +166,11 @@ class Request(NetRequest):
 
     def done(self) -> bool:
         """True once complete, with or without an error (never raises)."""
-        return self._event.is_set()
+        return self.completion.is_set()
 
     def test(self) -> bool:
         """True once complete (raises its error if it failed)."""
-        if self._event.is_set():
+        if self.completion.is_set():
             if self.error is not None:
                 raise self.error
             return True
@@ -180,19 +180,19 @@ class Request(NetRequest):
         """Wait for completion until ``deadline``; True if complete."""
         self._waiting.append(None)
         try:
-            self._event.wait(max(0.0, deadline - time.monotonic()))
+            self.completion.wait(max(0.0, deadline - time.monotonic()))
         finally:
             self._waiting.pop()
-        # Complete now (even if just after the wait gave up): _finish may have left the
+        # Complete now (even if just after the wait gave up): finish may have left the
         # callback to us.
-        done = self._event.is_set()
+        done = self.completion.is_set()
         if done and self.callback is not None and self._sink is not None:
             self._run_callback()
         return done
 
     def wait(self, deadline: float) -> None:
         """Block until complete or ``deadline`` (``time.monotonic()``), raising on failure."""
-        if not self._event._set:
+        if not self.completion.done:
             start = time.monotonic()
             if not self._block(deadline) and not self._block(time.monotonic() + TIMEOUT_GRACE):
                 raise self._timed_out(deadline, start)

@@ -100,7 +100,7 @@ def wait_until(what: str, cond, seconds: float = 10.0, pause: float = 0.001) -> 
 def matched(t: MpiTransport, peer: int, tag: int):
     """A condition: MPI has matched the receive posted on ``(peer, tag)``."""
     def cond() -> bool:
-        with t._lock:
+        with t.lock:
             t.poll()
             return (peer, tag) not in t.matcher.recvq
     return cond
@@ -110,7 +110,7 @@ def drain(t: MpiTransport) -> None:
     """Drive MPI until it has completed every request the transport gave up (both ranks
     do this at once: the message moves on only while both make MPI calls)."""
     def done() -> bool:
-        with t._lock:
+        with t.lock:
             t.poll()
             orphans.sweep(MPI)
             return not orphans.ORPHANS and not t.active.reqs
@@ -266,7 +266,7 @@ def case_notice(t: MpiTransport, pids: list) -> None:
         go_on.start()
         # What reading rank 0's abort notice does (_read_control). A real notice cannot
         # overtake the message here: on one node MPICH queues it behind the message's data.
-        with t._lock:
+        with t.lock:
             t.fail_peer(0, PeerAborted(0, "rank 0 gave up (the test)", network=True))
         try:
             req.wait(deadline())

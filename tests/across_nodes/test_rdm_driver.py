@@ -354,7 +354,7 @@ def test_a_sender_that_runs_ahead_stops_copying_and_its_close_delivers_everythin
         sends, held = [], 0
         for x in bufs:
             sends.append(a.isend(1, 6, x))
-            with a._lock:
+            with a.lock:
                 held = max(held, len(a._copies) * n)  # (copies come in size classes)
         waited = [not s.test() for s in sends]
         assert any(waited), "every send completed at once: nothing bounds a sender"
@@ -382,7 +382,7 @@ def _eager_stream_acked(a, b, bufs, tag):
         r.wait(time.monotonic() + 20)
     assert all(np.array_equal(g, x) for g, x in zip(got, bufs))
     b.ep.release_acks()  # (acks of small messages may wait up to ack_delay)
-    with b._lock:
+    with b.lock:
         b.wire.pump()
     deadline = time.monotonic() + 10
     while a._copies and time.monotonic() < deadline:
@@ -793,7 +793,7 @@ def test_a_withdrawn_send_leaves_the_callers_buffer_alone(pair):
         req.wait(time.monotonic() + 0.05)
     assert pair[0].cancel(req, PeerTimeout([1], 0.05, "rank 1 did not take it"))
     obj = req.buf.obj
-    with pair[0]._lock:
+    with pair[0].lock:
         assert not any(v.obj is obj for rs in pair[0]._rails.values() for r in rs
                        for v in r.out)
         assert not any(m.data.obj is obj for m in pair[0].ep._peers[1].open.values())
@@ -859,7 +859,7 @@ def _withdraw_mid_payload(pair, monkeypatch):
     assert pair[1].cancel(req, PeerTimeout([0], 0, "gave up"))
     snapshot = buf.copy()
     release.set()
-    with pair[0]._lock:
+    with pair[0].lock:
         for rails in pair[0]._rails.values():
             for r in rails:
                 if r.alive:
@@ -1103,7 +1103,7 @@ def test_a_message_that_landed_in_a_withdrawn_receive_goes_to_nobody(pair):
     from neuron_dist.transport.rdm.protocol import MessageReceived
     anyone = pair[1].irecv_any(6, np.zeros(4, np.uint8))
     landed = memoryview(bytearray(b"late"))
-    with pair[1]._lock:
+    with pair[1].lock:
         pair[1].pending.on_message(MessageReceived(0, 6, 0, landed, True))
     assert not anyone.test()
     pair[0].isend(1, 6, np.full(4, 3, np.uint8))
@@ -1183,7 +1183,7 @@ def test_a_withdrawn_receive_declines_the_one_step_path_and_the_next_receive_get
     a, b = ts
     try:
         gone, kept = np.zeros(4, np.uint8), np.zeros(4, np.uint8)
-        with b._lock:  # withdrawn in the endpoint only, as cancel() does before failing
+        with b.lock:  # withdrawn in the endpoint only, as cancel() does before failing
             req = b.irecv(0, 3, gone)
             b.ep.cancel_recv(0, 3, b._positions.pop(req))
             b._recvs[(0, 3)].remove(req)
@@ -1319,13 +1319,13 @@ def test_a_receive_failed_with_its_peer_gets_nothing_that_arrives_later(pair, mo
     r7 = b.irecv(0, 7, np.zeros(4, np.uint8))
     r8 = b.irecv(0, 8, buf)
     a.isend(1, 8, np.full(n, 8, np.uint8))
-    with a._lock:
+    with a.lock:
         assert any(r.out for rails in a._rails.values() for r in rails)  # queued, not sent
     assert b.cancel(r7, PeerTimeout([0], 0, "gave up"))
     with pytest.raises(PeerTimeout, match="gave up"):
         r8.wait(time.monotonic() + 1)
     hold.clear()
-    with a._lock:
+    with a.lock:
         for rails in a._rails.values():
             for r in rails:
                 if r.alive:
@@ -1378,7 +1378,7 @@ def test_one_rail_never_holds_the_engine_for_more_than_its_budget(monkeypatch):
 
 
 def test_the_engine_visits_bulk_rails_last_and_leaves_the_rest_once_its_waiter_is_done():
-    """progress.poll: rails whose visit is for bulk bytes (the driver's ``_in_bulk``) come
+    """progress.poll: rails whose visit is for bulk bytes (the driver's ``in_bulk``) come
     after the others, and once the leader's condition holds the rails not visited yet wait
     for the next poll (epoll reports them again)."""
     import select
@@ -1390,10 +1390,10 @@ def test_the_engine_visits_bulk_rails_last_and_leaves_the_rest_once_its_waiter_i
         def __init__(self, name, bulk):
             self.name, self.bulk = name, bulk
 
-        def _in_bulk(self, rail, mask):
+        def in_bulk(self, rail, mask):
             return self.bulk
 
-        def _on_ready(self, rail, mask):
+        def on_ready(self, rail, mask):
             rail.recv(64)
             order.append(self.name)
 
@@ -1443,7 +1443,7 @@ def test_a_failing_progress_thread_closes_its_transports_naming_why():
 
     ts = _pair(rails=1)
     try:
-        eng = ts[0]._engine
+        eng = ts[0].engine
         real = eng.poll
 
         def broken(timeout, done=None):

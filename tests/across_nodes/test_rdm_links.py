@@ -179,13 +179,13 @@ def test_a_join_with_a_wrong_proof_is_ignored(caplog):
     try:
         _exchange(g1, 1000)
         link = g1[0].opening.link_of[1]
-        with g1[0]._lock:
+        with g1[0].lock:
             for rail in link.rails:
-                link.send_block(rail, links.JOIN, 0, 1, g2[1]._context, os.urandom(32))
+                link.send_block(rail, links.JOIN, 0, 1, g2[1].context, os.urandom(32))
         _until(lambda: "ignored a JOIN" in caplog.text)
-        with g2[1]._lock:
+        with g2[1].lock:
             assert 0 not in g2[1].opening._links and 0 not in g2[1]._up
-            assert all(c != g2[1]._context for c, _ in g1[1].opening.link_of[0].members)
+            assert all(c != g2[1].context for c, _ in g1[1].opening.link_of[0].members)
         _exchange(g2, 1000)  # the real rank 0 joins as usual
         _exchange(g1, 1000)
     finally:
@@ -199,7 +199,7 @@ def test_frames_of_a_group_that_is_not_there_are_read_and_dropped():
         link = g1[0].opening.link_of[1]
         stray = links.prefix_of(12345) + F.encode(F.DATA, 0, 1, tag=1,
                                                   payload=os.urandom(200_000))
-        with g1[0]._lock:
+        with g1[0].lock:
             for rail in link.rails:
                 rail.out.append(memoryview(stray))
                 link.flush(rail)
@@ -226,7 +226,7 @@ def test_a_join_whose_link_breaks_opens_rails_of_its_own(monkeypatch):
         sender = threading.Thread(target=lambda: g2[0].isend(1, 1, np.full(100, 7, np.uint8)))
         sender.start()
         _until(lambda: 1 in g2[0].opening._joins)  # joining, and never answered
-        with g1[0]._lock:
+        with g1[0].lock:
             link.rail_down(link.rails[0], "cut by the test")
         sender.join(10)
         r.wait(time.monotonic() + 10)
@@ -324,12 +324,12 @@ def test_a_join_and_a_dial_that_cross_keep_the_higher_ranks_choice(monkeypatch):
         _exchange(g1, 1000)
         lo, hi = g2
         link_lo, link_hi = lo.opening._joinable(1), hi.opening._joinable(0)
-        with hi._lock:
+        with hi.lock:
             hi.opening._start_join(0, link_hi)
             assert hi.opening.may_dial(0, 0) is handshake.CROSSED  # the lower rank's dial yields
             lo.opening._start_join(1, link_lo)
             assert lo.opening.may_dial(1, 0) is True  # the higher rank's dial wins over our join
-            assert 1 not in lo.opening._joins and (lo._context, 0) not in link_lo.members
+            assert 1 not in lo.opening._joins and (lo.context, 0) not in link_lo.members
             lo.opening.release(1, 0)
             hi.opening._abandon_join(0)
             # a dialing rank and a JOIN: the lower one takes the higher one's JOIN ...
@@ -390,12 +390,12 @@ def test_a_send_that_fails_with_its_peer_leaves_nothing_queued_that_reads_its_bu
             (_ for _ in ()).throw(BlockingIOError()) if sock in held else real(sock, views)))
         buf = np.full(4 << 20, 5, np.uint8)
         send = g2[0].isend(1, 7, buf)  # (too large to be copied: its frames are views)
-        with g2[0]._lock:
+        with g2[0].lock:
             assert any(v.obj is buf for r in rails for v in r.out)
         g2[1].abort("rank 1 gave up")  # (rank 1's own sockets still write: rank 0 hears it)
         with pytest.raises(PeerAborted, match="rank 1 gave up"):
             send.wait(time.monotonic() + 10)
-        with g2[0]._lock:
+        with g2[0].lock:
             assert all(r.alive for r in rails)  # (g1 still uses them)
             assert not any(v.obj is buf for r in rails for v in r.out)
         monkeypatch.setattr(links, "_send_some", real)
@@ -421,12 +421,12 @@ def test_sends_failed_by_a_withdrawal_leave_nothing_queued_that_reads_their_buff
         buf = np.full(4 << 20, 5, np.uint8)
         send = g[0].isend(1, 7, buf)
         pending = g[0].irecv(1, 8, np.zeros(10, np.uint8))
-        with g[0]._lock:
+        with g[0].lock:
             assert any(v.obj is buf for r in rails for v in r.out)
         assert g[0].cancel(pending, PeerTimeout([1], 0, "gave up"))
         with pytest.raises(PeerTimeout, match="gave up"):
             send.wait(time.monotonic() + 10)
-        with g[0]._lock:
+        with g[0].lock:
             assert all(r.alive for r in rails)
             assert not any(v.obj is buf for r in rails for v in r.out)
             assert not g[0].ep.mid_transfer()  # (nothing more of it to send)

@@ -128,7 +128,7 @@ class Active:
                 self._stats["mpi_errors"] += 1
                 kind, obj, info = self.entries[i]
                 if kind == COLL:
-                    obj._finish(TransportError(f"{self._label}: MPI failed the {obj.name} of "
+                    obj.finish(TransportError(f"{self._label}: MPI failed the {obj.name} of "
                                                f"column {owner.column}: {e}"))
                     self.entries[i] = (DISCARD, None, None)
                     done.append(i)
@@ -150,24 +150,24 @@ class Active:
             if isinstance(peer, int) and peer not in owner.failed:
                 owner.fail_peer(peer, error)
             if req is not None:  # MPI completed it (with an error): its buffer is free
-                req._finish(own or owner.failed.get(peer, error))
+                req.finish(own or owner.failed.get(peer, error))
         return done
 
     def _completed(self, entry: Entry) -> None:
         kind, obj, buf = entry
         if kind in (SEND, COLL):
-            obj._finish()
+            obj.finish()
             if kind == COLL:
                 obj.mpi = None
         elif kind == RECV:
             self._stats["messages_received"] += 1
             self._stats["bytes_received"] += obj.nbytes
-            obj._finish()
+            obj.finish()
         elif kind == MISMATCH:
-            obj._finish(MessageSizeMismatch(obj.source, obj.tag, len(buf), obj.nbytes, buf))
+            obj.finish(MessageSizeMismatch(obj.source, obj.tag, len(buf), obj.nbytes, buf))
         elif kind == FAILING:  # MPI is done with the buffer: the caller may have it back
             self.failing -= 1
-            obj._finish(buf[2])
+            obj.finish(buf[2])
         elif kind == HELLO_RECV:
             self._owner.hello(obj)
 
@@ -187,7 +187,7 @@ class Active:
                 keep_e.append(self._failing_entry(kind, obj, buf, error))
             elif ((kind == MISMATCH and obj.source == peer)
                     or (kind == COLL and column is not None and peer in column)):
-                obj._finish(error)
+                obj.finish(error)
                 orphans.append((r, buf))
             else:
                 keep_r.append(r)
@@ -210,7 +210,7 @@ class Active:
                 keep_e.append(e)
             else:
                 if isinstance(obj, Request):
-                    obj._finish(error)
+                    obj.finish(error)
                 orphans.append((r, buf))
         self.reqs, self.entries = keep_r, keep_e
         keep_orphans(orphans)

@@ -151,7 +151,7 @@ class ColumnCalls:
                bufs: tuple[memoryview, ...]) -> CollectiveRequest:
         owner = self._owner
         req = CollectiveRequest(name, owner, self, nbytes)
-        with owner._lock:
+        with owner.lock:
             owner.check_open()
             column = self._column
             owner.matcher.read_control()
@@ -160,7 +160,7 @@ class ColumnCalls:
                     raise owner.failed[k]
             mpi_req = start(self._comm)
             if mpi_req.Test():
-                req._finish()
+                req.finish()
             else:
                 req.mpi = mpi_req
                 owner.active.add(mpi_req, COLL, req, bufs)
@@ -179,12 +179,12 @@ class ColumnCalls:
         that, and on crowded cores every µs a waiter spends is taken from the members it
         waits for.
         """
-        owner, event = self._owner, req._event
+        owner, event = self._owner, req.completion
         with owner.polling.waiting():
             start = now = time.monotonic()
             full_at = now + _FULL_POLL_EVERY
             while not event.is_set() and now - start < _COLL_SPIN_SECONDS:
-                with owner._lock:
+                with owner.lock:
                     if owner.closed:
                         break
                     mpi_req = req.mpi
@@ -194,7 +194,7 @@ class ColumnCalls:
                             full_at = now + _FULL_POLL_EVERY
                         elif mpi_req is not None and mpi_req.Test():
                             owner.active.retire(mpi_req)
-                            req._finish()
+                            req.finish()
                     except Exception:  # noqa: BLE001 - the whole poll below reports it
                         full_at = now
                 if event.is_set():

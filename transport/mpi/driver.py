@@ -192,7 +192,7 @@ class MpiTransport(ColumnCollectives):
         parent = comm if comm is not None else MPI.COMM_WORLD
         # At SERIALIZED every MPI call, these queries included, is made under the shared
         # lock: other transports' threads may be inside MPI right now.
-        self._lock = threading.Lock() if level >= MPI.THREAD_MULTIPLE else _SERIALIZED_LOCK
+        self.lock = threading.Lock() if level >= MPI.THREAD_MULTIPLE else _SERIALIZED_LOCK
         with _lock_for(MPI, level):
             me, parent_size = parent.Get_rank(), parent.Get_size()
         world_ranks = [int(r) for r in world_ranks]
@@ -210,11 +210,11 @@ class MpiTransport(ColumnCollectives):
             raise ValueError(f"MPI rank(s) {bad} are not in the parent communicator of "
                              f"{parent_size} ranks")
         self.rank, self.world_size, self.world_ranks = rank, world_size, world_ranks
-        self._label = label or f"rank {rank}"
+        self.label = label or f"rank {rank}"
         self.thread_level = thread_level()
-        self._comm = communicator.create(MPI, self._lock, parent, world_ranks, rank, self._label,
+        self._comm = communicator.create(MPI, self.lock, parent, world_ranks, rank, self.label,
                                          deadline)
-        with self._lock:
+        with self.lock:
             comm_rank = self._comm.Get_rank()
         if comm_rank != rank:  # Create_group orders ranks as the group does
             raise RuntimeError(f"MPI gave rank {comm_rank} for group rank {rank}")
@@ -226,21 +226,21 @@ class MpiTransport(ColumnCollectives):
                            notes_received=0, aborts_received=0, polls=0, mpi_errors=0)
         # The MPI requests in flight (active.py) and the posted receives with the tags
         # they travel on (matching.py).
-        self.active = Active(self, MPI, self._comm, self._label, self._stats)
-        with self._lock:
-            self.matcher = Matcher(self, MPI, self._comm, self.active, self._label, self._stats)
+        self.active = Active(self, MPI, self._comm, self.label, self._stats)
+        with self.lock:
+            self.matcher = Matcher(self, MPI, self._comm, self.active, self.label, self._stats)
         self.tag_ub = self.matcher.tag_ub
         self.column: list[int] | None = None
         self._columns: ColumnCalls | None = None  # MPI's collectives on the column (column.py)
         self._column_comm: Comm | None = None
         if column is not None:
             self.column = [int(k) for k in column]
-            self._column_comm = communicator.split_column(self._lock, self._comm, self.column,
-                                                          rank, self._label)
+            self._column_comm = communicator.split_column(self.lock, self._comm, self.column,
+                                                          rank, self.label)
             self._columns = ColumnCalls(self, MPI, self._column_comm, self.column)
         self._hello: set[int] = set()
         self.callbacks: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self.polling = Polling(self, self._lock, rank)  # (polling.py)
+        self.polling = Polling(self, self.lock, rank)  # (polling.py)
         self._cond = self.polling.cond
         self._callback_thread = threading.Thread(target=self._callback_loop, daemon=True,
                                                  name=f"neuron-mpi-callbacks-{rank}")
@@ -281,7 +281,7 @@ class MpiTransport(ColumnCollectives):
 
     def _column_calls(self) -> ColumnCalls:
         if self._columns is None:
-            raise ValueError(f"{self._label}: MPI collectives need the transport's column")
+            raise ValueError(f"{self.label}: MPI collectives need the transport's column")
         return self._columns
 
     # ------------------------------------------------------------------ set-up
@@ -299,7 +299,7 @@ class MpiTransport(ColumnCollectives):
         """
         MPI = self._MPI
         want = sorted({int(p) for p in peers} - {self.rank})
-        with self._lock:
+        with self.lock:
             self.check_open()
             hello = self.matcher.hello_tag
             for p in want:
@@ -320,7 +320,7 @@ class MpiTransport(ColumnCollectives):
                     if remaining <= 0:
                         error = PeerTimeout(missing, time.monotonic() - start,
                                             f"rank(s) {missing} did not answer rank {self.rank} "
-                                            f"of {self._label} over MPI in time", network=True)
+                                            f"of {self.label} over MPI in time", network=True)
                         raise error
                     if not self.poll():
                         self._cond.wait(min(remaining, 0.001))
@@ -340,7 +340,7 @@ class MpiTransport(ColumnCollectives):
         req = Request(peer, tag, view, True, self)
         req.callback = callback
         MPI = self._MPI
-        with self._lock:
+        with self.lock:
             self.check_open()
             _check_tag(tag)
             self.matcher.read_control()  # a peer that aborted fails the post, as in rdm
@@ -350,7 +350,7 @@ class MpiTransport(ColumnCollectives):
             self._stats["messages_sent"] += 1
             self._stats["bytes_sent"] += view.nbytes
             if mpi_req.Test():  # small messages usually leave at once
-                req._finish()
+                req.finish()
             else:
                 self.active.add(mpi_req, SEND, req, view)
                 self.polling.wake()
@@ -366,7 +366,7 @@ class MpiTransport(ColumnCollectives):
         view = writable(buf)
         req = Request(peer, tag, view, False, self)
         req.callback = callback
-        with self._lock:
+        with self.lock:
             self.check_open()
             _check_tag(tag)
             self.matcher.read_control()
@@ -392,13 +392,13 @@ class MpiTransport(ColumnCollectives):
         view = writable(buf)
         req = Request(None, tag, view, False, self)
         req.callback = callback
-        with self._lock:
+        with self.lock:
             self.check_open()
             _check_tag(tag)
             self.matcher.read_control()
             if not self._alive_peers():
                 raise next(iter(self.failed.values()),
-                           ValueError(f"{self._label}: no other rank to receive from"))
+                           ValueError(f"{self.label}: no other rank to receive from"))
             q = self.matcher.anyq.get(tag)
             if q is None:
                 q = self.matcher.anyq[tag] = deque()
@@ -416,7 +416,7 @@ class MpiTransport(ColumnCollectives):
         Waits at most ``grace`` seconds for the notices to leave.
         """
         payload = bytes([kind]) + reason.encode("utf-8", "replace")[:_ABORT_REASON_BYTES]
-        with self._lock:
+        with self.lock:
             if self.closed:
                 return
             for p in self._alive_peers():
@@ -427,7 +427,7 @@ class MpiTransport(ColumnCollectives):
                 self.active.add(r, ABORT_SEND, p, payload)
         end = time.monotonic() + grace
         while time.monotonic() < end:
-            with self._lock:
+            with self.lock:
                 self.poll()
                 if not any(e[0] == ABORT_SEND for e in self.active.entries):
                     break
@@ -452,25 +452,25 @@ class MpiTransport(ColumnCollectives):
         withdrawing a send larger than MPI's eager limit (a few KiB) whose receiver never
         posted its receive ends the job, as does one whose peer is stuck mid-message.
         """
-        with self._lock:
-            if req._event.is_set():
+        with self.lock:
+            if req.completion.is_set():
                 return False
             if req.peer is None:
                 q = self.matcher.anyq.get(req.tag)
                 if q is not None and req in q:
                     q.remove(req)
-                    req._finish(error)
+                    req.finish(error)
                     return True
             else:
                 q = self.matcher.recvq.get((req.peer, req.tag))
                 if q is not None and req in q:  # not matched yet: MPI never saw it
                     q.remove(req)
-                    req._finish(error)
+                    req.finish(error)
                     self._break_peer(req.peer, error)
                     return True
-        self.polling.drive(req._event, time.monotonic() + CANCEL_GRACE)
-        with self._lock:
-            if req._event.is_set():
+        self.polling.drive(req.completion, time.monotonic() + CANCEL_GRACE)
+        with self.lock:
+            if req.completion.is_set():
                 return False
             self.active.end_job(req, error)  # never returns: MPI still owns the buffer
         return False  # (not reached)
@@ -491,12 +491,12 @@ class MpiTransport(ColumnCollectives):
 
     def check_open(self) -> None:
         if self.closed:
-            raise ChannelClosed(f"MPI transport of {self._label} is closed")
+            raise ChannelClosed(f"MPI transport of {self.label} is closed")
 
     def _check_peer(self, peer: int) -> None:
         if not (isinstance(peer, int) and 0 <= peer < self.world_size):
             raise ValueError(f"rank {peer} is not in the group of {self.world_size} ranks "
-                             f"of {self._label}")
+                             f"of {self.label}")
         if peer in self.failed:
             raise self.failed[peer]
 
@@ -546,7 +546,7 @@ class MpiTransport(ColumnCollectives):
 
     def stats(self) -> dict[str, int]:
         """Counters: messages/bytes sent and received, size mismatches, notes, polls..."""
-        with self._lock:
+        with self.lock:
             out = dict(self._stats)
             out["pending_requests"] = len(self.active.reqs)
             out["posted_receives"] = (sum(len(q) for q in self.matcher.recvq.values())
@@ -567,16 +567,16 @@ class MpiTransport(ColumnCollectives):
         """
         if error is None:
             end = time.monotonic() + _DRAIN_SECONDS
-            with self._lock:
+            with self.lock:
                 while (not self.closed and time.monotonic() < end
                        and any(e[0] in OUTGOING for e in self.active.entries)):
                     if not self.poll():
                         self._cond.wait(0.001)
-        with self._lock:
+        with self.lock:
             if self.closed:
                 return
             self.closed = True
-            self.fail_all(error or ChannelClosed(f"MPI transport of {self._label} was closed"))
+            self.fail_all(error or ChannelClosed(f"MPI transport of {self.label} was closed"))
             self._cond.notify_all()
             # Requests MPI still owns the callers' buffers of complete first (both ranks
             # drive MPI meanwhile), or the job ends at their grace: never handed back.
@@ -593,18 +593,18 @@ class MpiTransport(ColumnCollectives):
         self.polling.join(5.0)
         if self._callback_thread is not me:
             self._callback_thread.join(timeout=5.0)
-        with self._lock:
+        with self.lock:
             sweep_orphans(self._MPI)
             if not self._MPI.Is_finalized() and self._column_comm is not None:
                 try:
                     self._column_comm.Free()
                 except self._MPI.Exception as e:  # noqa: BLE001 - closing anyway
-                    log.warning("neuron %s: MPI_Comm_free failed: %s", self._label, e)
+                    log.warning("neuron %s: MPI_Comm_free failed: %s", self.label, e)
             if not self._MPI.Is_finalized() and self._comm != self._MPI.COMM_NULL:
                 try:
                     self._comm.Free()
                 except self._MPI.Exception as e:  # noqa: BLE001 - closing anyway
-                    log.warning("neuron %s: MPI_Comm_free failed: %s", self._label, e)
+                    log.warning("neuron %s: MPI_Comm_free failed: %s", self.label, e)
         _LIVE.discard(self)
 
 

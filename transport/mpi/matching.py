@@ -152,7 +152,7 @@ class Matcher:
         if ok is not True:
             error = self._conflict(peer, tag, ok)
             for req in q:
-                req._finish(error)
+                req.finish(error)
             del self.recvq[key]
             return True
         mpi_tag, status, progressed = self.mpi_tag(tag), self._status, False
@@ -186,7 +186,7 @@ class Matcher:
                 if ok is not True:
                     error = self._conflict(src, tag, ok)
                     for req in q:
-                        req._finish(error)
+                        req.finish(error)
                     q.clear()
                     break
                 msg = comm.Improbe(src, mpi_tag, st)  # the same message: src's first one
@@ -231,13 +231,13 @@ class Matcher:
         """The receives naming ``peer`` fail with ``error`` (MPI has not matched them)."""
         for key in [k for k in self.recvq if k[0] == peer]:
             for req in self.recvq.pop(key):
-                req._finish(error)
+                req.finish(error)
 
     def fail_any(self, error: Exception) -> None:
         """The receives from any rank fail with ``error`` (nobody is left to send)."""
         for q in self.anyq.values():
             for req in q:
-                req._finish(error)
+                req.finish(error)
         self.anyq.clear()
 
     def fail_all(self, error: Exception) -> None:
@@ -245,5 +245,5 @@ class Matcher:
         for queues in (self.recvq, self.anyq):
             for q in queues.values():
                 for req in q:
-                    req._finish(error)
+                    req.finish(error)
             queues.clear()

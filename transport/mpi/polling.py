@@ -132,8 +132,8 @@ class Polling:
                     progressed = owner.poll()
                 except Exception as e:  # noqa: BLE001 - never die silently with work pending
                     if not owner.active.failing:  # (once: what MPI owns may still complete)
-                        log.exception("neuron %s: MPI progress failed", owner._label)
-                    owner.fail_all(TransportError(f"MPI progress of {owner._label} failed: {e!r}"))
+                        log.exception("neuron %s: MPI progress failed", owner.label)
+                    owner.fail_all(TransportError(f"MPI progress of {owner.label} failed: {e!r}"))
                     if owner.active.failing:
                         owner.active.check_failing()
                         self.cond.wait(_COLD_SLEEP)

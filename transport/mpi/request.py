@@ -27,7 +27,7 @@ class Request(_Request):
         self._owner = owner
 
     def _block(self, deadline: float) -> bool:
-        return self._owner.polling.drive(self._event, deadline)
+        return self._owner.polling.drive(self.completion, deadline)
 
 
 def writable(buf: Buffer) -> memoryview:

@@ -107,7 +107,7 @@ def dial(opening: RailOpening, peer: int, host: str, port: int, rail: int,
             sock.close()
             dropped = e
             log.info("neuron %s: rail %d to rank %d: %s; dialing again",
-                     opening.owner._label, rail, peer, e)
+                     opening.owner.label, rail, peer, e)
             time.sleep(min(pause * random.uniform(0.5, 1.0),
                            max(0.0, deadline - time.monotonic())))
             pause = min(_DROPPED_PAUSE_MAX, pause * 2)
@@ -140,7 +140,7 @@ class Healer:
         try:
             healer.start()
         except RuntimeError as e:  # (a thread limit): the link goes on with fewer rails
-            log.warning("neuron %s: cannot dial rail %d to rank %d again: %s", owner._label,
+            log.warning("neuron %s: cannot dial rail %d to rank %d again: %s", owner.label,
                         index, peer, e)
             return
         self.healing.add((link, index))
@@ -155,7 +155,7 @@ class Healer:
         pause = _HEAL_PAUSE
         try:
             while not self._stopping.wait(pause * random.uniform(0.5, 1.0)):
-                with owner._lock:
+                with owner.lock:
                     if (owner.closed or peer in owner.failed or not link.healable()
                             or opening.link_of.get(peer) is not link
                             or link.rails[index].alive):  # type: ignore[union-attr]  # (healable)
@@ -168,13 +168,13 @@ class Healer:
                     opening.add_rail(conn, peer, index, dialer=True)
                 except Exception as e:  # noqa: BLE001 - the peer may not have seen the break yet
                     log.info("neuron %s: dialing rail %d to rank %d again failed: %s",
-                             owner._label, index, peer, e)
+                             owner.label, index, peer, e)
                     pause = min(_HEAL_PAUSE_MAX, pause * 2)
         except Exception:  # noqa: BLE001 - never a healer that dies unnoticed
-            log.exception("neuron %s: the healer of rail %d to rank %d failed", owner._label,
+            log.exception("neuron %s: the healer of rail %d to rank %d failed", owner.label,
                           index, peer)
         finally:
-            with owner._lock:
+            with owner.lock:
                 self.healing.discard((link, index))
 
     def healed(self, link: Link, index: int) -> None:
@@ -186,7 +186,7 @@ class Healer:
             if not t.closed:
                 t.rail_restored(index, peer)
         if link.key is not None and all(r is not None and r.alive for r in link.rails):
-            self._opening.owner._engine.publish(link)
+            self._opening.owner.engine.publish(link)
 
     def stop(self) -> None:
         """Stop the healers and join them (a healer in the middle of a dial finishes it)."""

@@ -100,36 +100,36 @@ class Request(_Request, ClaimableRequest):
 
     def __init__(self, peer: int | None, tag: int, buf: memoryview, is_send: bool,
                  owner: RdmTransport):
-        super().__init__(peer, tag, buf, is_send, owner._engine.callbacks)
+        super().__init__(peer, tag, buf, is_send, owner.engine.callbacks)
         self._owner = owner
         self.claim: Callable[[], bool] | None = None
 
     def on_complete(self, callback: Callable[[_Request], object]) -> None:
         super().on_complete(callback)
-        if not self._event.is_set():
-            self._owner._engine.kick()  # someone waits for it without driving
+        if not self.completion.is_set():
+            self._owner.engine.kick()  # someone waits for it without driving
 
     def wait(self, deadline: float) -> None:
-        event = self._event
-        if not event._set and self.callback is None:
+        event = self.completion
+        if not event.done and self.callback is None:
             # (the usual wait, in one step: no callback to run on the way out)
             start = time.monotonic()
             owner = self._owner
-            if (not owner._engine.drive(event.is_set, deadline, event, owner.spin)
+            if (not owner.engine.drive(event.is_set, deadline, event, owner.spin)
                     and not self._block(time.monotonic() + TIMEOUT_GRACE)):
                 raise self._timed_out(deadline, start)
-        elif not event._set:
+        elif not event.done:
             super().wait(deadline)
             return
         if self.error is not None:
             raise self.error
 
     def _block(self, deadline: float) -> bool:
-        event = self._event
+        event = self.completion
         self._waiting.append(None)
         try:
             owner = self._owner
-            owner._engine.drive(event.is_set, deadline, event, owner.spin)
+            owner.engine.drive(event.is_set, deadline, event, owner.spin)
         finally:
             self._waiting.pop()
         done = event.is_set()
@@ -185,7 +185,7 @@ class RdmTransport(SharedAnySource):
         self.rank, self.world_size, self.nrails = rank, world_size, rails
         self.spin = spin  # polls a waiting thread makes before it yields (progress.drive)
         self.segment_bytes = segment_bytes
-        self._label = label or f"rank {rank}"
+        self.label = label or f"rank {rank}"
         self._mac = (frame_mac or payload_mac, payload_mac)
         self.ep = Endpoint(rank, world_size, rails, segment_bytes, 1 << 48, rto=rto,
                            max_rto=max(rto, 30.0), max_retries=6, window_bytes=window_bytes,
@@ -194,7 +194,7 @@ class RdmTransport(SharedAnySource):
         self._max_payload = max(segment_bytes, F.MAX_ACKS_PER_FRAME * F.ACK_ENTRY.size)
         # One lock for every transport of the process: they share rails (links.py). An
         # RLock: a callback may post from inside a completion.
-        self._lock = progress.NET_LOCK
+        self.lock = progress.NET_LOCK
         self._eager_window = min(window_bytes, EAGER_WINDOW_BYTES)
         self.failed: dict[int, Exception] = {}  # peer -> why it is failed for this group
         self.closed = False
@@ -216,17 +216,17 @@ class RdmTransport(SharedAnySource):
         self._recvs, self._positions, self._any = (self.pending.recvs, self.pending.positions,
                                                    self.pending.any)
         self._gid = handshake.group_id(group)
-        self._context = links.context_of(self._gid)
-        self._prefix = links.prefix_of(self._context)
+        self.context = links.context_of(self._gid)
+        self.prefix = links.prefix_of(self.context)
         # The endpoint's frames to and from the rails (wire.py), before the engine sees us.
         self.wire = Wire(self, self._max_payload, EAGER_BYTES, ABORT_TAG)
-        self._engine = progress.attach(self)
+        self.engine = progress.attach(self)
         try:
-            self.address = ",".join(self._engine.listen(h, port_range) for h in self._hosts)
+            self.address = ",".join(self.engine.listen(h, port_range) for h in self._hosts)
         except BaseException:
             progress.detach(self)
             raise
-        self._engine.join_group(self._gid, rank, self, self._context)
+        self.engine.join_group(self._gid, rank, self, self.context)
 
     # ------------------------------------------------------------------ set-up
 
@@ -295,7 +295,7 @@ class RdmTransport(SharedAnySource):
         view = memoryview(buf).cast("B")
         n = view.nbytes
         data: Bytes
-        with self._lock:
+        with self.lock:
             if self.closed or peer in self.failed or peer not in self._expected:
                 self.check_usable(peer)  # (raises)
             ep = self.ep
@@ -311,7 +311,7 @@ class RdmTransport(SharedAnySource):
                         return _Request.completed(peer, tag, view)
                     req = Request(peer, tag, view, True, self)
                     req.callback = callback
-                    req._finish()
+                    req.finish()
                     return req
             if n > EAGER_BYTES or ep.backlog_bytes(peer) >= self._eager_window:
                 req = Request(peer, tag, view, True, self)
@@ -319,7 +319,7 @@ class RdmTransport(SharedAnySource):
                 self._sends[(peer, ep.send(peer, tag, view))] = req
                 self.wire.pump()
                 if callback is not None or ep.mid_transfer():
-                    self._engine.kick()  # see Wire.bulk_pending
+                    self.engine.kick()  # see Wire.bulk_pending
                 return req
             pooled = None
             if type(buf) is bytes:
@@ -338,7 +338,7 @@ class RdmTransport(SharedAnySource):
                     self._copies[(peer, msg_id)] = pooled
                 self.wire.pump()
                 if ep.mid_transfer():
-                    self._engine.kick()
+                    self.engine.kick()
             else:
                 if pooled is not None:
                     self._copies[(peer, sent[0])] = pooled
@@ -347,7 +347,7 @@ class RdmTransport(SharedAnySource):
             return _Request.completed(peer, tag, view)
         req = Request(peer, tag, view, True, self)
         req.callback = callback
-        req._finish()
+        req.finish()
         return req
 
     def irecv(self, peer: int, tag: int, buf: Buffer,
@@ -356,7 +356,7 @@ class RdmTransport(SharedAnySource):
         view = memoryview(buf).cast("B")
         req = Request(peer, tag, view, False, self)
         req.callback = callback
-        with self._lock:
+        with self.lock:
             if self.closed:
                 raise self._closed_error()
             ep = self.ep
@@ -380,7 +380,7 @@ class RdmTransport(SharedAnySource):
             if ep.pending_events:  # (a message known to be too large for it was refused)
                 self.wire.pump()
         if req.nbytes > EAGER_BYTES or callback is not None:
-            self._engine.kick()  # see Wire.bulk_pending
+            self.engine.kick()  # see Wire.bulk_pending
         return req
 
     def irecv_any(self, tag: int, buf: Buffer,
@@ -402,11 +402,11 @@ class RdmTransport(SharedAnySource):
         req = Request(None, tag, view, False, self)
         req.callback = callback
         req.claim = claim
-        with self._lock:
+        with self.lock:
             if self.closed:
                 raise self._closed_error()
             if claim is not None and self.ep.peek_early_any(tag) is not None and not claim():
-                req._finish(Claimed())
+                req.finish(Claimed())
                 return req
             early = self.ep.take_early_any(tag)
             if early is not None:
@@ -418,7 +418,7 @@ class RdmTransport(SharedAnySource):
                 raise next(iter(self.failed.values()), ValueError("no peer connected"))
             self._any.setdefault(tag, deque()).append(req)
         if req.nbytes > EAGER_BYTES or callback is not None:
-            self._engine.kick()
+            self.engine.kick()
         return req
 
     def drive_until(self, done: Callable[[], bool], deadline: float) -> bool:
@@ -426,11 +426,11 @@ class RdmTransport(SharedAnySource):
         result of ``done()``. For a waiter that also waits for something else (a receive
         from any rank that shared memory may satisfy too): whoever makes ``done()`` true
         from another thread calls ``wake`` so that this thread leaves ``epoll`` at once."""
-        return self._engine.drive(done, deadline, None, self.spin)
+        return self.engine.drive(done, deadline, None, self.spin)
 
     def wake(self) -> None:
         """Make a thread in ``drive_until`` look at its condition again now."""
-        self._engine.wake()
+        self.engine.wake()
 
     # (only a request this transport made: ``req`` is one of its own)
     def cancel(self, req: Request, error: Exception) -> bool:  # type: ignore[override]
@@ -445,16 +445,16 @@ class RdmTransport(SharedAnySource):
         no stream and is simply withdrawn.
         """
         peer = req.peer
-        with self._lock:
+        with self.lock:
             self.wire.handle_events()  # (a message the endpoint delivered completes it first)
-            if req._event.is_set():
+            if req.completion.is_set():
                 return False
             self.pending.withdraw(req, error)
             if peer is None:
                 return True
             self.notices.withdrew(peer, error)
             self.wire.pump()
-        self._engine.wake()  # (a waiter of another thread sees the news at once)
+        self.engine.wake()  # (a waiter of another thread sees the news at once)
         return True
 
     def _closed_error(self) -> Exception:
@@ -462,7 +462,7 @@ class RdmTransport(SharedAnySource):
         later call names the cause), unless that was a plain close."""
         error = self._close_error
         if error is None or isinstance(error, ChannelClosed):
-            return ChannelClosed(f"rdm transport of {self._label} is closed")
+            return ChannelClosed(f"rdm transport of {self.label} is closed")
         return error
 
     def abort(self, reason: str, kind: int = ABORTED, grace: float = 0.5) -> None:
@@ -484,12 +484,12 @@ class RdmTransport(SharedAnySource):
         self.failed[ev.peer] = error
         busy = self.pending.busy_with(ev.peer)
         # A peer that closes its end while nothing is pending is usually just done.
-        (log.error if busy and not self.closed else log.info)("neuron %s: %s", self._label,
+        (log.error if busy and not self.closed else log.info)("neuron %s: %s", self.label,
                                                                  error)
         self.pending.fail_peer(ev.peer, error)
         self.opening.detach(ev.peer)  # (its rails close, or the peer is told with a LEAVE)
 
-    def _rail_lost(self, rail: Rail, peer: int, reason: str, claimed: bool) -> None:
+    def rail_lost(self, rail: Rail, peer: int, reason: str, claimed: bool) -> None:
         """Under the lock: ``rail`` of a link this group uses to ``peer`` broke (links.py);
         ``claimed``: a payload for this group was being read on it."""
         if claimed:  # (a trailer follows a payload read in place)
@@ -500,7 +500,7 @@ class RdmTransport(SharedAnySource):
 
     def stats(self) -> dict[str, int]:
         """Protocol counters (segments sent, retransmits, duplicates, rejected frames...)."""
-        with self._lock:
+        with self.lock:
             return dict(self.ep.stats)
 
     def close(self, error: Exception | None = None) -> None:
@@ -513,17 +513,17 @@ class RdmTransport(SharedAnySource):
         """
         if error is None and not self.closed:
             self._drain(time.monotonic() + 5.0)
-        with self._lock:
+        with self.lock:
             if self.closed:
                 return
             self.closed = True
-            error = error or ChannelClosed(f"rdm transport of {self._label} was closed")
+            error = error or ChannelClosed(f"rdm transport of {self.label} was closed")
             self._close_error = error
             self.pending.fail_all(error)
             self.opening.detach_all()
             self.wire.due = None
-        self._engine.leave_group(self._gid, self.rank, self)
-        self._engine.wake()
+        self.engine.leave_group(self._gid, self.rank, self)
+        self.engine.wake()
         self.opening.stop()
         progress.detach(self)
 
@@ -534,30 +534,30 @@ class RdmTransport(SharedAnySource):
         unread bytes, which would send a reset that can destroy data the peer has not read
         yet). Rails other groups use stay: ``close`` sends a LEAVE on them (links.py),
         behind whatever this group still has queued there."""
-        with self._lock:
+        with self.lock:
             rails = []  # of the links no other group uses: this close closes them
             for link in set(self.opening.link_of.values()):
-                if set(link.members) == {(self._context, self.rank)}:
+                if set(link.members) == {(self.context, self.rank)}:
                     link.closing = True  # (no group joins it any more)
-                    self._engine.unpublish(link)
+                    self.engine.unpublish(link)
                     rails += [r for r in link.rails if r is not None]
             self.ep.release_acks()  # the peers' drains wait for them
             self.wire.pump()
 
         def settled() -> bool:
-            with self._lock:
+            with self.lock:
                 peers = [p for p in self._rails if p not in self.failed]
                 unacked = sum(self.ep.inflight_bytes(p) for p in peers)
                 return unacked == 0 and not any(r.out for r in rails if r.alive)
 
-        self._engine.drive(settled, deadline)
-        with self._lock:
+        self.engine.drive(settled, deadline)
+        with self.lock:
             for r in rails:
                 if r.alive:
                     try:
                         r.sock.shutdown(socket.SHUT_WR)  # FIN after the queued bytes
                     except OSError:
                         pass
-        self._engine.drive(lambda: not any(r.alive for r in rails),
+        self.engine.drive(lambda: not any(r.alive for r in rails),
                            min(deadline, time.monotonic() + 0.2))
 

@@ -231,12 +231,12 @@ class Link:
 
     # -------------------------------------------------------------- engine handler
 
-    def _in_bulk(self, rail: Rail, mask: int) -> bool:
+    def in_bulk(self, rail: Rail, mask: int) -> bool:
         """Is the engine's visit to ``rail`` for bulk bytes (a payload being read in place,
         or only writing)? Those visits come after the others (progress.poll)."""
         return rail.stage == _PAYLOAD or not mask & ~_OUT
 
-    def _on_ready(self, rail: Rail, mask: int) -> None:
+    def on_ready(self, rail: Rail, mask: int) -> None:
         """The engine saw ``rail`` readable or writable: read and write what it can."""
         with self.engine.lock:
             if not rail.alive:
@@ -510,7 +510,7 @@ class Link:
         if not heal:
             self.untrusted.add(rail.index)
         for t, peer in list(self.members.values()):
-            t._rail_lost(rail, peer, reason, t is claimed)
+            t.rail_lost(rail, peer, reason, t is claimed)
         if heal and self.dialer and self.healable():
             t, peer = next(iter(self.members.values()))
             t.opening.heal(self, peer, rail.index)

@@ -80,7 +80,7 @@ class AbortNotices:
         kind = data[0] if data else ABORTED
         error = PeerAborted(peer, data[1:].decode("utf-8", "replace"), kind, network=True)
         owner.failed[peer] = error
-        log.info("neuron %s: %s", owner._label, error)
+        log.info("neuron %s: %s", owner.label, error)
         owner.pending.fail_peer(peer, error)
 
     def tell_all(self, reason: str, kind: int, grace: float) -> None:
@@ -93,7 +93,7 @@ class AbortNotices:
         payload = bytes([kind]) + reason.encode("utf-8", "replace")[:_REASON_BYTES]
         reqs: list[Request] = []
         deadline = time.monotonic() + grace
-        with owner._lock:
+        with owner.lock:
             told = {p for p in owner.opening.expected
                     if p not in owner.failed or p in self._waiting}
         if not owner.closed:
@@ -102,7 +102,7 @@ class AbortNotices:
                     owner.opening.open(peer, deadline - grace / 2, notice=True)
                 except Exception:  # noqa: BLE001 - best effort: it learns otherwise
                     pass
-        with owner._lock:
+        with owner.lock:
             if owner.closed:
                 return
             for peer in sorted(owner.opening.up):

@@ -93,7 +93,7 @@ class RailOpening:
         self._links: dict[int, str] = {}  # peer -> _DIALING, _ACCEPTING or _JOINING while rails open
         self._reserved: set[tuple[int, int]] = set()  # (peer, rail) accepted, not yet added
         self._connect_timeout = 300.0
-        self._connected = threading.Condition(owner._lock)
+        self._connected = threading.Condition(owner.lock)
         self._healer = Healer(self)
 
     # ------------------------------------------------------------------ set-up
@@ -101,7 +101,7 @@ class RailOpening:
     def connect(self, peers: dict[int, str], deadline: float) -> None:
         """Learn where the other ranks are (``RdmTransport.connect``)."""
         owner = self.owner
-        with owner._lock:
+        with owner.lock:
             self.expected.clear()
             self.expected.update(set(peers) - {owner.rank})
             self._addresses = {p: a for p, a in peers.items() if p != owner.rank}
@@ -109,7 +109,7 @@ class RailOpening:
             for peer, link in self.link_of.items():  # (rails accepted before we knew)
                 if None not in link.rails and link.key is None:
                     link.key = self.link_key(peer)
-                    owner._engine.publish(link)
+                    owner.engine.publish(link)
             early, self._early_joins = self._early_joins, []
             for args in early:
                 if args[1].alive:
@@ -162,7 +162,7 @@ class RailOpening:
             else:
                 error = PeerUnreachable(peer, f"could not open rails to rank {peer}: "
                                               f"{type(e).__name__}: {e}")
-            with owner._lock:
+            with owner.lock:
                 self._link_failed(peer, error)
             raise error from None
         self._wait(peer, deadline, dial_=False, notice=notice)
@@ -177,7 +177,7 @@ class RailOpening:
             return peer in self.up or self._links.get(peer) is not _JOINING
 
         while True:
-            with owner._lock:
+            with owner.lock:
                 if peer in self.up:
                     return True
                 if not (notice and owner.notices.waiting_for(peer) and not owner.closed):
@@ -208,7 +208,7 @@ class RailOpening:
                     self._connected.wait(min(remaining, 0.5))
                     continue
                 until = min(deadline, join.deadline, now + 0.5)
-            owner._engine.drive(joined, until, None, owner.spin)
+            owner.engine.drive(joined, until, None, owner.spin)
 
     def _link_failed(self, peer: int, error: Exception) -> None:
         """Under the lock: opening the rails to ``peer`` failed; so does everything with it."""
@@ -229,14 +229,14 @@ class RailOpening:
     def _joinable(self, peer: int) -> Link | None:
         """Under the lock: a link of another group to ``peer``'s process, or None."""
         key = self.link_key(peer)
-        return None if key is None else self.owner._engine.find_link(key, self.owner._context)
+        return None if key is None else self.owner.engine.find_link(key, self.owner.context)
 
     def _start_join(self, peer: int, link: Link) -> None:
         """Under the lock: join ``link`` for ``peer``: a JOIN on every rail (links.py)."""
         owner = self.owner
         self._links[peer] = _JOINING
         self._joins[peer] = join = _Join(link)
-        link.add(owner._context, owner.rank, owner, peer)
+        link.add(owner.context, owner.rank, owner, peer)
         for rail in link.rails:  # (a link others may join has every rail)
             self._send_join(link, rail, peer, join)  # type: ignore[arg-type]
 
@@ -244,7 +244,7 @@ class RailOpening:
         owner = self.owner
         proof = handshake.join_proof(self.key, self.group, rail.session, owner.rank, peer,
                                      rail.index)
-        link.send_block(rail, JOIN, owner.rank, peer, owner._context, proof)
+        link.send_block(rail, JOIN, owner.rank, peer, owner.context, proof)
         join.sent.add(rail.index)
 
     def on_join(self, link: Link, rail: Rail, peer: int, proof: bytes) -> None:
@@ -255,20 +255,20 @@ class RailOpening:
         if (not 0 <= peer < owner.world_size or peer == owner.rank
                 or not handshake.same(proof, expect)):
             log.error("neuron %s: ignored a JOIN on rail %d claiming rank %d (wrong proof)",
-                      owner._label, rail.index, peer)
+                      owner.label, rail.index, peer)
             return
         if not self._addresses and not owner.closed:  # (connect() is a moment away)
             self._early_joins.append((link, rail, peer, proof))
             return
         if owner.closed or peer in owner.failed:
-            link.send_block(rail, LEAVE, owner.rank, peer, owner._context)  # (it fails at once)
+            link.send_block(rail, LEAVE, owner.rank, peer, owner.context)  # (it fails at once)
             return
         if peer in self.up:
             return  # (a late JOIN after a crossing)
         key = self.link_key(peer)
         if key is None or not link.reaches(key):
             log.error("neuron %s: ignored a JOIN on rail %d claiming rank %d: the link is not "
-                      "to that rank's process", owner._label, rail.index, peer)
+                      "to that rank's process", owner.label, rail.index, peer)
             return
         state, join = self._links.get(peer), self._joins.get(peer)
         if join is not None and join.link is not link:  # both joined at once, elsewhere
@@ -279,11 +279,11 @@ class RailOpening:
         if state is _ACCEPTING or (state is _DIALING and owner.rank > peer):
             return  # the peer's rails (or ours) are being opened: those are kept
         if join is None:
-            if link.closing or link.closed or (owner._context, owner.rank) in link.members:
+            if link.closing or link.closed or (owner.context, owner.rank) in link.members:
                 return
             self._links[peer] = _JOINING
             self._joins[peer] = join = _Join(link)
-            link.add(owner._context, owner.rank, owner, peer)
+            link.add(owner.context, owner.rank, owner, peer)
         join.heard.add(rail.index)
         if rail.index not in join.sent:
             self._send_join(link, rail, peer, join)
@@ -297,7 +297,7 @@ class RailOpening:
         """Under the lock: stop joining a link to ``peer`` (its rails are opened otherwise,
         or the link is gone); what was sent on it is ignored by the peer."""
         join = self._joins.pop(peer)
-        join.link.remove(self.owner._context, self.owner.rank, self.owner)
+        join.link.remove(self.owner.context, self.owner.rank, self.owner)
         if self._links.get(peer) is _JOINING:
             del self._links[peer]
         self._connected.notify_all()
@@ -332,12 +332,12 @@ class RailOpening:
             self.rails[peer] = [DEAD] * owner.nrails
         if link is None or link.closed:
             return
-        others = [m for m in link.members if m != (owner._context, owner.rank)]
+        others = [m for m in link.members if m != (owner.context, owner.rank)]
         if others and leave:
             for rail in link.rails:
                 if rail is not None:
-                    link.send_block(rail, LEAVE, owner.rank, peer, owner._context)
-        link.remove(owner._context, owner.rank, owner)
+                    link.send_block(rail, LEAVE, owner.rank, peer, owner.context)
+        link.remove(owner.context, owner.rank, owner)
 
     def detach_all(self) -> None:
         """Under the lock: the transport closes: let go of every link and join."""
@@ -352,7 +352,7 @@ class RailOpening:
         False, or ``handshake.CROSSED`` (this rank is dialing ``rank`` too and has the
         higher rank: its own rails are kept)."""
         owner = self.owner
-        with owner._lock:
+        with owner.lock:
             if (owner.closed or not 0 <= rank < owner.world_size or rank == owner.rank
                     or not 0 <= rail < owner.nrails):
                 return False
@@ -388,7 +388,7 @@ class RailOpening:
         the rank's first rail and no other is here or on its way, the link is as if never
         dialed; a later rail lost this way leaves the link half open, and the dialer, whose
         dial failed, fails the pair (its rails break at both ends)."""
-        with self.owner._lock:
+        with self.owner.lock:
             self._reserved.discard((rank, rail))
             rails = self.rails.get(rank)
             if (self._links.get(rank) is _ACCEPTING and rank not in self.up
@@ -425,17 +425,17 @@ class RailOpening:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
         sock.setblocking(False)
         mac = RailMac(session, dialer, self.mac[1]) if self.mac[0] else None
-        with owner._lock:
+        with owner.lock:
             self._reserved.discard((peer, index))
             if owner.closed:
                 sock.close()
                 return
             link = self.link_of.get(peer)
             if link is None:  # this group's first rail to the peer: a new link
-                link = self.link_of[peer] = Link(owner._engine, owner.nrails,
-                                                 f"{owner._label}, rails to rank {peer}")
+                link = self.link_of[peer] = Link(owner.engine, owner.nrails,
+                                                 f"{owner.label}, rails to rank {peer}")
                 link.dialer = dialer
-                link.add(owner._context, owner.rank, owner, peer)
+                link.add(owner.context, owner.rank, owner, peer)
                 self.rails[peer] = link.rails
             lost = link.rails[index]
             if lost is not None and (lost.alive or not link.healable()):
@@ -443,12 +443,12 @@ class RailOpening:
                 return
             rail = Rail(sock, index, link, session, mac)
             link.rails[index] = rail
-            owner._engine.register(rail.fd, link, rail, rail.events)
+            owner.engine.register(rail.fd, link, rail, rail.events)
             if lost is not None:
                 self._healer.healed(link, index)
             elif None not in link.rails:
                 link.key = self.link_key(peer)  # other groups may join it from now on
-                owner._engine.publish(link)
+                owner.engine.publish(link)
                 self._rail_up(peer)
             self._connected.notify_all()
 
@@ -491,7 +491,7 @@ class RailOpening:
         owner = self.owner
         if not owner.closed:
             log.log(logging.INFO if reason.startswith(CLEAN_EOF) else logging.WARNING,
-                    "neuron %s: rail %d to rank %d failed: %s", owner._label, rail.index,
+                    "neuron %s: rail %d to rank %d failed: %s", owner.label, rail.index,
                     peer, reason)
         if peer not in owner.failed and not owner.closed:
             if (peer not in self.up and not self._answered_all(peer)

@@ -12,7 +12,7 @@ bound by the endpoint to a position in the stream of ``(peer, tag)`` when posted
 endpoint's next delivery completes. A receive from any rank waits in ``any`` by tag and
 takes the earliest message no named receive was waiting for.
 
-Every request ends exactly once (``Request._finish``). When it fails or is withdrawn
+Every request ends exactly once (``Request.finish``). When it fails or is withdrawn
 while its buffer is still in use, ``unhook`` makes sure nothing here touches that buffer
 afterwards: a payload being read into it goes on into scratch memory, and frames queued
 on a rail that refer to it are replaced by copies. So a late message never writes into a
@@ -106,7 +106,7 @@ class Pending:
         goes back to the pool."""
         req = self.sends.pop((peer, msg_id), None)
         if req is not None:
-            req._finish()
+            req.finish()
         else:
             copy = self.copies.pop((peer, msg_id), None)
             if copy is not None:
@@ -121,11 +121,11 @@ class Pending:
             # (source: known once a message is bound to it)
             error = MessageSizeMismatch(req.source, req.tag,  # type: ignore[arg-type]
                                         n, req.nbytes, data)
-            req._finish(error)
+            req.finish(error)
             return
         if not (isinstance(data, memoryview) and data.obj is req.buf.obj):
             req.buf[:n] = data
-        req._finish()
+        req.finish()
 
     def on_message(self, ev: MessageReceived) -> None:
         """The endpoint delivered a message: to the oldest receive of its stream (bound to
@@ -142,14 +142,14 @@ class Pending:
             if ev.posted:
                 self.complete_recv(req, ev.data)
             else:
-                req._finish(MessageSizeMismatch(ev.src, ev.tag, len(ev.data), req.nbytes,
+                req.finish(MessageSizeMismatch(ev.src, ev.tag, len(ev.data), req.nbytes,
                                                 ev.data))
             return
         if ev.posted:
             return  # it landed in a receive that was withdrawn since: nobody gets it
         anyone = self.any.get(ev.tag)
         while anyone and anyone[0].claim is not None and not anyone[0].claim():
-            anyone.popleft()._finish(Claimed())  # (satisfied by another path meanwhile)
+            anyone.popleft().finish(Claimed())  # (satisfied by another path meanwhile)
         if anyone:  # an early message (kept by the endpoint): the oldest such receive takes it
             req = anyone.popleft()
             req.source = ev.src
@@ -167,7 +167,7 @@ class Pending:
             return  # (its receive was withdrawn: the endpoint discards it then)
         req = waiting.popleft()
         self.positions.pop(req, None)
-        req._finish(MessageSizeMismatch(
+        req.finish(MessageSizeMismatch(
             ev.src, ev.tag, ev.size, ev.expected, b"",
             f"rank {ev.src} sent {ev.size} bytes, the receive expects {ev.expected} (tag "
             f"{ev.tag}); the message was refused, not kept: it exceeds the "
@@ -186,7 +186,7 @@ class Pending:
         req = self.sends.pop((ev.peer, ev.msg_id), None)
         if req is not None:
             self.unhook(req.buf.obj, ev.peer)  # (frames still queued must not read it)
-            req._finish(error)
+            req.finish(error)
             return None
         self.copies.pop((ev.peer, ev.msg_id), None)  # (a frame may still hold a view)
         return error
@@ -199,7 +199,7 @@ class Pending:
         if position is not None:  # (a position: a receive naming its peer)
             self._ep.cancel_recv(req.peer, req.tag, position)  # type: ignore[arg-type]
         self.unhook(req.buf.obj, req.peer)
-        req._finish(error)
+        req.finish(error)
 
     def fail_peer(self, peer: int, error: Exception) -> None:
         """Every request with ``peer`` fails with ``error``, and the receives from any rank
@@ -207,13 +207,13 @@ class Pending:
         if all(p in self._failed for p in self._expected):
             for q in self.any.values():
                 for req in q:
-                    req._finish(error)
+                    req.finish(error)
             self.any.clear()
         for key in [k for k in self.sends if k[0] == peer]:
             req = self.sends.pop(key)
             self._ep.cancel_send(*key)  # no segment of it goes out again, and none that is
             self.unhook(req.buf.obj, peer)  # queued on a rail (another group's, too) reads
-            req._finish(error)  # its buffer after it failed
+            req.finish(error)  # its buffer after it failed
         for key in [k for k in self.copies if k[0] == peer]:
             del self.copies[key]
         for key in [k for k in self.recvs if k[0] == peer]:
@@ -224,13 +224,13 @@ class Pending:
         """The transport closes: every request fails with ``error``."""
         for req in self.sends.values():
             self.unhook(req.buf.obj, req.peer)  # (rails other groups keep write on)
-            req._finish(error)
+            req.finish(error)
         for q in self.recvs.values():
             for req in q:
                 self.fail_recv(req, error)
         for q in self.any.values():
             for req in q:
-                req._finish(error)
+                req.finish(error)
         self.sends.clear()
         self.copies.clear()
         self.recvs.clear()
@@ -242,14 +242,14 @@ class Pending:
         peer = req.peer
         if peer is None:  # a receive from any rank (a send names its peer)
             self.any.get(req.tag, deque()).remove(req)
-            req._finish(error)
+            req.finish(error)
         elif req.is_send:
             key = next((k for k, r in self.sends.items() if r is req), None)
             if key is not None:
                 del self.sends[key]
                 self._ep.cancel_send(*key)
             self.unhook(req.buf.obj, peer)
-            req._finish(error)
+            req.finish(error)
         else:
             try:
                 self.recvs.get((peer, req.tag), deque()).remove(req)

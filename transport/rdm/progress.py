@@ -6,7 +6,7 @@ Rails are non-blocking sockets registered here (``register``), each with the lin
 rails to one peer process, shared by the groups that have both processes: links.py) it
 belongs to. ``poll(timeout)`` waits in ``epoll`` until a rail is readable or writable, or a
 transport's timer (a retransmission, held acks) is due, and lets the link or transport
-handle it (``_on_ready``; ``Wire.on_tick`` once the transport's ``wire.due`` has passed) under
+handle it (``on_ready``; ``Wire.on_tick`` once the transport's ``wire.due`` has passed) under
 the process's one network lock (``NET_LOCK``: a rail carries several groups' frames, so
 their transports share it). The engine also keeps the links other groups may join
 (``publish``, ``find_link``).
@@ -187,7 +187,7 @@ class Progress:
         return o, o.key, o.group, o.may_dial, o.release
 
     def register(self, fd: int, handler: Link, rail: Rail, events: int) -> None:
-        """Tell ``handler`` (a link) when ``rail`` is ready (``_in_bulk``, ``_on_ready``)."""
+        """Tell ``handler`` (a link) when ``rail`` is ready (``in_bulk``, ``on_ready``)."""
         self._handlers[fd] = (handler, rail)
         self._epoll.register(fd, events)
 
@@ -261,7 +261,7 @@ class Progress:
             fd, mask = events[0]
             handler = self._handlers.get(fd)
             if handler is not None:
-                handler[0]._on_ready(handler[1], mask)
+                handler[0].on_ready(handler[1], mask)
             elif fd == self._wake_r:
                 self._drain_wake()
             events = ()
@@ -272,17 +272,17 @@ class Progress:
                 continue
             handler = self._handlers.get(fd)
             if handler is not None:
-                if handler[0]._in_bulk(handler[1], mask):
+                if handler[0].in_bulk(handler[1], mask):
                     bulk.append((handler, mask))
                     continue
-                handler[0]._on_ready(handler[1], mask)
+                handler[0].on_ready(handler[1], mask)
                 if done is not None and done():
                     bulk = ()  # type: ignore[assignment]  # (none left: an empty tuple)
                     break
         for handler, mask in bulk:
             if done is not None and done():
                 break
-            handler[0]._on_ready(handler[1], mask)
+            handler[0].on_ready(handler[1], mask)
         now = time.monotonic()
         for t in list(self._transports):
             due = t.wire.due

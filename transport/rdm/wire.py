@@ -74,10 +74,10 @@ class Wire:
     def __init__(self, owner: RdmTransport, max_payload: int, eager_bytes: int,
                  abort_tag: int):
         self._owner = owner
-        self.ep, self._pending, self._rails = owner.ep, owner.pending, owner._rails
-        self._lock = owner._lock
-        self._rank, self._world_size, self._label = owner.rank, owner.world_size, owner._label
-        self._prefix = owner._prefix
+        self.ep, self._pending, self._rails = owner.ep, owner.pending, owner.opening.rails
+        self._lock = owner.lock
+        self._rank, self._world_size, self._label = owner.rank, owner.world_size, owner.label
+        self._prefix = owner.prefix
         self._max_payload, self._eager_bytes, self._abort_tag = (max_payload, eager_bytes,
                                                                  abort_tag)
         self._any = self._pending.any
@@ -109,7 +109,7 @@ class Wire:
         if due is None or due > now + ep.rto:
             self.due = due = ep.next_deadline()
             # (not None: the frame just written waits for its ack)
-            self._owner._engine.due_changed(due)  # type: ignore[arg-type]
+            self._owner.engine.due_changed(due)  # type: ignore[arg-type]
         if ep.has_work:
             self.pump()
 
@@ -183,7 +183,7 @@ class Wire:
                 req = waiting.popleft()
                 del self._positions[req]
                 if data.nbytes == req.nbytes:  # type: ignore[union-attr]  # (posted: a view)
-                    req._finish()
+                    req.finish()
                 else:
                     self._pending.complete_recv(req, data)
         elif tag == self._abort_tag or self._any:
@@ -307,7 +307,7 @@ class Wire:
         if hint != math.inf and (due is None or hint < due):
             due = hint
         if due is not None and (self.due is None or due < self.due):
-            self._owner._engine.due_changed(due)
+            self._owner.engine.due_changed(due)
         self.due = due
 
     def handle_events(self) -> None:

@@ -19,7 +19,7 @@ posted), so the simulator (bench/netsim.py) runs the same code.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -44,25 +44,46 @@ def parent(rel: int) -> int:
     return rel - (rel & -rel)
 
 
-def _numbering(size: int, root: int) -> tuple[Callable[[int], int], Callable[[int], int]]:
-    """(rank index -> relative rank, relative rank -> rank index) for a tree at ``root``."""
-    if size & (size - 1) == 0:
-        return (lambda i: i ^ root), (lambda r: r ^ root)
-    return (lambda i: (i - root) % size), (lambda r: (r + root) % size)
+class _Renumbered:
+    """``peers`` by relative rank in a tree rooted at index ``root`` (not 0)."""
+
+    __slots__ = ("_peers", "_root", "_xor")
+
+    def __init__(self, peers: Sequence[int], root: int):
+        self._peers, self._root = peers, root
+        self._xor = len(peers) & (len(peers) - 1) == 0
+
+    def relative(self, i: int) -> int:
+        """The relative rank of index ``i``."""
+        return i ^ self._root if self._xor else (i - self._root) % len(self._peers)
+
+    def __getitem__(self, r: int) -> int:
+        """The peer at relative rank ``r``."""
+        peers = self._peers
+        return peers[r ^ self._root if self._xor else (r + self._root) % len(peers)]
+
+
+def _tree_order(peers: Sequence[int], me: int, root: int
+                ) -> tuple[int, Sequence[int] | _Renumbered]:
+    """This rank's relative rank in the tree rooted at ``peers[root]``, and the peers by
+    relative rank: ``peers`` themselves when the root is index 0 (the tree all_reduce and
+    the barrier: nothing to renumber)."""
+    if not root:
+        return me, peers
+    order = _Renumbered(peers, root)
+    return order.relative(me), order
 
 
 def broadcast(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int, root: int
               ) -> Iterator[None]:
     """Make ``buf`` equal to ``peers[root]``'s on every rank of ``peers``."""
-    size = len(peers)
-    rel_of, index_of = _numbering(size, root)
-    rel = rel_of(me)
+    rel, order = _tree_order(peers, me, root)
     if rel:
-        net.recv(peers[index_of(parent(rel))], buf)
+        net.recv(order[parent(rel)], buf)
         yield
     sent = False
-    for child in children(rel, size):
-        net.send(peers[index_of(child)], buf)
+    for child in children(rel, len(peers)):
+        net.send(order[child], buf)
         sent = True
     if sent:
         yield
@@ -72,16 +93,14 @@ def reduce(net: Exchange, buf: torch.Tensor, peers: Sequence[int], me: int, root
            spec: ReduceSpec) -> Iterator[None]:
     """Reduce typed ``buf`` over ``peers`` into ``peers[root]``'s ``buf`` (the others' ``buf``
     is used as scratch: it ends holding their subtree's partial)."""
-    size = len(peers)
-    rel_of, index_of = _numbering(size, root)
-    rel = rel_of(me)
-    below = children(rel, size)
+    rel, order = _tree_order(peers, me, root)
+    below = children(rel, len(peers))
     if below:
         tmp = net.buffer("binomial", buf.numel(), buf.dtype)
     for child in reversed(below):  # smallest subtree first: it is ready first
-        net.recv(peers[index_of(child)], tmp)
+        net.recv(order[child], tmp)
         yield
         net.reduce(buf, [buf, tmp], spec)
     if rel:
-        net.send(peers[index_of(parent(rel))], buf)
+        net.send(order[parent(rel)], buf)
         yield

@@ -156,7 +156,7 @@ class CollectiveEngine:
         # bytes than torch's grain, in all, has no op that could go to its thread pool
         threads = one_thread.enter() if nbytes * self.size >= one_thread.GRAIN_BYTES else 0
         try:
-            work._what = (name, seq, self.label)  # (NeuronWork.what formats it if read)
+            work.description = (name, seq, self.label)  # (NeuronWork.what formats it if read)
             rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True,
                                  algo)
             if self.broken is not None or log.isEnabledFor(logging.DEBUG):
@@ -169,7 +169,7 @@ class CollectiveEngine:
                 else:
                     if rec is not None:  # (Record.finish, written out)
                         rec.state, rec.t_end = COMPLETED, time.time()
-                    work._finished = True  # (NeuronWork._complete_unseen: nobody saw it yet)
+                    work.finished = True  # (NeuronWork.complete_unseen, written out: nobody saw it yet)
         finally:
             if threads:
                 one_thread.leave(threads)
@@ -197,7 +197,7 @@ class CollectiveEngine:
         threads = one_thread.enter() if nbytes * self.size >= one_thread.GRAIN_BYTES else 0
         try:
             self.seq = seq = self.seq + 1
-            work._what = (name, seq, self.label)
+            work.description = (name, seq, self.label)
             rec = recorder.issue(self.group_name, self.rank, self.size, seq, name, call, True)
             stats.add_call(nbytes)
             channel.defer_once = True
@@ -214,7 +214,7 @@ class CollectiveEngine:
             else:
                 if rec is not None:
                     rec.state, rec.t_end = COMPLETED, time.time()
-                work._finished = True  # (nobody has seen the work yet)
+                work.finished = True  # (nobody has seen the work yet)
             finally:
                 channel.defer_once = False
             if deferred:
@@ -251,7 +251,7 @@ class CollectiveEngine:
     def run_for(self, work) -> bool:
         """From a thread waiting for queued ``work``: run the queue's head tasks here, up
         to ``work``, unless the engine thread is running one (then False: block instead)."""
-        while not work._finished:
+        while not work.finished:
             with self._cv:
                 if self._busy or not self._queue or self._stopped:
                     return False
@@ -323,9 +323,9 @@ class CollectiveEngine:
                 log.debug("neuron: done  %s in %.1f us, algorithm %s", work.what,
                           (time.monotonic() - started) * 1e6, rec.algo or "-")
             if inline:
-                work._complete_unseen()
+                work.complete_unseen()
             else:
-                work._complete()
+                work.complete()
 
     def fail(self, exc: BaseException, work, rec) -> None:
         """Complete ``work`` with the user-facing form of ``exc``; break the group if fatal."""
@@ -335,7 +335,7 @@ class CollectiveEngine:
         log.log(logging.WARNING if fatal else logging.INFO, "neuron: %s", error)
         if fatal:
             self.mark_broken(error)
-        work._complete(error)
+        work.complete(error)
 
     def mark_broken(self, error: BaseException) -> None:
         """The group failed (``error``, the first such failure, is kept): later tasks fail
@@ -386,7 +386,7 @@ def _fail_unrun(work, rec, failure) -> None:
         op.abandon(failure)
     if rec is not None:
         rec.finish(failure)
-    work._complete(failure)
+    work.complete(failure)
 
 
 def _drive(engine: CollectiveEngine, work, deadline: float) -> None:

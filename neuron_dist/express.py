@@ -24,7 +24,6 @@ spans nodes has its own lane (express_net.py), built on this one.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
@@ -282,13 +281,9 @@ class ExpressLane:
         """Run ``entry.plan.run(ctx, *args)`` as the group's next collective now, or
         return None."""
         # Reuse the last call's Work when nothing else can reach it (see _Entry.work).
+        if entry.work is None or not entry.work.restart(outputs):
+            entry.work = NeuronWork(outputs, entry.name)
         work = entry.work
-        # references: entry.work, the local `work`, getrefcount's argument
-        if work is not None and sys.getrefcount(work) == 3 and work._future is None:
-            # NeuronWork._restart, written out (a call costs more than these stores)
-            work._outputs, work._finished, work._exception, work._source = outputs, False, None, -1
-        else:
-            work = entry.work = NeuronWork(outputs, entry.name)
         ctx, call, plan_run = self._ctx, entry.call, entry.plan.run
 
         def run(seq: int, rec) -> None:

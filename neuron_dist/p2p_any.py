@@ -107,7 +107,7 @@ class AnySourceRecv:
             return
         if error is None and self.flat is not None:
             self.flat.finish()
-        work._complete(error, source)
+        work.complete(error, source)
 
     def _shm_done(self, req) -> None:
         """The node's engine finished its request (under the engine's lock)."""

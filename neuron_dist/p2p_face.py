@@ -30,7 +30,6 @@ Send/recv never queue behind the group's collectives. Argument checks happen in
 
 from __future__ import annotations
 
-import sys
 import time
 
 from torch.autograd import profiler as _profiler
@@ -118,19 +117,13 @@ class PointToPoint:
 
         c10d waits on a synchronous send's Work and drops it, so the last such Work is
         made again (not a c10d object made and freed per send) when nothing else can reach
-        it: ``sys.getrefcount`` counts every reference, C++'s included, and none may exist
-        beyond ``self._spare`` and this frame's. A Work someone kept (isend), or made a
-        future or hook from, is never touched again.
+        it (``NeuronWork.restart``). A Work someone kept (isend), or made a future or hook
+        from, is never touched again.
         """
-        work = self._spare
-        # references: self._spare, the local `work`, getrefcount's argument
-        if (work is not None and sys.getrefcount(work) == 3 and work._future is None
-                and work._hooks is None):
-            work._outputs, work._what, work._source = [t], what, source  # (finished, no error)
-            return work
-        work = self._spare = NeuronWork([t], what)
-        work._finished, work._source = True, source
-        return work
+        if self._spare is None or not self._spare.restart([t], what, True, source):
+            self._spare = NeuronWork([t], what)
+            self._spare.complete_unseen(source)
+        return self._spare
 
     def recv(self, t, src, tag: int):
         """Receive into tensor ``t`` from group rank ``src`` (None: any rank); its Work."""
@@ -290,7 +283,7 @@ class _ShmOp:
             source = req.source
             if req.names is not None and source >= 0:
                 source = req.names[source]  # (the node's number -> the group rank)
-            work._complete(req.error, source)
+            work.complete(req.error, source)
 
     def poll(self) -> None:
         pass
@@ -338,7 +331,7 @@ class _NetOp:
             error = self.face.on_error(error, work.what)[0]
         elif self.flat is not None and not self.is_send:
             self.flat.finish()  # a receive into a non-contiguous tensor: copy it back
-        work._complete(error, req.source if req.source is not None else -1)
+        work.complete(error, req.source if req.source is not None else -1)
 
     def poll(self) -> None:
         req = self.req  # (None: finished already)
@@ -385,7 +378,7 @@ class _NetOp:
                                          f"{face.timeout_text()}: {timeout}")
             else:
                 error = face.on_error(timeout, work.what)[0]
-            work._complete(error, -1)
+            work.complete(error, -1)
             return
         except Exception:  # noqa: BLE001 - finish() reports it
             pass

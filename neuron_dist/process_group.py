@@ -40,7 +40,7 @@ from .express_net import NetExpressLane
 from .flight_recorder import install_signal_handler
 from .errors import GroupAbortedError
 from .p2p_face import PointToPoint
-from .rendezvous import open_group
+from .rendezvous import StoreRecord, open_group
 from .submit import Submitter
 from .work import NeuronWork
 
@@ -104,7 +104,6 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # FAILED ... Invalid thread pool!": torch's post-fork reset is not thread-safe).
         # Doing it once here, before any of our threads exists, leaves nothing to race on.
         torch.set_num_threads(torch.get_num_threads())
-        self._store = store
         self._rank = rank
         self._size = size
         self._timeout = timeout
@@ -114,8 +113,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self.settings = settings or Settings.from_env()
         links = open_group(store, rank, size, self.settings, timeout, f"rank {rank}/{size}")
         self._channel, self._topo, self._net = links.channel, links.topo, links.net
-        self._store_key = links.key  # this generation's keys in the store (shrink.py)
-        self._store_auth = links.auth  # checks what the store says (store_auth.py)
+        # this generation of the group in the store (shrink.py)
+        self.record = StoreRecord(store, links.key, links.auth, links.topo)
         self._algos = FLAT if self._net is None else ACROSS_NODES
         self._scratch = Scratch()
         self._plans = Plans()  # single-step plans, shared with the express lane
@@ -124,16 +123,16 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                                     self.settings.algo, self.settings.net_cost, links.crowd)
         self._failures = Failures(self._channel, self._net, self._topo.local,
                                   self._timeout_text)
-        self._engine = CollectiveEngine(self._label(), self._failures.translate, "?", rank,
+        self._engine = CollectiveEngine(self.label(), self._failures.translate, "?", rank,
                                         size, links.hold)
         self._failures.engine = self._engine
         submitter = Submitter(self._channel, self._topo, self._net, self._engine,
                               self._selection, self._plans, self._scratch,
-                              lambda: self._timeout_s, self._label)
+                              lambda: self._timeout_s, self.label)
         self._submit, self._deadline_seconds = submitter.submit, submitter.deadline_seconds
         self._call = submitter.call
         install_signal_handler()
-        self._p2p = PointToPoint(rank, size, self._channel, self._net, self._label,
+        self._p2p = PointToPoint(rank, size, self._channel, self._net, self.label,
                                  self._failures.on_p2p_error, lambda: self._timeout_s,
                                  self._timeout_text,
                                  self._topo.local if self._net is not None else None)
@@ -164,7 +163,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
-        self._engine.label = self._label()
+        self._engine.label = self.label()
         self._engine.group_name = self._group_key()
 
     def getGroupName(self) -> str:
@@ -172,7 +171,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
-        self._engine.label = self._label()
+        self._engine.label = self.label()
         self._engine.group_name = self._group_key()
 
     def getGroupDesc(self) -> str:
@@ -185,6 +184,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     @property
     def group_desc(self) -> str:
         return self._group_desc
+
+    @property
+    def timeout(self) -> timedelta:
+        """The default deadline of the group's operations (``set_timeout`` changes it)."""
+        return self._timeout
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Change the default deadline of the group's later operations (TorchTitan lowers it
@@ -222,7 +226,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         desc = f" ({self._group_desc})" if self._group_desc else ""
         return f"'{self._group_name or '?'}'{desc}"
 
-    def _label(self) -> str:
+    def label(self) -> str:
+        """The group and this rank, as messages name them: ``'NAME' (DESC) rank R/SIZE``."""
         desc = f" ({self._group_desc})" if self._group_desc else ""
         return f"'{self._group_name or '?'}'{desc} rank {self._rank}/{self._size}"
 
@@ -230,7 +235,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return f"{self._timeout.total_seconds():g} s"
 
     def __repr__(self):
-        return f"ProcessGroupNeuron({self._label()})"
+        return f"ProcessGroupNeuron({self.label()})"
 
     def layout(self) -> str:
         """Where the group's ranks sit and what joins them, e.g. for a training log."""
@@ -507,9 +512,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return self._p2p.recv(t, None, tag)
 
     # ---------------------------------------------------------------- shutdown
-    def abort(self) -> None:
-        """Fail every pending operation now and release resources."""
-        self._shutdown(GroupAbortedError(f"group {self._label()} was aborted"), abort_peers=True)
+    def abort(self, reason: str | None = None) -> None:
+        """Fail every pending operation now, tell the peers, and release resources;
+        ``reason`` is what the failed operations say (default: the group was aborted)."""
+        self._shutdown(GroupAbortedError(reason or f"group {self.label()} was aborted"),
+                       abort_peers=True)
 
     def shutdown(self) -> None:
         """Release resources (destroy_process_group)."""
@@ -554,14 +561,14 @@ def _combined_work(works, outputs):
     """
     combined = NeuronWork(outputs, works[-1].what if works else "empty coalesced call")
     if not works:
-        combined._complete()
+        combined.complete()
         return combined
     last = works[-1]
     combined.engine = last.engine
 
     def finish():
         errors = [w.exception() for w in works if w.exception() is not None]
-        combined._complete(errors[0] if errors else None)
+        combined.complete(errors[0] if errors else None)
 
     # Looking at the combined work looks at the last part (a deferred one runs when waited
     # for, engine.py): hooking it must not wake the engine thread for it.

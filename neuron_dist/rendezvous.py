@@ -61,6 +61,18 @@ from .topology import (Topology, choose_addresses, core_rivals, cpu_identity, cr
 log = logging.getLogger("neuron_dist")
 
 
+@dataclass(frozen=True)
+class StoreRecord:
+    """Where one generation of a group is kept in the store: ``key`` prefixes its keys,
+    ``auth`` checks what is read there, ``topo`` says which node keys it wrote
+    (``forget_group`` removes them). shrink.py agrees on a group's survivors through it."""
+
+    store: object
+    key: str
+    auth: StoreAuth | None
+    topo: Topology
+
+
 @dataclass
 class GroupLinks:
     """What a group talks through: this node's shared memory and, across nodes, the network."""

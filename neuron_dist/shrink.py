@@ -51,7 +51,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .errors import GroupAbortedError
 from .process_group import ProcessGroupNeuron
 from .rendezvous import forget_group
 from .survivors import agree
@@ -83,26 +82,27 @@ def shrink_group(ranks_to_exclude, group=None, timeout: timedelta | None = None)
     backend = _neuron_backend(pg)
     size, rank = backend.size(), backend.rank()
     report = _check_ranks(ranks_to_exclude, size, rank)
-    timeout = timeout or backend._timeout
+    timeout = timeout or backend.timeout
     started = time.monotonic()
-    key = f"{backend._store_key}/shrink"
-    excluded = agree(backend._store, key, rank, size, report, timeout.total_seconds(),
-                     auth=backend._store_auth)
+    record = backend.record
+    key = f"{record.key}/shrink"
+    excluded = agree(record.store, key, rank, size, report, timeout.total_seconds(),
+                     auth=record.auth)
     survivors = [k for k in range(size) if k not in excluded]
-    reason = (f"group {backend._label()} was shrunk to its ranks {survivors}; rank(s) "
+    reason = (f"group {backend.label()} was shrunk to its ranks {survivors}; rank(s) "
               f"{excluded} excluded")
-    backend._shutdown(GroupAbortedError(reason), abort_peers=True)  # fences the excluded
+    backend.abort(reason)  # fences the excluded
     old = _Old(pg, backend, survivors)
     if is_default:
         _tear_down_world(pg)
     else:
         dist.destroy_process_group(pg)
-    store = dist.PrefixStore(f"{key}/group/", backend._store)
+    store = dist.PrefixStore(f"{key}/group/", record.store)
     new = ProcessGroupNeuron(dist.PrefixStore("neuron/", store), survivors.index(rank),
                              len(survivors), timeout, backend.settings)
     _register(new, old, store, is_default)
     if survivors.index(rank) == 0:
-        forget_group(backend._store, backend._store_key, backend._topo)
+        forget_group(record.store, record.key, record.topo)
     log.info("neuron: %s in %.3f s", reason, time.monotonic() - started)
     return new
 

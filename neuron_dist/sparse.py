@@ -56,12 +56,12 @@ def all_reduce(pg, t: torch.Tensor, opts) -> NeuronWork:
     nnz, sparse_dim = mine._nnz(), mine.sparse_dim()
     meta = torch.tensor([nnz, sparse_dim, dtype_code(t.dtype), t.dim(), digest(t.shape)],
                         dtype=torch.int64)
-    size = pg._size
+    size = pg.size()
     metas = [torch.empty(_META_WORDS, dtype=torch.int64) for _ in range(size)]
     gather_opts = AllgatherOptions()
     gather_opts.timeout = opts.timeout
     pg.allgather([metas], [meta], gather_opts).wait()
-    _check_agree(metas, pg._rank)
+    _check_agree(metas, pg.rank())
 
     dense_shape = tuple(t.shape[sparse_dim:])
     row = math.prod(dense_shape)
@@ -85,8 +85,8 @@ def all_reduce(pg, t: torch.Tensor, opts) -> NeuronWork:
         t.copy_(result)
         if view is not t:
             view.copy_(torch.view_as_real(result))
-    work = NeuronWork([view], f"sparse all_reduce in group {pg._label()}")
-    work._complete()
+    work = NeuronWork([view], f"sparse all_reduce in group {pg.label()}")
+    work.complete()
     return work
 
 

@@ -16,6 +16,7 @@ waiters share one process-wide condition variable.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -43,13 +44,25 @@ class NeuronWork(dist.Work):
         Human-readable description (e.g. ``"all_reduce #12 in group 'default_pg'"``), or
         what makes it, formatted only if read: a function returning it, or a collective's
         ``(name, sequence number, group label)``.
+
+    Attributes
+    ----------
+    finished : bool
+        Complete (with or without an error). Users ask ``is_completed()``, which also
+        completes a finished send/recv that nobody has looked at yet.
+    description : str, tuple or callable
+        ``what`` as given (``what`` formats it once read): its maker sets a collective's
+        ``(name, sequence number, group label)`` when the call is issued.
+
+    The backend's side of a Work (``complete``, ``complete_unseen``, ``restart``) is written
+    here once: the engine, the express lanes and send/recv use only these.
     """
 
     def __init__(self, outputs, what):
         super().__init__()
         self._outputs = outputs
-        self._what = what
-        self._finished = False
+        self.description = what
+        self.finished = False
         self._exception = None
         self._future = None
         self._source = -1
@@ -67,38 +80,54 @@ class NeuronWork(dist.Work):
     def what(self) -> str:
         """What this work is, e.g. ``"all_reduce #3 in group 'default_pg'"`` (given as a
         string, or as a function formatting it the first time it is read)."""
-        what = self._what
+        what = self.description
         if type(what) is tuple:
             name, seq, label = what
-            what = self._what = f"{name} #{seq} in group {label}"
+            what = self.description = f"{name} #{seq} in group {label}"
         elif not isinstance(what, str):
-            what = self._what = what()
+            what = self.description = what()
         return what
 
     @what.setter
     def what(self, value) -> None:
-        self._what = value
+        self.description = value
 
     # ------------------------------------------------------------- completion
-    def _complete_unseen(self) -> None:
+    def complete_unseen(self, source: int = -1) -> None:
         """Complete successfully a work no other thread can have seen yet (a collective run
         by the caller before its work is returned): no future, hooks or waiters exist."""
-        self._finished = True
+        self.finished, self._source = True, source
 
-    # (Restarting a completed work for a new call, when nobody else can reach it, is done
-    # by express.py's ``_run``: its maker checks with ``sys.getrefcount`` that it holds the
-    # only reference and that no future was made from it, then resets ``_outputs``,
-    # ``_finished``, ``_exception`` and ``_source``.)
+    def restart(self, outputs, what=None, finished: bool = False, source: int = -1) -> bool:
+        """Make this completed work the handle of a new call, if nobody else can reach it:
+        call it as ``keeper.work.restart(...)`` (never through a local name), so that the
+        keeper's attribute is its only reference. False, with nothing changed, when another
+        exists (the caller kept the work, C++ holds it, a future or hook was made from
+        it): then make a new one.
+
+        c10d waits on a synchronous call's Work and drops it, so its maker (the express
+        lane, send/recv's face) keeps the last one and restarts it for the next call
+        instead of making and freeing a c10d object per call. ``outputs``, ``what`` (None:
+        kept), ``finished`` (a send/recv that completed as it was posted) and its
+        ``source`` describe the new call; its error is cleared."""
+        # references: the keeper's attribute, this frame's ``self``, getrefcount's argument
+        if sys.getrefcount(self) != 3 or self._future is not None or self._hooks is not None:
+            return False
+        self._outputs, self.finished, self._exception, self._source = (outputs, finished,
+                                                                        None, source)
+        if what is not None:
+            self.description = what
+        return True
 
     def _look(self) -> None:
         """Complete a lazily completed work whose operation has finished."""
         op = self.op
-        if op is not None and not self._finished:
+        if op is not None and not self.finished:
             op.poll()
 
     def _arm(self) -> None:
         op = self.op
-        if op is not None and not self._finished:
+        if op is not None and not self.finished:
             op.arm()
 
     def add_done_hook(self, hook, arm: bool = True) -> None:
@@ -108,22 +137,22 @@ class NeuronWork(dist.Work):
         if arm:
             self._arm()
         with _lock:
-            if not self._finished:
+            if not self.finished:
                 if self._hooks is None:
                     self._hooks = []
                 self._hooks.append(hook)
                 return
         hook()
 
-    def _complete(self, exception=None, source: int = -1) -> None:
+    def complete(self, exception=None, source: int = -1) -> None:
         # The state is final first (so a future callback that waits on this work returns at
         # once), then the future runs its callbacks, then hooks and blocked waiters run.
         with _lock:
-            if self._finished:
+            if self.finished:
                 return
             self._exception = exception
             self._source = source
-            self._finished = True
+            self.finished = True
             # The op refers back to this work: dropping it lets reference counting free
             # both (a cycle per message would wake the cyclic collector, whose full
             # passes over torch's objects cost tens of ms).
@@ -143,7 +172,7 @@ class NeuronWork(dist.Work):
     # ------------------------------------------------------------------ c10d API
     def wait(self, timeout=None) -> bool:
         """Block until done; raise the operation's error. ``timeout``: timedelta or seconds."""
-        if not self._finished:
+        if not self.finished:
             started = time.monotonic()
             seconds = _seconds(timeout)
             deadline = started + seconds if seconds else float("inf")
@@ -151,7 +180,7 @@ class NeuronWork(dist.Work):
                 op = self.op  # (None once complete)
                 if op is not None:
                     op.drive(deadline)
-                    if not self._finished:  # another thread is completing it right now
+                    if not self.finished:  # another thread is completing it right now
                         self._block(deadline, seconds)
                 elif self.engine is not None and self.engine.is_engine_thread():
                     self.engine.run_until(self)
@@ -167,7 +196,7 @@ class NeuronWork(dist.Work):
         with _lock:
             self._waiters += 1
             try:
-                while not self._finished:
+                while not self.finished:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise PeerTimeoutError(
@@ -178,11 +207,11 @@ class NeuronWork(dist.Work):
 
     def is_completed(self) -> bool:
         self._look()
-        return self._finished
+        return self.finished
 
     def is_success(self) -> bool:
         self._look()
-        return self._finished and self._exception is None
+        return self.finished and self._exception is None
 
     def exception(self):
         self._look()
@@ -197,7 +226,7 @@ class NeuronWork(dist.Work):
         with _lock:
             if self._future is None:
                 self._future = torch.futures.Future()
-                if self._finished:
+                if self.finished:
                     _settle(self._future, self._outputs, self._exception)
             return self._future
 
@@ -212,7 +241,7 @@ class NeuronWork(dist.Work):
         """CPU tensors: nothing to synchronise with."""
 
     def __repr__(self):
-        return f"<NeuronWork {self.what} {'done' if self._finished else 'pending'}>"
+        return f"<NeuronWork {self.what} {'done' if self.finished else 'pending'}>"
 
 
 def _settle(future, outputs, exception) -> None:

@@ -53,7 +53,7 @@ def _die_then_shrink(rank, world, victim):
     backend = dist.group.WORLD
     t = torch.ones(8)
     dist.all_reduce(t)
-    key = backend._store_key
+    key = backend.record.key
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     try:
@@ -72,7 +72,7 @@ def _die_then_shrink(rank, world, victim):
     if dist.get_rank() < 2:
         dist.all_reduce(u, group=pair)
     dist.barrier()
-    old_keys_left = backend._store.check([f"{key}/node/{victim}"])
+    old_keys_left = backend.record.store.check([f"{key}/node/{victim}"])
     return dict(report=report, message=message, rank=dist.get_rank(), sum=t[0].item(),
                 pair=u[0].item(), seconds=seconds, old_keys_left=old_keys_left,
                 close_wait=_close_wait_sockets())

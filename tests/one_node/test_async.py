@@ -305,7 +305,7 @@ def held(rank, world):
     w = dist.all_reduce(x, async_op=True)
     out["returned"] = time.perf_counter() - t0
     time.sleep(0.2)  # (compute)
-    out["held"] = not w._finished and x[0].item() == rank + 1  # (is_completed would start it)
+    out["held"] = not w.finished and x[0].item() == rank + 1  # (is_completed would start it)
     w.wait()
     out["waited"] = (x[0].item(), x[-1].item())
     # 2. polled with is_completed: the poll has the engine thread start it

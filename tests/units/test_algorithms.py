@@ -802,7 +802,7 @@ def test_a_deferred_call_that_will_not_be_finished_withdraws_its_messages_first(
     real_cancel = net.end(0).cancel
 
     def cancel(req, error):
-        seen.append(work._finished)  # the Work has not ended yet
+        seen.append(work.finished)  # the Work has not ended yet
         return real_cancel(req, error)
 
     nc.net.cancel = cancel
@@ -810,7 +810,7 @@ def test_a_deferred_call_that_will_not_be_finished_withdraws_its_messages_first(
     assert engine.try_now(lambda seq, rec: (nc.again(seq, math.inf),
                                             _exchange(nc, 1, buf, got)), work, "all_gather", nc)
     # (posted: the descriptor's and the data's receives, the descriptor and the data)
-    assert not work._finished and net.posts[0] == 4 and not net.cancelled
+    assert not work.finished and net.posts[0] == 4 and not net.cancelled
     engine.stop()
     assert seen and not any(seen), seen  # withdrawn first ...
     assert net.recvs.get((1, 0)) == [] and len(net.cancelled) >= 1

@@ -106,10 +106,14 @@ class Request(NetRequest):
         Why it failed, once complete.
     callback : callable or None
         ``callback(request)``, run on the transport's callback thread once complete.
+    claim : callable or None
+        For a receive from any rank that another path may satisfy instead: ``claim()``,
+        called just before a message is bound to it, says whether it still may take one
+        (transport/matching.py). None: it takes whatever comes.
     """
 
     __slots__ = ("peer", "tag", "buf", "is_send", "error", "nbytes", "callback", "source",
-                 "completion", "_sink", "_waiting", "_token")
+                 "claim", "completion", "_sink", "_waiting", "_token")
     VIA = "the network"  # how the timeout message names the path
 
     def __init__(self, peer: int | None, tag: int, buf: memoryview, is_send: bool,
@@ -119,6 +123,7 @@ class Request(NetRequest):
         self.error: Exception | None = None
         self.callback: Callable[[Request], object] | None = None
         self.source = peer
+        self.claim: Callable[[], bool] | None = None
         self.completion = Completion()
         self._sink = sink  # the queue of the transport's callback thread
         # one entry per thread in wait() (list append/pop are atomic)
@@ -132,7 +137,7 @@ class Request(NetRequest):
         req = cls.__new__(cls)
         req.peer = req.source = peer
         req.tag, req.buf, req.is_send, req.nbytes = tag, buf, True, buf.nbytes
-        req.error = req.callback = req._sink = None
+        req.error = req.callback = req.claim = req._sink = None
         req.completion = _DONE
         req._waiting, req._token = [], [True]
         return req

@@ -97,6 +97,26 @@ def case_any_source(t, rank, sync):
     sync()
 
 
+def case_a_receive_naming_the_source_goes_first(t, rank, sync):
+    """Both receives wait: a message goes to the receive naming its source, though one from
+    any rank was posted before it (transport/matching.py); the next message, which no
+    named receive waits for, goes to the receive from any rank."""
+    if rank == 1:
+        anyone, named = np.zeros(4, np.uint8), np.zeros(4, np.uint8)
+        r_any = t.irecv_any(12, anyone)
+        r_named = t.irecv(0, 12, named)
+    sync()  # both are posted before anything is sent
+    if rank == 0:
+        t.isend(1, 12, np.full(4, 1, np.uint8)).wait(_deadline())
+        t.isend(1, 12, np.full(4, 2, np.uint8)).wait(_deadline())
+    if rank == 1:
+        r_named.wait(_deadline())
+        r_any.wait(_deadline())
+        assert named.tolist() == [1] * 4 and anyone.tolist() == [2] * 4, (named, anyone)
+        assert r_any.source == 0
+    sync()
+
+
 def case_callbacks_run_once_off_the_lock(t, rank, sync):
     """A completion callback runs once, may post new requests, for a request that
     completes while nobody waits on it."""
@@ -196,6 +216,6 @@ def case_cancel_gives_the_buffer_back_and_fails_the_pair(t, rank, sync):
 
 CASES = [case_order_per_tag_and_early_messages, case_tags_do_not_block_each_other,
          case_size_mismatch_is_typed_and_consumes_the_message, case_any_source,
-         case_callbacks_run_once_off_the_lock,
+         case_a_receive_naming_the_source_goes_first, case_callbacks_run_once_off_the_lock,
          case_timeout_names_the_peer_and_the_request_stays_posted,
          case_cancel_gives_the_buffer_back_and_fails_the_pair]  # (last: it breaks a pair)

@@ -63,7 +63,6 @@ import socket
 import threading
 import time
 import weakref
-from collections import deque
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 
@@ -371,13 +370,9 @@ class MpiTransport(ColumnCollectives):
             _check_tag(tag)
             self.matcher.read_control()
             self._check_peer(peer)
-            key = (peer, tag)
-            q = self.matcher.recvq.get(key)
-            if q is None:
-                q = self.matcher.recvq[key] = deque()
-            q.append(req)
+            q = self.matcher.posted.post(req, peer, tag)
             if len(q) == 1:
-                self.matcher.match(key, q)  # already here? matched without any thread
+                self.matcher.match((peer, tag), q)  # already here? matched without any thread
             self.polling.wake()
         return req
 
@@ -399,10 +394,7 @@ class MpiTransport(ColumnCollectives):
             if not self._alive_peers():
                 raise next(iter(self.failed.values()),
                            ValueError(f"{self.label}: no other rank to receive from"))
-            q = self.matcher.anyq.get(tag)
-            if q is None:
-                q = self.matcher.anyq[tag] = deque()
-            q.append(req)
+            q = self.matcher.posted.post_any(req, tag)
             if len(q) == 1:
                 self.matcher.match_any(tag, q)
             self.polling.wake()
@@ -455,19 +447,12 @@ class MpiTransport(ColumnCollectives):
         with self.lock:
             if req.completion.is_set():
                 return False
-            if req.peer is None:
-                q = self.matcher.anyq.get(req.tag)
-                if q is not None and req in q:
-                    q.remove(req)
-                    req.finish(error)
-                    return True
-            else:
-                q = self.matcher.recvq.get((req.peer, req.tag))
-                if q is not None and req in q:  # not matched yet: MPI never saw it
-                    q.remove(req)
-                    req.finish(error)
+            if not req.is_send and self.matcher.posted.withdraw(req, req.peer):
+                # not matched yet: MPI never saw it
+                req.finish(error)
+                if req.peer is not None:
                     self._break_peer(req.peer, error)
-                    return True
+                return True
         self.polling.drive(req.completion, time.monotonic() + CANCEL_GRACE)
         with self.lock:
             if req.completion.is_set():
@@ -537,7 +522,7 @@ class MpiTransport(ColumnCollectives):
 
     def busy(self) -> bool:
         """Under the lock: is anything posted or in flight (the progress thread polls)?"""
-        return bool(self.active.reqs or self.matcher.recvq or self.matcher.anyq)
+        return bool(self.active.reqs or self.matcher.posted)
 
     def _callback_loop(self) -> None:
         run_callbacks(self.callbacks)
@@ -549,8 +534,7 @@ class MpiTransport(ColumnCollectives):
         with self.lock:
             out = dict(self._stats)
             out["pending_requests"] = len(self.active.reqs)
-            out["posted_receives"] = (sum(len(q) for q in self.matcher.recvq.values())
-                                      + sum(len(q) for q in self.matcher.anyq.values()))
+            out["posted_receives"] = len(self.matcher.posted)
             return out
 
     def fail_all(self, error: Exception) -> None:

@@ -40,6 +40,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ABORTED, PeerAborted, TransportError
+from ..matching import PostedReceives
 from .active import MISMATCH, NOTE_SEND, RECV
 
 if TYPE_CHECKING:
@@ -70,9 +71,10 @@ class Matcher:
         self._direct = (tag_ub + 1) // 2          # [0, direct): tags as they are
         self.abort_tag, self.hello_tag, self._note_tag = tag_ub, tag_ub - 1, tag_ub - 2
         self.modulus = tag_ub - 3 - self._direct + 1  # [direct, tag_ub - 3]: larger tags
-        # (peer, tag) -> deque of posted, unmatched Requests
-        self.recvq: dict[tuple[int, int], deque[Request]] = {}
-        self.anyq: dict[int, deque[Request]] = {}  # tag -> deque of receives from any rank
+        # the posted, unmatched receives (transport/matching.py): ``recvq`` by (peer, tag),
+        # ``anyq`` by tag, its queues
+        self.posted: PostedReceives[Request] = PostedReceives()
+        self.recvq, self.anyq = self.posted.named, self.posted.any
         self._sent_notes: dict[int, dict[int, int]] = {}  # peer -> {mpi tag: tag} announced to it
         self._notes: dict[int, dict[int, int]] = {}  # peer -> {mpi tag: tag} it announced to us
 
@@ -190,13 +192,8 @@ class Matcher:
                     q.clear()
                     break
                 msg = comm.Improbe(src, mpi_tag, st)  # the same message: src's first one
-            named = self.recvq.get((src, tag))
-            if named:  # a receive naming the source goes first
-                self._take(msg, named.popleft(), src)
-                if not named:
-                    del self.recvq[(src, tag)]
-            else:
-                self._take(msg, q.popleft(), src)
+            # (a receive naming the source goes first; q has one: not None)
+            self._take(msg, self.posted.next_for(src, tag), src)  # type: ignore[arg-type]
             progressed = True
         if not q:
             self.anyq.pop(tag, None)
@@ -229,21 +226,15 @@ class Matcher:
 
     def fail_peer(self, peer: int, error: Exception) -> None:
         """The receives naming ``peer`` fail with ``error`` (MPI has not matched them)."""
-        for key in [k for k in self.recvq if k[0] == peer]:
-            for req in self.recvq.pop(key):
-                req.finish(error)
+        for req in self.posted.take_peer(peer):
+            req.finish(error)
 
     def fail_any(self, error: Exception) -> None:
         """The receives from any rank fail with ``error`` (nobody is left to send)."""
-        for q in self.anyq.values():
-            for req in q:
-                req.finish(error)
-        self.anyq.clear()
+        for req in self.posted.take_any():
+            req.finish(error)
 
     def fail_all(self, error: Exception) -> None:
         """Every posted receive fails with ``error``."""
-        for queues in (self.recvq, self.anyq):
-            for q in queues.values():
-                for req in q:
-                    req.finish(error)
-            queues.clear()
+        for req in self.posted.take_all():
+            req.finish(error)

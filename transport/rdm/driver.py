@@ -96,13 +96,12 @@ class Request(_Request, ClaimableRequest):
     Waiting drives the process's progress engine from the waiting thread. ``claim``: see
     ``RdmTransport.irecv_any``."""
 
-    __slots__ = ("_owner", "claim")
+    __slots__ = ("_owner",)
 
     def __init__(self, peer: int | None, tag: int, buf: memoryview, is_send: bool,
                  owner: RdmTransport):
         super().__init__(peer, tag, buf, is_send, owner.engine.callbacks)
         self._owner = owner
-        self.claim: Callable[[], bool] | None = None
 
     def on_complete(self, callback: Callable[[_Request], object]) -> None:
         super().on_complete(callback)
@@ -213,8 +212,7 @@ class RdmTransport(SharedAnySource):
                                self._eager_window, self.notices.heard, ABORT_TAG)
         self._sends, self._copies, self._pool = (self.pending.sends, self.pending.copies,
                                                  self.pending.pool)
-        self._recvs, self._positions, self._any = (self.pending.recvs, self.pending.positions,
-                                                   self.pending.any)
+        self._recvs, self._positions = self.pending.recvs, self.pending.positions
         self._gid = handshake.group_id(group)
         self.context = links.context_of(self._gid)
         self.prefix = links.prefix_of(self.context)
@@ -416,7 +414,7 @@ class RdmTransport(SharedAnySource):
             alive = [p for p in self._expected if p not in self.failed]
             if not alive:
                 raise next(iter(self.failed.values()), ValueError("no peer connected"))
-            self._any.setdefault(tag, deque()).append(req)
+            self.pending.posted.post_any(req, tag)
         if req.nbytes > EAGER_BYTES or callback is not None:
             self.engine.kick()
         return req

@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..errors import Claimed, MessageSizeMismatch
+from ..errors import MessageSizeMismatch
+from ..matching import PostedReceives
 from .links import _PAYLOAD
 
 if TYPE_CHECKING:
@@ -95,9 +96,11 @@ class Pending:
         # (peer, msg_id) -> the copy of an eager send, until acked
         self.copies: dict[tuple[int, int], bytearray] = {}
         self.pool = CopyPool(eager_window)
-        self.recvs: dict[tuple[int, int], deque[Request]] = {}  # (peer, tag) -> posted receives
+        # the posted receives (transport/matching.py); ``recvs`` and ``any`` are its
+        # queues, which the per-message paths read directly
+        self.posted: PostedReceives[Request] = PostedReceives()
+        self.recvs, self.any = self.posted.named, self.posted.any
         self.positions: dict[Request, int] = {}  # receive -> its stream position (cancel_recv)
-        self.any: dict[int, deque[Request]] = {}  # tag -> receives from any source
 
     # ------------------------------------------------------------------ completing
 
@@ -135,7 +138,7 @@ class Pending:
                 self._ep.take_early(ev.src, ev.tag)
             self._on_abort(ev.src, bytes(ev.data))
             return
-        waiting = self.recvs.get((ev.src, ev.tag))
+        waiting = self.recvs.get((ev.src, ev.tag))  # (per message: no call, see matching.py)
         if waiting:  # (its buffer was bound to this position: posted, or too small)
             req = waiting.popleft()
             self.positions.pop(req, None)
@@ -147,14 +150,11 @@ class Pending:
             return
         if ev.posted:
             return  # it landed in a receive that was withdrawn since: nobody gets it
-        anyone = self.any.get(ev.tag)
-        while anyone and anyone[0].claim is not None and not anyone[0].claim():
-            anyone.popleft().finish(Claimed())  # (satisfied by another path meanwhile)
-        if anyone:  # an early message (kept by the endpoint): the oldest such receive takes it
-            req = anyone.popleft()
-            req.source = ev.src
-            # (the endpoint keeps the message this event reports)
-            self.complete_recv(req, self._ep.take_early(ev.src, ev.tag))  # type: ignore[arg-type]
+        anyone = self.posted.next_any(ev.tag)
+        if anyone is not None:  # an early message (kept by the endpoint): the oldest such
+            anyone.source = ev.src  # receive takes it
+            early = self._ep.take_early(ev.src, ev.tag)  # (kept: this event reports it)
+            self.complete_recv(anyone, early)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ failing
 
@@ -162,10 +162,9 @@ class Pending:
         """The message due for the oldest receive of ``(src, tag)`` was too large for it and
         for the memory kept for unexpected messages: it was refused (protocol.py,
         "Refusal"), its sender is told, and the receive fails."""
-        waiting = self.recvs.get((ev.src, ev.tag))
-        if not waiting:
+        req = self.posted.next_named(ev.src, ev.tag)
+        if req is None:
             return  # (its receive was withdrawn: the endpoint discards it then)
-        req = waiting.popleft()
         self.positions.pop(req, None)
         req.finish(MessageSizeMismatch(
             ev.src, ev.tag, ev.size, ev.expected, b"",
@@ -205,10 +204,8 @@ class Pending:
         """Every request with ``peer`` fails with ``error``, and the receives from any rank
         too once every peer has failed (nobody is left to send to them)."""
         if all(p in self._failed for p in self._expected):
-            for q in self.any.values():
-                for req in q:
-                    req.finish(error)
-            self.any.clear()
+            for req in self.posted.take_any():
+                req.finish(error)
         for key in [k for k in self.sends if k[0] == peer]:
             req = self.sends.pop(key)
             self._ep.cancel_send(*key)  # no segment of it goes out again, and none that is
@@ -216,32 +213,28 @@ class Pending:
             req.finish(error)  # its buffer after it failed
         for key in [k for k in self.copies if k[0] == peer]:
             del self.copies[key]
-        for key in [k for k in self.recvs if k[0] == peer]:
-            for req in self.recvs.pop(key):
-                self.fail_recv(req, error)
+        for req in self.posted.take_peer(peer):
+            self.fail_recv(req, error)
 
     def fail_all(self, error: Exception) -> None:
         """The transport closes: every request fails with ``error``."""
         for req in self.sends.values():
             self.unhook(req.buf.obj, req.peer)  # (rails other groups keep write on)
             req.finish(error)
-        for q in self.recvs.values():
-            for req in q:
-                self.fail_recv(req, error)
-        for q in self.any.values():
-            for req in q:
-                req.finish(error)
         self.sends.clear()
         self.copies.clear()
-        self.recvs.clear()
-        self.any.clear()
+        for req in self.posted.take_all():
+            if req.peer is None:  # (a receive from any rank is bound to nothing)
+                req.finish(error)
+            else:
+                self.fail_recv(req, error)
 
     def withdraw(self, req: Request, error: Exception) -> None:
         """Withdraw ``req`` (not complete yet) and fail it with ``error``
         (``RdmTransport.cancel``)."""
         peer = req.peer
         if peer is None:  # a receive from any rank (a send names its peer)
-            self.any.get(req.tag, deque()).remove(req)
+            self.posted.withdraw(req, None)
             req.finish(error)
         elif req.is_send:
             key = next((k for k, r in self.sends.items() if r is req), None)
@@ -251,10 +244,7 @@ class Pending:
             self.unhook(req.buf.obj, peer)
             req.finish(error)
         else:
-            try:
-                self.recvs.get((peer, req.tag), deque()).remove(req)
-            except ValueError:
-                pass
+            self.posted.withdraw(req, peer)
             self.fail_recv(req, error)
 
     def unhook(self, obj: object, peer: int | None) -> None:
@@ -279,19 +269,14 @@ class Pending:
 
     def busy_with(self, peer: int) -> bool:
         """Is a send to or a receive from ``peer`` pending?"""
-        return any(k[0] == peer for k in self.sends) or any(
-            k[0] == peer and q for k, q in self.recvs.items())
+        return any(k[0] == peer for k in self.sends) or self.posted.waits_for(peer)
 
     def needs_progress(self, eager_bytes: int) -> bool:
         """Does a pending request need the engine to move while nobody waits on it: a
         receive larger than ``eager_bytes`` (its sender's request completes only when this
         end reads it), or a request with a completion callback? Read without the lock,
         from snapshots: a hint (``Wire.bulk_pending``)."""
-        for req in list(self.positions):
+        for req in self.posted:
             if req.nbytes > eager_bytes or req.callback is not None:
                 return True
-        for req in list(self.sends.values()):
-            if req.callback is not None:
-                return True
-        return any(req.nbytes > eager_bytes or req.callback is not None
-                   for q in list(self.any.values()) for req in list(q))
+        return any(req.callback is not None for req in list(self.sends.values()))

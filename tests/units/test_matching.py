@@ -1,0 +1,141 @@
+"""transport/matching.py, the posted receives of the network transports, through fakes:
+which receive a message takes, in what order, and how receives leave the queues."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_dist.transport.errors import Claimed
+from neuron_dist.transport.matching import PostedReceives
+
+
+class Recv:
+    """A fake posted receive: its tag, an optional claim, and how it ended."""
+
+    def __init__(self, name: str, tag: int = 7, claim=None):
+        self.name, self.tag, self.claim = name, tag, claim
+        self.ended: list[Exception | None] = []
+
+    def finish(self, error: Exception | None = None) -> None:
+        self.ended.append(error)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def test_named_receives_match_their_stream_in_post_order():
+    p: PostedReceives[Recv] = PostedReceives()
+    a1, a2, b1 = Recv("a1"), Recv("a2"), Recv("b1")
+    p.post(a1, 1, 7)
+    p.post(b1, 2, 7)
+    p.post(a2, 1, 7)
+    assert p.next_for(2, 7) is b1
+    assert p.next_for(1, 7) is a1
+    assert p.next_for(1, 7) is a2
+    assert p.next_for(1, 7) is None and not p and len(p) == 0
+    assert p.named == {}  # (emptied queues are dropped)
+
+
+def test_tags_are_separate_streams():
+    p: PostedReceives[Recv] = PostedReceives()
+    x, y = Recv("x", tag=1), Recv("y", tag=2)
+    p.post(x, 0, 1)
+    p.post(y, 0, 2)
+    assert p.next_for(0, 2) is y and p.next_for(0, 2) is None
+    assert p.next_for(0, 1) is x
+
+
+def test_a_named_receive_goes_before_an_older_receive_from_any_rank():
+    p: PostedReceives[Recv] = PostedReceives()
+    anyone, named = Recv("any"), Recv("named")
+    p.post_any(anyone, 7)
+    p.post(named, 3, 7)
+    assert p.next_for(3, 7) is named  # the source's own receive first
+    assert p.next_for(4, 7) is anyone  # a source nobody named: the oldest from any rank
+    assert p.next_for(3, 7) is None
+
+
+def test_receives_from_any_rank_take_messages_in_post_order_per_tag():
+    p: PostedReceives[Recv] = PostedReceives()
+    r = [Recv(f"r{k}", tag=7 if k % 2 else 8) for k in range(4)]
+    for req in r:
+        p.post_any(req, req.tag)
+    assert [p.next_for(0, 7), p.next_for(5, 8), p.next_for(1, 7), p.next_for(2, 8)] == \
+        [r[1], r[0], r[3], r[2]]
+    assert p.any == {} and p.next_any(7) is None
+
+
+def test_a_receive_whose_claim_fails_ends_claimed_and_the_message_goes_on():
+    p: PostedReceives[Recv] = PostedReceives()
+    calls = []
+    lost = Recv("lost", claim=lambda: calls.append("lost") or False)
+    won = Recv("won", claim=lambda: calls.append("won") or True)
+    plain = Recv("plain")
+    for req in (lost, won, plain):
+        p.post_any(req, 7)
+    assert p.next_any(7) is won
+    assert calls == ["lost", "won"]
+    assert len(lost.ended) == 1 and isinstance(lost.ended[0], Claimed)
+    assert won.ended == [] and p.next_any(7) is plain and plain.ended == []
+
+
+def test_claims_that_all_fail_leave_no_receive_and_no_queue():
+    p: PostedReceives[Recv] = PostedReceives()
+    reqs = [Recv(f"c{k}", claim=lambda: False) for k in range(3)]
+    for req in reqs:
+        p.post_any(req, 7)
+    assert p.next_for(1, 7) is None
+    assert all(isinstance(r.ended[0], Claimed) for r in reqs) and p.any == {}
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_withdraw_takes_a_receive_out_once(named):
+    p: PostedReceives[Recv] = PostedReceives()
+    first, second = Recv("first"), Recv("second")
+    for req in (first, second):
+        p.post(req, 2, 7) if named else p.post_any(req, 7)
+    src = 2 if named else None
+    assert p.withdraw(first, src)
+    assert not p.withdraw(first, src)  # (gone: matched or withdrawn already)
+    assert p.next_for(2, 7) is second
+    assert not p.withdraw(second, src) and not p
+    assert first.ended == second.ended == []  # (the transport ends them, not the queues)
+
+
+def test_withdraw_looks_only_where_the_receive_was_posted():
+    p: PostedReceives[Recv] = PostedReceives()
+    req = Recv("r")
+    p.post(req, 2, 7)
+    assert not p.withdraw(req, None) and not p.withdraw(req, 3)
+    assert p.withdraw(req, 2)
+
+
+def test_take_peer_takes_only_that_peers_named_receives():
+    p: PostedReceives[Recv] = PostedReceives()
+    a, b, c, anyone = Recv("a", tag=1), Recv("b", tag=2), Recv("c", tag=1), Recv("any")
+    p.post(a, 4, 1)
+    p.post(b, 4, 2)
+    p.post(c, 5, 1)
+    p.post_any(anyone, 7)
+    assert p.waits_for(4)
+    assert sorted(p.take_peer(4), key=repr) == [a, b]
+    assert not p.waits_for(4) and p.waits_for(5)
+    assert p.take_any() == [anyone] and p.take_all() == [c]
+    assert not p and p.take_all() == []
+
+
+def test_an_emptied_queue_left_by_a_hot_path_counts_as_nothing():
+    p: PostedReceives[Recv] = PostedReceives()
+    req = Recv("r")
+    p.post(req, 1, 7).popleft()  # (the rdm transport completes a whole message so)
+    assert (1, 7) in p.named and not p and len(p) == 0 and not p.waits_for(1)
+    assert list(p) == [] and p.next_for(1, 7) is None
+
+
+def test_iteration_sees_every_posted_receive():
+    p: PostedReceives[Recv] = PostedReceives()
+    reqs = [Recv("n1"), Recv("n2"), Recv("a1")]
+    p.post(reqs[0], 1, 7)
+    p.post(reqs[1], 2, 9)
+    p.post_any(reqs[2], 7)
+    assert sorted(p, key=repr) == sorted(reqs, key=repr) and len(p) == 3

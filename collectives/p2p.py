@@ -8,14 +8,16 @@ Sending streams a message into the destination's inbound mailbox as space frees 
 pieces of at most a quarter of the mailbox so that the receiver copies out one piece while
 the sender writes the next. Receiving matches each arriving header against posted receives
 in the order they were posted (a receive names a source, or None for any source, and a
-tag). A message nobody has asked for yet is drained into a private buffer (the "unexpected
-queue") so that a sender is never stuck behind a receiver that posts late; a later receive
-takes the oldest matching unexpected message. Messages from one source are matched in the
-order sent (MPI's non-overtaking rule). A receive may carry a ``claim``: a receive from any
-rank of a group that spans nodes is posted here and on the network at once, and
-``claim()``, called just before a message is bound to it, says whether it may still take
-one (False: the network got one first; it then takes nothing here and ends with
-``Claimed``). This module moves no threads: ``P2P.progress`` does
+tag). The posted receives are the network transports' own (transport/matching.py): an
+arriving message takes the oldest receive naming its source and tag, else the oldest
+receive of its tag from any rank. A message nobody has asked for yet is drained into a
+private buffer (the "unexpected queue") so that a sender is never stuck behind a receiver
+that posts late; a later receive takes the oldest matching unexpected message. Messages
+from one source are matched in the order sent (MPI's non-overtaking rule). A receive may
+carry a ``claim``: a receive from any rank of a group that spans nodes is posted here and
+on the network at once, and ``claim()``, called just before a message is bound to it,
+says whether it may still take one (False: the network got one first; it then takes
+nothing here and ends with ``Claimed``). This module moves no threads: ``P2P.progress`` does
 whatever is possible now and returns, and a driver calls it (neuron_dist/p2p_engine.py).
 """
 
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ..transport.errors import Claimed
+from ..transport.matching import PostedReceives
 from . import one_thread
 
 if TYPE_CHECKING:
@@ -98,7 +101,7 @@ class Request:
         who = "any rank" if peer is None else f"rank {peer}"
         return f"recv from {who} (tag {self.tag}, {self.data.numel()} bytes)"
 
-    def _finish(self, error: BaseException | None = None) -> None:
+    def finish(self, error: BaseException | None = None) -> None:
         self.error = error
         self.done = True
         if self.callback is not None:
@@ -141,7 +144,7 @@ class P2P:
         self._out: dict[int, Mailbox] = {}
         self._in = {k: inbox(k) for k in range(size) if k != rank}
         self._sends: dict[int, deque[Request]] = {}
-        self._recvs: list[Request] = []
+        self._posted: PostedReceives[Request] = PostedReceives()  # (unmatched receives)
         self._incoming: dict[int, _Incoming | None] = {k: None for k in self._in}
         # (src, tag, buffer), in arrival order
         self._unexpected: deque[tuple[int, int, torch.Tensor]] = deque()
@@ -166,7 +169,10 @@ class P2P:
         first (no receive posted, no message being read or queued as unexpected). True if
         done; otherwise nothing has changed and the caller posts a request, which also
         reports a size mismatch or a corrupt frame."""
-        if self._recvs or self._unexpected or self._incoming[src] is not None:
+        # (the queues here are only ever changed through the core, which drops the ones it
+        # empties: the dicts' truth is whether a receive waits, without a call)
+        if (self._posted.named or self._posted.any or self._unexpected
+                or self._incoming[src] is not None):
             return False
         box = self._in[src]
         frame = HEADER_BYTES + nbytes + (-nbytes) % FRAME_ALIGN
@@ -201,7 +207,10 @@ class P2P:
                 del self._unexpected[i]
                 self._deliver(req, src, buf)
                 return
-        self._recvs.append(req)
+        if req.peer is None:
+            self._posted.post_any(req, req.tag)
+        else:
+            self._posted.post(req, req.peer, req.tag)
 
     def pending(self) -> bool:
         """Is there anything to move that nobody may ask for soon: a request, a message
@@ -209,12 +218,12 @@ class P2P:
         until it is drained into the unexpected-message queue)? Whole messages in a ring
         below that wait for their receive, which reads them straight into its tensor
         (``recv_now``); a sender is only stuck once its ring is all but full."""
-        return bool(self._recvs) or any(self._sends.values()) or any(
+        return bool(self._posted) or any(self._sends.values()) or any(
             inc is not None for inc in self._incoming.values()) or any(
             box.available() * 2 >= box.capacity for box in self._in.values())
 
     def pending_requests(self) -> list[Request]:
-        reqs = [r for q in self._sends.values() for r in q] + list(self._recvs)
+        reqs = [r for q in self._sends.values() for r in q] + list(self._posted)
         reqs += [inc.req for inc in self._incoming.values() if inc is not None and inc.req]
         return reqs
 
@@ -228,14 +237,12 @@ class P2P:
                     # this only happens when the group is being torn down anyway.
                     pass
                 q.remove(req)
-        elif req in self._recvs:
-            self._recvs.remove(req)
-        else:
+        elif not self._posted.withdraw(req, req.peer):
             for inc in self._incoming.values():
                 if inc is not None and inc.req is req:
                     inc.req = None
                     inc.dst = None
-        req._finish(error)
+        req.finish(error)
 
     # ----------------------------------------------------------------- progress
     def progress(self) -> bool:
@@ -280,7 +287,7 @@ class P2P:
             if box.free() < pad:
                 return False
             box.pad(pad)
-        req._finish()
+        req.finish()
         return True
 
     def _pull(self, src: int) -> bool:
@@ -294,7 +301,7 @@ class P2P:
             magic, tag, nbytes, _ = box.peek_words(4)
             if magic != MAGIC or nbytes < 0:
                 raise P2PError(f"corrupt frame from rank {src} (magic {magic:#x}, size {nbytes})")
-            req = self._matching(src, tag)
+            req = self._posted.next_for(src, tag)
             frame = HEADER_BYTES + nbytes + (-nbytes) % FRAME_ALIGN
             if req is not None and available >= frame and req.data.numel() == nbytes:
                 box.take(HEADER_BYTES, req.data.data_ptr(), nbytes, frame)  # whole: in one go
@@ -336,7 +343,7 @@ class P2P:
         if req is None:
             return _Incoming(tag, nbytes, torch.empty(nbytes, dtype=torch.uint8), None)
         if req.data.numel() != nbytes:
-            req._finish(P2PError(
+            req.finish(P2PError(
                 f"{req.describe()}: rank {_name(req, src)} sent {nbytes} bytes with tag "
                 f"{tag}; sizes of matching send and recv must be equal"))
             return _Incoming(tag, nbytes, None, None)
@@ -346,7 +353,7 @@ class P2P:
     def _deliver(self, req: Request, src: int, buf: torch.Tensor | None) -> None:
         if buf is not None:
             if buf.numel() != req.data.numel():
-                req._finish(P2PError(
+                req.finish(P2PError(
                     f"{req.describe()}: rank {_name(req, src)} sent {buf.numel()} bytes with "
                     f"tag {req.tag}; sizes of matching send and recv must be equal"))
                 return
@@ -356,29 +363,15 @@ class P2P:
             finally:
                 one_thread.leave(threads)
         req.source = src
-        req._finish()
+        req.finish()
 
     def _rematch(self) -> None:
         src, tag, buf = self._unexpected[-1]
-        req = self._matching(src, tag)
+        req = self._posted.next_for(src, tag)
         if req is not None:
             self._unexpected.pop()
             self._deliver(req, src, buf)
 
-    def _matching(self, src: int, tag: int) -> Request | None:
-        """The oldest posted receive that takes a message of ``tag`` from ``src``, taken
-        off the list (receives whose claim failed are dropped on the way), or None."""
-        i = 0
-        recvs = self._recvs
-        while i < len(recvs):
-            req = recvs[i]
-            if req.tag == tag and req.peer in (None, src):
-                del recvs[i]
-                if req.claim is None or _may_take(req):
-                    return req
-                continue
-            i += 1
-        return None
 
 
 def _name(req: Request, k: int) -> int:
@@ -391,5 +384,5 @@ def _may_take(req: Request) -> bool:
     finished then.)"""
     if req.claim():  # type: ignore[misc]  # (it has one)
         return True
-    req._finish(Claimed())
+    req.finish(Claimed())
     return False

@@ -1,5 +1,6 @@
-"""The receives a network transport has posted and not matched yet, and which one a message
-takes: written once, without I/O, for the rdm and MPI transports.
+"""The receives a transport has posted and not matched yet, and which one a message takes:
+written once, without I/O, for the shared-memory mailboxes (collectives/p2p.py) and the
+rdm and MPI transports.
 
 How it works
 ------------
@@ -10,11 +11,13 @@ emptied by a transport's hot path may stay, empty (so ask ``bool(posted)``, not 
 whether anything waits).
 
 Which receive a message of ``(src, tag)`` takes (``next_for``): the oldest receive naming
-``src`` for ``tag``, else the oldest receive of ``tag`` from any rank. Named receives go
-first because both transports commit them to a source's stream when they are posted: the
-rdm endpoint binds the buffer to the next position of the ``(src, tag)`` stream (the
-message lands there, in order), MPI probes each named queue's head. A receive from any rank
-takes the earliest message that no named receive was waiting for.
+``src`` for ``tag``, else the oldest receive of ``tag`` from any rank, even one posted
+before it (MPI's rule gives the message to whichever was posted first). Named receives go
+first because the network transports commit them to a source's stream when they are
+posted: the rdm endpoint binds the buffer to the next position of the ``(src, tag)`` stream
+(the message lands there, in order), MPI probes each named queue's head. The mailboxes
+follow the same rule, so a program sees one rule wherever its peers are. A receive from
+any rank takes the earliest message that no named receive was waiting for.
 
 A receive from any rank may carry a ``claim`` (``claim()``: may it still take a message?):
 neuron_dist/p2p_any.py posts one such receive on shared memory and on the network at once,
@@ -24,9 +27,9 @@ where it stands in the queue (``next_any``), so the message goes to the next.
 Withdrawal (``withdraw``: a timed-out or cancelled receive) and failure (``take_peer``:
 the named receives of a peer that failed; ``take_any`` once no peer is left to send to
 any of them; ``take_all`` when the transport closes) take receives out of the queues; the
-transport then ends them. Nothing here ends a request or touches its buffer: the
-transports know what their buffers are bound to (drivers: rdm/pending.py,
-mpi/matching.py). The rdm transport's per-message paths (posting a named receive, and
+transport then ends them. Nothing here ends a request (but a failed claim) or touches its
+buffer: the transports know what their buffers are bound to (rdm/pending.py,
+mpi/matching.py, collectives/p2p.py). The rdm transport's per-message paths (posting a named receive, and
 completing it with the message delivered to it) work on ``named`` directly, a dict lookup
 and an ``append`` or ``popleft`` with no call; everything else goes through the methods
 here.
@@ -110,8 +113,13 @@ class PostedReceives(Generic[R]):
     def next_for(self, src: int, tag: int) -> R | None:
         """The receive a message of ``(src, tag)`` takes, taken out of its queue: the
         oldest naming ``src``, else the oldest from any rank (see the module docstring)."""
-        req = self.next_named(src, tag)
-        return req if req is not None else self.next_any(tag)
+        q = self.named.get((src, tag))  # (next_named, written out: once per message)
+        if q:
+            req = q.popleft()
+            if not q:
+                del self.named[(src, tag)]
+            return req
+        return self.next_any(tag) if self.any else None
 
     # ------------------------------------------------------------------ taking out
 

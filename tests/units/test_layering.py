@@ -2,7 +2,8 @@
 
     neuron_dist/   c10d face (process_group, engine, work, ...)   may import everything
     collectives/   algorithms, written against transport.base     of transport only the
-                                                                   contract (base, errors),
+                                                                   contract (base, errors,
+                                                                   matching),
                                                                    no torch.distributed,
                                                                    no c10d layer
     transport/     how bytes move                                 no torch.distributed,
@@ -107,10 +108,12 @@ def imported_names(source: str, module: str, is_pkg: bool):
 
 
 def _concrete_transport(name: str) -> bool:
-    """A name of the transport layer beyond its contract (``base``, ``errors``)."""
+    """A name of the transport layer beyond its contract (``base``, ``errors``, and
+    ``matching``: the posted receives every transport matches with, no transport itself)."""
     return _under(name, "neuron_dist.transport") and name != "neuron_dist.transport" \
         and not _under(name, "neuron_dist.transport.base") \
-        and not _under(name, "neuron_dist.transport.errors")
+        and not _under(name, "neuron_dist.transport.errors") \
+        and not _under(name, "neuron_dist.transport.matching")
 
 
 def _c10d(name: str) -> bool:
@@ -131,7 +134,8 @@ RULES = {
     "neuron_dist.collectives": [
         NO_LAB,
         (_concrete_transport,
-         "collectives must not import a concrete transport (only transport.base / transport.errors)"),
+         "collectives must not import a concrete transport (only transport.base / transport.errors"
+         " / transport.matching)"),
         (lambda n: _under(n, "torch.distributed"), "collectives must not import torch.distributed"),
         (_c10d, "collectives must not import the c10d layer (neuron_dist.*)"),
     ],

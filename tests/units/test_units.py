@@ -241,6 +241,23 @@ def test_a_message_written_just_before_its_sender_died_is_still_received(two_end
     assert r.done and r.error is None and torch.equal(got, msg), r.error
 
 
+def test_p2p_a_receive_naming_the_source_goes_before_an_older_one_from_any_rank(two_endpoints):
+    # The rule of transport/matching.py, as the network transports follow it: the first
+    # message goes to the named receive though the one from any rank was posted first,
+    # the next (no named receive waits) to the receive from any rank.
+    a, b = two_endpoints
+    anyone = Request(None, 6, torch.zeros(8, dtype=torch.uint8), False, 1e18)
+    named = Request(0, 6, torch.zeros(8, dtype=torch.uint8), False, 1e18)
+    b.post_recv(anyone)
+    b.post_recv(named)
+    sends = [Request(1, 6, torch.full((8,), v, dtype=torch.uint8), True, 1e18) for v in (1, 2)]
+    for s in sends:
+        a.post_send(s)
+    _pump([a, b], sends + [anyone, named])
+    assert named.data.tolist() == [1] * 8 and anyone.data.tolist() == [2] * 8
+    assert anyone.source == 0 and anyone.error is None and named.error is None
+
+
 def test_p2p_a_receive_whose_claim_fails_takes_nothing(two_endpoints):
     # A receive from any rank that the network may satisfy too (neuron_dist/p2p_any.py):
     # once the network has the token, this one binds nothing and the message stays for

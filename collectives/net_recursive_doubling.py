@@ -69,8 +69,13 @@ def all_gather(net: Exchange, outs: Sequence[torch.Tensor], mine: torch.Tensor,
     may be ``outs[me]``."""
     size, b = len(peers), mine.numel()
     fold = Fold(size, me)
-    held = net.buffer("rdgather", size * b, torch.uint8)
-    held[me * b:(me + 1) * b].copy_(mine)
+    # (blocks end to end in one tensor, as all_gather_into_tensor's are: gathered in place,
+    # without a copy of the whole output in and out of a scratch buffer)
+    span = spanned(outs)
+    held = net.buffer("rdgather", size * b, torch.uint8) if span is None else span
+    own = held[me * b:(me + 1) * b]
+    if own.data_ptr() != mine.data_ptr():
+        own.copy_(mine)
     if fold.extra:
         partner = peers[me + 1]
         net.send(partner, held[me * b:(me + 1) * b])
@@ -85,11 +90,30 @@ def all_gather(net: Exchange, outs: Sequence[torch.Tensor], mine: torch.Tensor,
         if fold.folded:
             net.send(peers[me - 1], held)
             yield
+    if span is not None:
+        return
     for k in range(size):
         if k != me:
             outs[k].copy_(held[k * b:(k + 1) * b])
     if outs[me].data_ptr() != mine.data_ptr():
         outs[me].copy_(mine)
+
+
+def spanned(blocks: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One uint8 tensor over ``blocks`` (uint8, of one size) when they lie end to end in
+    order in one storage, each contiguous; else None."""
+    first = blocks[0]
+    b = first.numel()
+    if not b or first.dtype != torch.uint8 or not all(t.is_contiguous() for t in blocks):
+        return None
+    base = first.data_ptr()
+    storage = first.untyped_storage()
+    for k, t in enumerate(blocks):
+        if t.numel() != b or t.data_ptr() != base + k * b:
+            return None
+    if first.storage_offset() + len(blocks) * b > storage.nbytes():
+        return None
+    return first.as_strided((len(blocks) * b,), (1,))  # (from first's own offset)
 
 
 def barrier(net: Exchange, peers: Sequence[int], me: int) -> Iterator[None]:

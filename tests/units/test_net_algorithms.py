@@ -105,16 +105,25 @@ ALL_GATHER = {"bruck": net_bruck.all_gather,
               "recursive_doubling": net_recursive_doubling.all_gather}
 
 
+def _blocks(size: int, b: int, layout: str) -> list[torch.Tensor]:
+    """A rank's output blocks: tensors of their own ("apart"), or views end to end of one
+    tensor that starts inside a larger storage ("one_tensor", as all_gather_into_tensor's)."""
+    if layout == "apart":
+        return [torch.zeros(b, dtype=torch.uint8) for _ in range(size)]
+    whole = torch.zeros(size * b + 10, dtype=torch.uint8)[3:3 + size * b]
+    return [whole[k * b:(k + 1) * b] for k in range(size)]
+
+
+@pytest.mark.parametrize("layout", ["apart", "one_tensor"])
 @pytest.mark.parametrize("algo", list(ALL_GATHER))
 @pytest.mark.parametrize("size", RANKS)
-def test_all_gather(algo, size):
+def test_all_gather(algo, size, layout):
     for b in (0, 1, 13):
         for in_place in (True, False):
             group, peers = _peers(size, b)
             sim = Simulation(group)
             mine = [torch.randint(0, 256, (b,), dtype=torch.uint8) for _ in range(size)]
-            outs = [[torch.zeros(b, dtype=torch.uint8) for _ in range(size)]
-                    for _ in range(size)]
+            outs = [_blocks(size, b, layout) for _ in range(size)]
             if in_place:  # the input is this rank's own output block
                 for i in range(size):
                     outs[i][i].copy_(mine[i])
@@ -402,3 +411,20 @@ def test_1024_ranks_in_the_simulator_under_a_minute():
     st = sim.run([net_dissemination.barrier(sim.nets[r], peers, r) for r in peers])
     assert st.hops == 10 and all(sim.heard(r) >= set(peers) for r in (0, 1023))
     assert time.monotonic() - start < 60
+
+
+def test_blocks_end_to_end_in_one_tensor_are_gathered_in_place():
+    """Recursive doubling's all_gather works in the caller's output when its blocks lie
+    end to end (``spanned``), and in scratch otherwise (out of order, gaps, apart)."""
+    blocks = _blocks(4, 5, "one_tensor")
+    whole = net_recursive_doubling.spanned(blocks)
+    assert whole is not None and whole.numel() == 20
+    assert whole.data_ptr() == blocks[0].data_ptr()
+    whole[7] = 9
+    assert blocks[1][2] == 9
+    assert net_recursive_doubling.spanned(blocks[::-1]) is None
+    assert net_recursive_doubling.spanned(blocks[::2]) is None
+    assert net_recursive_doubling.spanned(_blocks(4, 5, "apart")) is None
+    assert net_recursive_doubling.spanned(_blocks(4, 0, "one_tensor")) is None
+    typed = torch.zeros(8)
+    assert net_recursive_doubling.spanned([typed[:4], typed[4:]]) is None

@@ -2,11 +2,11 @@
 
 How it works
 ------------
-One rank speaks for each node (``rooted_net.speakers``: the root on its node, the leader,
+One rank speaks for each node (``Topo.speakers``: the root on its node, the leader,
 local index 0, elsewhere). The speakers broadcast over the network along a binomial tree
 rooted at the root (net_binomial.py, the ``broadcast/network`` table: ceil(log2 N) rounds,
-the root sends ceil(log2 N) messages) -> each node broadcasts locally with broadcast.py's
-algorithm from its speaker.
+the root sends ceil(log2 N) messages) -> each node of more than one rank broadcasts
+locally with broadcast.py's algorithm from its speaker.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import broadcast as bcast, net_binomial, net_mpi
 from .context import Context
-from .rooted_net import node_root, speakers
+from .rooted_net import node_root
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +36,9 @@ def broadcast(ctx: Context, buf: torch.Tensor, root: int) -> None:
     here = node_root(topo, root)
     if ctx.rank == here:
         NETWORK[algo](net_call, buf, root, root_node)
+    if ctx.size == 1:  # (alone on this node: no local phase)
+        ctx.finish()
+        return
     bcast.broadcast(ctx, buf, here)
 
 
@@ -45,7 +48,7 @@ def _mpi(net_call: NetCall, buf: torch.Tensor, root: int, root_node: int) -> Non
 
 def _binomial(net_call: NetCall, buf: torch.Tensor, root: int, root_node: int) -> None:
     topo = net_call.topo
-    net_call.run(net_binomial.broadcast(net_call, buf, speakers(topo, root), topo.my_node,
+    net_call.run(net_binomial.broadcast(net_call, buf, topo.speakers(root), topo.my_node,
                                         root_node))
 
 

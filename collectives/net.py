@@ -126,6 +126,10 @@ class Topo(Protocol):
     def leader(self, node: int) -> int:
         """The lowest group rank of ``node``."""
 
+    def speakers(self, root: int) -> tuple[int, ...]:
+        """The group rank that speaks for each node (node order) in a collective rooted
+        at ``root``: the root on its node, the leader elsewhere."""
+
 
 class NetCall(Deferrable):
     """The network half of one collective call: descriptor-checked sends and receives

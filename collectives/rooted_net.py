@@ -38,13 +38,6 @@ def node_root(topo: Topo, root: int) -> int:
     return 0
 
 
-def speakers(topo: Topo, root: int) -> list[int]:
-    """The group rank that speaks for each node (node order) in a collective rooted at
-    ``root``: the root on its node, the leader elsewhere."""
-    root_node = topo.node_of(root)
-    return [root if b == root_node else topo.leader(b) for b in range(len(topo.nodes))]
-
-
 def reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec, root: int
            ) -> None:
     """Reduce flat typed ``inp`` into ``out`` on ``root`` only (others' ``out`` untouched)."""
@@ -67,7 +60,7 @@ def reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec,
 def _binomial_reduce(net_call: NetCall, part: torch.Tensor, root: int, spec: ReduceSpec
                      ) -> None:
     topo = net_call.topo
-    net_call.run(net_binomial.reduce(net_call, part, speakers(topo, root), topo.my_node,
+    net_call.run(net_binomial.reduce(net_call, part, topo.speakers(root), topo.my_node,
                                      topo.node_of(root), spec))
 
 

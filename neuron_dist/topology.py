@@ -44,11 +44,15 @@ class Topology:
     def size(self) -> int:
         return sum(len(n) for n in self.nodes)
 
+    @cached_property
+    def _node_index(self) -> dict:
+        return {r: i for i, ranks in enumerate(self.nodes) for r in ranks}
+
     def node_of(self, rank: int) -> int:
-        for i, ranks in enumerate(self.nodes):
-            if rank in ranks:
-                return i
-        raise ValueError(f"rank {rank} is in no node")
+        try:
+            return self._node_index[rank]
+        except KeyError:
+            raise ValueError(f"rank {rank} is in no node") from None
 
     @cached_property
     def my_node(self) -> int:
@@ -65,6 +69,22 @@ class Topology:
 
     def leader(self, node: int) -> int:
         return self.nodes[node][0]
+
+    @cached_property
+    def _speakers(self) -> dict:
+        return {}
+
+    def speakers(self, root: int) -> tuple:
+        """The group rank that speaks for each node (node order) in a collective rooted
+        at ``root``: the root on its node, the leader elsewhere (kept per root: rooted
+        collectives read it every call)."""
+        got = self._speakers.get(root)
+        if got is None:
+            root_node = self.node_of(root)
+            got = tuple(root if b == root_node else ranks[0]
+                        for b, ranks in enumerate(self.nodes))
+            self._speakers[root] = got
+        return got
 
     def column(self) -> list:
         """The ranks of this rank's local index on every node that has one, in node order:

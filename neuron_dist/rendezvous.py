@@ -102,7 +102,7 @@ def open_group(store, rank: int, size: int, settings, timeout: timedelta,
     if auth.enabled:
         mine.append(secrets.token_hex(16))  # freshness: the session binds every rank's
     auth.set(f"{key}/node/{rank}", json.dumps(mine))
-    raws = [auth.get(f"{key}/node/{k}", k) for k in range(size)]
+    raws = auth.get_all([f"{key}/node/{k}" for k in range(size)], list(range(size)))
     if auth.enabled:
         if json.loads(raws[rank]) != mine:
             raise StoreAuthError(f"store key '{key}/node/{rank}' (written by this rank, "
@@ -246,7 +246,8 @@ def _open_mpi(auth: StoreAuth, key: str, rank: int, size: int, timeout: timedelt
     among: collectives/net_mpi.py) its own."""
     from .transport.mpi import MpiTransport, world_rank  # mpi4py (and MPI_Init) only here
     auth.set(f"{key}/mpi/{rank}", str(world_rank()))
-    world_ranks = [int(auth.get(f"{key}/mpi/{k}", k)) for k in range(size)]
+    world_ranks = [int(raw) for raw in
+                   auth.get_all([f"{key}/mpi/{k}" for k in range(size)], list(range(size)))]
     deadline = time.monotonic() + timeout.total_seconds()
     net = MpiTransport(rank, size, world_ranks, label=label or f"rank {rank}", deadline=deadline,
                        column=column)
@@ -341,13 +342,13 @@ def _open_network(auth: StoreAuth, key: str, rank: int, size: int, remote: int, 
             auth.set(f"{key}/addr/{rank}", _REFUSED_ADDRESS + why)
             raise DescriptorLimit(why) from None
         auth.set(f"{key}/addr/{rank}", net.address)
-        peers = {}
-        for k in range(size):
-            if k != rank:
-                peers[k] = auth.get(f"{key}/addr/{k}", k).decode()
-                if peers[k].startswith(_REFUSED_ADDRESS):
-                    raise DescriptorLimit(f"a peer cannot open this group's connections: "
-                                          f"{peers[k][len(_REFUSED_ADDRESS):]}")
+        others = [k for k in range(size) if k != rank]
+        peers = {k: raw.decode() for k, raw in
+                 zip(others, auth.get_all([f"{key}/addr/{k}" for k in others], others))}
+        for address in peers.values():
+            if address.startswith(_REFUSED_ADDRESS):
+                raise DescriptorLimit(f"a peer cannot open this group's connections: "
+                                      f"{address[len(_REFUSED_ADDRESS):]}")
         net.connect(peers, time.monotonic() + timeout.total_seconds())
     except BaseException:
         net.close()

@@ -40,6 +40,8 @@ import hashlib
 import hmac
 import struct
 
+from torch.distributed import DistStoreError
+
 from .errors import NeuronDistError
 
 MAGIC = b"NSA1"
@@ -147,3 +149,21 @@ class StoreAuth:
             With a key set: the value has no valid tag for ``writer`` (names key and rank).
         """
         return self.open(name, self.store.get(name), writer)
+
+    def get_all(self, names: list[str], writers: list[int]) -> list[bytes]:
+        """``get`` of every name in one round trip to the store (``multi_get``, which waits
+        for all of them): set-up reads a value of every rank, and at many ranks one round
+        trip each, through a store every rank is reading at once, is most of it."""
+        try:
+            raws = self.store.multi_get(names)
+        except DistStoreError as e:  # (its message lists every key: name the missing ones)
+            missing = sorted({w for name, w in zip(names, writers) if not self.store.check([name])})
+            if not missing:
+                raise
+            shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
+            raise DistStoreError(
+                f"{len(missing)} rank(s) of this {self.scope} never wrote their set-up "
+                f"values ({names[0].rsplit('/', 1)[0]}/<rank>) within the store's timeout: "
+                f"rank(s) {shown}. Did every rank call init_process_group / new_group for "
+                f"this group? ({e})") from None
+        return [self.open(name, raw, writer) for name, raw, writer in zip(names, raws, writers)]

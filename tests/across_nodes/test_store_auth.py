@@ -50,6 +50,9 @@ class AttackedStore:
     def get(self, key):
         return self.inner.get(key)
 
+    def multi_get(self, keys):
+        return self.inner.multi_get(keys)
+
     def add(self, key, n):
         return self.inner.add(key, n)
 
@@ -137,6 +140,25 @@ def test_tag_binds_key_name_writer_and_session():
         a.open("neuron/0/addr/1", b"127.0.0.1:5", 1)
     plain = StoreAuth(None, None, "group of 2", 1)  # no key: values as they are
     assert plain.seal("x", "v") == b"v" and plain.open("x", b"anything", 0) == b"anything"
+
+
+
+def test_every_rank_s_value_is_read_in_one_round_trip_and_checked():
+    """Set-up reads every rank's value at once (``get_all``: the store's multi_get); each
+    is checked against its own writer, and ranks that never wrote are named."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=0.3))
+    key = os.urandom(32)
+    writers = [StoreAuth(store, key, "group of 3", r) for r in range(3)]
+    names = [f"neuron/0/node/{r}" for r in range(3)]
+    for r in (0, 2):
+        writers[r].set(names[r], f"value {r}")
+    with pytest.raises(dist.DistStoreError, match=r"1 rank\(s\) of this group of 3 .*rank\(s\) 1\."):
+        writers[0].get_all(names, [0, 1, 2])
+    writers[1].set(names[1], "value 1")
+    assert writers[0].get_all(names, [0, 1, 2]) == [b"value 0", b"value 1", b"value 2"]
+    with pytest.raises(StoreAuthError, match=r"'neuron/0/node/1'.*not written by rank 2"):
+        writers[0].get_all(names, [0, 2, 1])  # (rank 1's value taken for rank 2's)
 
 
 # ---------------------------------------------------------------- a peer's address

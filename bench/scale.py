@@ -49,7 +49,8 @@ Resources, per rank after the ops: open sockets (``/proc/self/fd`` entries that 
 sockets), threads (``/proc/self/status`` Threads, and ``threading.active_count()``), RSS
 (VmRSS); shown as min / median / max over ranks (every rank in the JSON). Init time =
 ``init_process_group`` (mpich: ``MPI_Init_thread``) + the first barrier, measured on each
-rank from just before the one to just after the other; **max over ranks**. "eth0 MB" =
+rank from just before the one to just after the other, after a full garbage collection
+(bench/scale_worker.py says why); **max over ranks**. "eth0 MB" =
 bytes the nodes' eth0 sent during the run of that backend (the traffic did cross the links).
 
 Bounded: ``--timeout`` for the whole run (each backend gets what is left; vnodes kills its

@@ -961,7 +961,10 @@ def test_a_flood_of_strangers_while_rails_open_mid_job_does_not_fail_them():
     While idle strangers connect as fast as they can (bounded in number and time), a
     process opens the rails of one group after another, its dialers taking 50 ms to
     answer the listener (flood_victim.py): every group's rails open and its transfer
-    arrives intact, with the flood on until the last."""
+    arrives intact, with the flood on until the last. (1000 strangers a second keep
+    every one of the listener's MAX_HANDSHAKES slots taken, each waiting out its
+    handshake timeout, and let the count's bound last as long as the time's, 60 s: a
+    slow machine's victim finishes inside it.)"""
     import json
     import subprocess
     import sys
@@ -974,7 +977,7 @@ def test_a_flood_of_strangers_while_rails_open_mid_job_does_not_fail_them():
     try:
         host, port = _host_port_of(json.loads(victim.stdout.readline())["address"])
         flood = threading.Thread(target=lambda: made.append(
-            _flood(host, port, stop, seconds=60, max_connections=60_000)))
+            _flood(host, port, stop, seconds=60, max_connections=60_000, rate=1000)))
         flood.start()
         time.sleep(0.5)  # the flood is on: every slot of the listener is taken
         victim.stdin.write("go\n")

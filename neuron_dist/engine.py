@@ -10,40 +10,26 @@ a group's collectives in the same order, as with every c10d backend). Execution:
   ``run_now``; the express lane calls it directly). Waking a thread costs 25-55 µs here,
   more than a whole small collective, so the inline path is what makes small synchronous
   collectives fast. Otherwise the task is queued behind the others and the caller waits.
-* async_op=True, small, in a one-node group, with the engine idle (``try_now``): the
-  caller runs it at once with its channel's ``defer_once`` set. (Between nodes, where each
-  rank is alone on its node, the "channel" is the call's ``NetCall``: its first run posts
-  its messages, and ``wait_then`` defers, keeping the rest of the call, which
-  ``NetCall.resume`` runs later instead of the call running again; see net.py,
-  "Deferring the wait of an async call"; a call that will not be finished withdraws its
-  messages before its Work fails.) If every peer is
-  there already, it completes then and there. If not, its first step is published (this rank's
-  data is in shared memory, so the peers can complete their part without us) and raises
-  StepDeferred. If the call is a one-step plan (``Context.one_step``: the peers need
-  nothing more from this rank), it then waits at the head of the queue *without waking
-  the engine thread*, and the rest of it (waiting for the peers, reading their slots)
-  runs when someone looks: ``Work.wait`` runs it in the waiting thread, ``is_completed``
-  once the peers have published, a future or hook (and any later collective of the
-  group) wakes the engine thread to run it. Any other call wakes the engine thread at
-  once: its peers need its next steps. Running the rest means running the
-  call again: its staging writes the same bytes to this rank's slot (a one-step plan skips
-  it: ``StepChannel.staged``), and the step is not published twice. An async collective that is waited for soon after (funcol, DTensor)
-  so costs no thread hand-off (each costs 25-55 µs and a GIL hand-over, several per
-  collective); one that is not waited for still overlaps, since the peers progress on
-  what was published.
+* async_op=True, small, with the engine idle (``try_now``): the caller runs it at once
+  with its ``Deferrable`` set to defer once; if a peer is behind, the call is *deferred*:
+  put back at the head of the queue, its rest run by whoever looks at its Work first
+  (deferral.py: which calls, and the invariants that hold it together). An async
+  collective waited for soon after (funcol, DTensor) so costs no thread hand-off; one
+  that is not waited for still overlaps, since the peers progress on what was
+  published or posted.
 * async_op=True with no core spare for the engine thread (``hold``: a one-node group of
   as many ranks as cores or more, rendezvous.py ``_hold``): the task is *held*: queued,
   and left to the caller for up to ``hold`` seconds (5 ms) after the last one was queued,
   unless it is the group's next and every peer has entered it already (in a one-node
   group, ``peers_published``). ``Work.wait`` runs it in the waiting thread;
   ``is_completed``, a future, a hook, a later collective of the group or the time limit
-  (whichever comes first) has the engine thread start it. On a machine whose cores all
-  compute, the engine thread could only take turns with the caller's compute on the same
-  cores, and every step of a collective would wait for the peers' engine threads to be
-  scheduled; held, the overlap costs nothing and hides all of a late peer's wait
-  (docs/performance.md, "Overlap"; docs/design.md, "Thresholds and why"). The time limit
-  keeps a program whose ranks wait for each other by other means (another group, a store)
-  from stalling: the held collective starts on its own.
+  (whichever comes first) has the engine thread start it (deferral.py's ``Held``). On a
+  machine whose cores all compute, the engine thread could only take turns with the
+  caller's compute on the same cores, and every step of a collective would wait for the
+  peers' engine threads to be scheduled; held, the overlap costs nothing and hides all
+  of a late peer's wait (docs/performance.md, "Overlap"; docs/design.md, "Thresholds
+  and why"). The time limit keeps a program whose ranks wait for each other by other
+  means (another group, a store) from stalling: the held collective starts on its own.
 * A waiter on a queued collective runs the queue head itself when the engine thread has
   not started it (``run_for``).
 * A ``Work.wait`` issued from the progress thread itself (a future callback that waits on a
@@ -63,6 +49,7 @@ from typing import TYPE_CHECKING
 
 from . import stats
 from .collectives import one_thread
+from .deferral import Deferred, Held
 from .errors import GroupAbortedError
 from .transport.errors import StepDeferred
 from .flight_recorder import COMPLETED, Record, recorder
@@ -130,7 +117,7 @@ class CollectiveEngine:
                 peers_waiting is not None and len(self._queue) == 1 and not self._busy
                 and peers_waiting())
             if held:
-                work.op = _Held(self, work)
+                work.op = Held(self, work)
                 self._due = time.monotonic() + self.hold
                 if self._thread is not None and not self._idle:
                     return  # (it will see the new time limit before it starts anything)
@@ -221,7 +208,7 @@ class CollectiveEngine:
                 if rec is not None and not resumes:
                     rec.algo = None  # named again when the call runs again
                 work.engine = self
-                work.op = _Deferred(self, work, channel)
+                work.op = Deferred(self, work, channel)
                 with self._cv:
                     self._queue.appendleft((fn, work, seq, rec))
         finally:
@@ -374,79 +361,13 @@ class CollectiveEngine:
             thread.join(join_timeout)
 
 
-_FOREVER = float("inf")
-
-
 def _fail_unrun(work, rec, failure) -> None:
     """Fail a queued task that will not run (again). A deferred call between nodes has
     messages posted into its buffers: they are withdrawn first, so nothing lands in the
     caller's tensors once its Work has failed."""
     op = work.op
-    if isinstance(op, _Deferred):
+    if isinstance(op, Deferred):
         op.abandon(failure)
     if rec is not None:
         rec.finish(failure)
     work.complete(failure)
-
-
-def _drive(engine: CollectiveEngine, work, deadline: float) -> None:
-    """``Work.wait`` on a queued collective: run the queue up to it in the waiting thread
-    (which waits for the peers with each call's own timeout); a wait with a timeout of its
-    own leaves it to the engine thread, woken now, and blocks."""
-    if engine.is_engine_thread():
-        engine.run_until(work)
-    elif deadline != _FOREVER or not engine.run_for(work):
-        engine.wake()
-
-
-class _Held:
-    """The progress of an async collective held for its caller (see the module docstring),
-    as its Work's ``op`` (work.py): whoever looks at the Work starts it."""
-
-    __slots__ = ("engine", "work")
-
-    def __init__(self, engine: CollectiveEngine, work):
-        self.engine, self.work = engine, work
-
-    def drive(self, deadline: float) -> None:
-        """``Work.wait``: run the queue up to it here; a wait with a timeout of its own
-        leaves it to the engine thread and blocks."""
-        _drive(self.engine, self.work, deadline)
-
-    def poll(self) -> None:
-        """``is_completed``: whoever polls wants it to progress: the engine thread, now."""
-        self.engine.wake()
-
-    def arm(self) -> None:
-        """A future or hook wants it to complete by itself."""
-        self.engine.wake()
-
-
-class _Deferred:
-    """The rest of a deferred collective, as its Work's ``op`` (see work.py): run by
-    whoever looks first, or by the engine thread once armed."""
-
-    __slots__ = ("engine", "work", "channel")
-
-    def __init__(self, engine: CollectiveEngine, work, channel: Deferrable):
-        self.engine, self.work, self.channel = engine, work, channel
-
-    def drive(self, deadline: float) -> None:
-        """``Work.wait``: run it here (it waits for the peers with the call's own timeout);
-        a wait with a timeout of its own leaves it to the engine thread and blocks."""
-        _drive(self.engine, self.work, deadline)
-
-    def poll(self) -> None:
-        """``is_completed``: finish it here if that needs no waiting, else let the engine."""
-        if self.channel.peers_published() and self.engine.run_for(self.work):
-            return
-        self.engine.wake()
-
-    def arm(self) -> None:
-        """A future or hook wants it to complete by itself."""
-        self.engine.wake()
-
-    def abandon(self, error) -> None:
-        """It will not run again: withdraw what its first run posted (a ``NetCall``'s
-        messages; a step published in shared memory writes into nobody's buffer)."""
-        self.channel.withdraw(error)

@@ -6,12 +6,10 @@ How it works
 cross-rank check), then gives ``Submitter.submit`` a closure running the call's algorithm
 on a ``Context``. ``submit`` makes the call's Work and:
 
-* for a small async call of a group that spans nodes (every rank alone on its node, one
-  of ``NET_DEFERRABLE``, up to ``NET_DEFER_BYTES``) first tries to run it in the caller's
-  thread (``engine.try_now``): its messages are posted at once and its wait is deferred
-  if a peer is behind, so a caller that waits soon after costs no thread hand-off (net.py,
-  "Deferring the wait of an async call"); in a one-node group the same holds for a call
-  whose first step fits a slot (published in shared memory);
+* for a small async call that may be deferred (deferral.py, ``deferrable_for``) first
+  tries to run it in the caller's thread (``engine.try_now``): its messages are posted
+  (or its first step published) at once and its wait is deferred if a peer is behind, so
+  a caller that waits soon after costs no thread hand-off;
 * else queues it on the engine (``engine.submit``), which runs it in order, now in the
   caller's thread or on its own thread (engine.py).
 
@@ -32,17 +30,8 @@ from torch.autograd import profiler as _profiler
 from .collectives.context import Context
 from .collectives.descriptor import Call
 from .collectives.net import NetCall
+from .deferral import deferrable_for, finish_deferred
 from .work import NeuronWork
-
-# Async collectives of a group that spans nodes tried in the caller's thread first: the
-# ones whose algorithms say where they may be deferred (``NetCall.deferrable``), up to a
-# size where running their local reduction at wait time, instead of overlapped in the
-# engine thread, costs little. A deferred call is finished by ``NetCall.resume``, which
-# runs only the rest its algorithm handed to ``wait_then`` (and ``run`` the flats' copies
-# back): a collective whose ``algo`` does more after the algorithm returns must not be
-# named here.
-NET_DEFERRABLE = frozenset(("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"))
-NET_DEFER_BYTES = 1 << 20
 
 _UNSET = timedelta(milliseconds=-1)
 _NO_TIME = timedelta(0)
@@ -98,24 +87,16 @@ class Submitter:
         net_call_scratch = self.net_call_scratch
 
         async_op = bool(getattr(opts, "asyncOp", False))
-        deferrable = None
-        if async_op:
-            if net is None:
-                if nbytes <= channel.slot_bytes:
-                    deferrable = channel
-            elif (nbytes <= NET_DEFER_BYTES and name in NET_DEFERRABLE
-                    and len(topo.local) == 1):
-                deferrable = NetCall(net, topo, call, 0, 0.0, scratch=net_call_scratch)
+        deferrable = (deferrable_for(name, nbytes, channel, net, topo, call, net_call_scratch)
+                      if async_op else None)
 
         def run(seq: int, rec) -> None:
             deadline = time.monotonic() + seconds
-            if deferrable is not None and net is not None:
-                deferrable.again(seq, deadline)
-                if deferrable.deferred():  # its first run posted everything: finish it
-                    deferrable.resume()
-                    for f in flats:
-                        f.finish()
-                    return
+            if (deferrable is not None and net is not None  # (then it is the call's NetCall)
+                    and finish_deferred(deferrable, seq, deadline)):  # type: ignore[arg-type]
+                for f in flats:
+                    f.finish()
+                return
             ctx = Context(channel, call, seq, deadline, scratch, selection, plans, rec)
             if net is not None:
                 if deferrable is not None:  # the same NetCall each time the call runs

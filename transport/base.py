@@ -29,7 +29,7 @@ message:
   ``column`` (collectives/net_mpi.py): mpi. ``NetTransport.column`` is not None only
   when the transport has them (and a column was set up).
 
-``Deferrable`` is what a call's first run may be deferred through (neuron_dist/engine.py):
+``Deferrable`` is what a call's first run may be deferred through (neuron_dist/deferral.py):
 the group's ``StepChannel``, or a call's ``collectives.net.NetCall`` between nodes.
 """
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 class Deferrable(Protocol):
-    """What a call's first run defers through (neuron_dist/engine.py, ``try_now``).
+    """What a call's first run defers through (neuron_dist/deferral.py; the engine's ``try_now``).
 
     With ``defer_once`` set, the call's first wait that would block raises
     ``errors.StepDeferred`` instead (having published or posted what it had); the engine

@@ -78,7 +78,7 @@ def all_gather(net: Exchange, outs: Sequence[torch.Tensor], mine: torch.Tensor,
         own.copy_(mine)
     if fold.extra:
         partner = peers[me + 1]
-        net.send(partner, held[me * b:(me + 1) * b])
+        net.send(partner, own)
         yield  # (the send completes before anything lands in the same memory)
         net.recv(partner, held)
         yield

@@ -1443,8 +1443,9 @@ def test_a_failing_progress_thread_closes_its_transports_naming_why():
     """Finding: ``Progress._background`` -> ``poll()`` had no guard: an exception ended the
     thread silently, and what only it moves stalled into a misattributed timeout."""
     from neuron_dist.transport.errors import TransportError
+    from neuron_dist.transport.rdm import progress
 
-    ts = _pair(rails=1)
+    ts, fresh = _pair(rails=1), []
     try:
         eng = ts[0].engine
         real = eng.poll
@@ -1455,9 +1456,26 @@ def test_a_failing_progress_thread_closes_its_transports_naming_why():
             return real(timeout, done)
 
         eng.poll = broken
+        # The engine closes its transports one by one; while it is at the second, a new
+        # group is made (as another thread of the process might).
+        closing, made = threading.Event(), threading.Event()
+        close_second = ts[1].close
+
+        def slow_close(error=None):
+            if threading.current_thread().name == "neuron-rdm-progress":
+                closing.set()
+                made.wait(10)
+            close_second(error)
+
+        ts[1].close = slow_close
         with eng._lock:  # (nobody waits: the background thread leads after its linger)
             eng._last_wait = 0.0
             eng._idle.notify()
+        assert closing.wait(10)
+        try:
+            fresh = _pair(rails=1, group=b"made while it fails", open_rails=False)
+        finally:
+            made.set()
         end = time.monotonic() + 10
         while not all(t.closed for t in ts) and time.monotonic() < end:
             time.sleep(0.01)
@@ -1465,6 +1483,17 @@ def test_a_failing_progress_thread_closes_its_transports_naming_why():
         for t in ts:
             with pytest.raises(TransportError, match="progress engine failed.*injected"):
                 t.irecv(1 - t.rank, 5, bytearray(1))
+        # The failed engine took no new users (the group made while it failed has an
+        # engine of its own, which works) and ends once its own users are closed.
+        assert progress._ENGINE is not eng
+        assert fresh[0].engine is not eng
+        src, dst, r, s = _transfer(fresh, 1000)
+        r.wait(time.monotonic() + 10)
+        s.wait(time.monotonic() + 10)
+        assert np.array_equal(src, dst)
+        for th in eng._threads:
+            th.join(10)
+        assert not any(th.is_alive() for th in eng._threads)
     finally:
-        for t in ts:
+        for t in ts + fresh:
             t.close()

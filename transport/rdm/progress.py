@@ -377,6 +377,7 @@ class Progress:
         waits for, so every transport closes with that cause, which their pending requests
         and their groups' next calls raise (instead of a stall reported as a timeout)."""
         log.error("neuron: the network progress engine failed", exc_info=error)
+        retire(self)  # a transport made from now on gets an engine of its own
         cause = TransportError(f"the network progress engine failed: {error!r}")
         for t in list(self._transports):
             try:
@@ -391,8 +392,9 @@ class Progress:
 
     def _remove(self, transport: RdmTransport) -> bool:
         """Forget ``transport``; True if it was the last one (the engine then stops)."""
-        self._transports = [t for t in self._transports if t is not transport]
-        return not self._transports
+        kept = [t for t in self._transports if t is not transport]
+        was_user, self._transports = len(kept) < len(self._transports), kept
+        return was_user and not kept
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -423,7 +425,7 @@ class Progress:
 # (links.py: a rail carries the frames of several groups).
 NET_LOCK = threading.RLock()
 _ENGINE: Progress | None = None
-_ENGINE_LOCK = threading.Lock()
+_ENGINE_LOCK = threading.RLock()  # (detach retires under it)
 
 
 def attach(transport: RdmTransport) -> Progress:
@@ -437,11 +439,18 @@ def attach(transport: RdmTransport) -> Progress:
 
 
 def detach(transport: RdmTransport) -> None:
-    """``transport`` is closed; the engine stops with its last user."""
+    """``transport`` is closed; its engine stops with its last user."""
+    engine = transport.engine
+    with _ENGINE_LOCK:
+        if not engine._remove(transport):
+            return
+        retire(engine)
+    engine._shutdown()
+
+
+def retire(engine: Progress) -> None:
+    """``engine`` takes no new users: the next ``attach`` starts another."""
     global _ENGINE
     with _ENGINE_LOCK:
-        engine = _ENGINE
-        if engine is None or not engine._remove(transport):
-            return
-        _ENGINE = None
-    engine._shutdown()
+        if _ENGINE is engine:
+            _ENGINE = None

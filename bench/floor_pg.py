@@ -15,13 +15,20 @@ timeouts, checks or progress engine, and every call returns a Work that is alrea
   each written (or read) by a thread of its own at the same time: raw TCP over as many
   streams as neuron has rails, through the same c10d face, with the bytes going from the
   tensor to the socket and from the socket to the tensor once each.
-* ``all_reduce`` (SUM) sends the buffer to every other rank and reads theirs at the same time
-  (threads, so two ranks that both write large buffers cannot fill each other's socket
-  buffers and stop), into buffers kept across calls, then adds them up in rank order: the
-  simplest exchange, with every byte crossing the link once each way.
+* ``all_reduce`` (SUM) between two ranks sends the buffer to the other and reads its
+  buffer at the same time (threads, so two ranks that both write large buffers cannot fill
+  each other's socket buffers and stop), then adds: the simplest exchange. Among more ranks
+  it runs a binomial tree (the children's partials up to rank 0, added smallest subtree
+  first, then the sum back down), as neuron does where ranks share cores (its
+  ``all_reduce/network`` table): 2 (P - 1) messages in all where the exchange sends
+  P (P - 1), so the floor is the cost of the same algorithm with nothing but the bytes.
+  Every rank gets rank 0's bits.
+* ``broadcast`` runs the same binomial tree down from the root (relative ranks), and
+  ``barrier`` is a 1-byte tree all_reduce.
 
 ``bench.internode`` runs it beside neuron and gloo in the same run and prints ratios to it:
-for small messages it bounds what any backend written in Python can reach on the machine;
+for small messages it bounds what any backend written in Python can reach on the machine
+with these algorithms;
 for large ones it is the link itself (the target for neuron's large send/recv is a share of
 raw TCP over several streams). It is not a backend anyone should train with: it never
 notices a dead peer and it has no barrier semantics beyond a tiny all_reduce.
@@ -37,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from neuron_dist.collectives.net_binomial import children, parent
 from neuron_dist.config import Settings
 from neuron_dist.topology import choose_addresses
 from .null_pg import CompletedWork
@@ -130,6 +138,10 @@ class FloorProcessGroup(ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         t = tensors[0]
+        if self._size > 2:
+            self._tree_reduce(t)
+            self._tree_broadcast(t, 0)
+            return self._done
         mine = _bytes_of(t)
         theirs = {peer: self._buffer(peer, t) for peer in self._socks}
         if mine.nbytes <= EXCHANGE_BYTES:  # (both ranks may write first: buffers hold it)
@@ -145,12 +157,37 @@ class FloorProcessGroup(ProcessGroup):
             _wait(moving)
         if self._size == 2:  # (a + b == b + a exactly: both ranks get the same bits)
             t.add_(theirs[1 - self._rank])
-            return self._done
-        total = self._buffer(-1, t)
-        total.zero_()
-        for r in range(self._size):  # the same order on every rank
-            total += t if r == self._rank else theirs[r]
-        t.copy_(total)
+        return self._done
+
+    def _tree_reduce(self, t: torch.Tensor) -> None:
+        """Rank 0 ends with the sum: each rank adds its children's partials (smallest
+        subtree first) into ``t`` and sends it to its parent."""
+        me, theirs = self._rank, self._buffer(-1, t)
+        for child in reversed(children(me, self._size)):
+            self.recv([theirs], child)
+            t += theirs
+        if me:
+            self._send(parent(me), t)
+
+    def _tree_broadcast(self, t: torch.Tensor, root: int) -> None:
+        """``t`` of ``root`` to every rank, down the binomial tree of relative ranks."""
+        size = self._size
+        rel = (self._rank - root) % size
+        view = _bytes_of(t)
+        if rel:
+            self.recv([t], (parent(rel) + root) % size)
+        for child in children(rel, size):
+            self._send((child + root) % size, t, view)
+
+    def _send(self, peer: int, t: torch.Tensor, view: memoryview | None = None) -> None:
+        view = _bytes_of(t) if view is None else view
+        if view.nbytes <= SMALL_BYTES:
+            self._socks[peer][0].sendall(view)
+        else:
+            _wait(self._start(peer, view, True))
+
+    def broadcast(self, tensors, opts):
+        self._tree_broadcast(tensors[0], opts.rootRank)
         return self._done
 
     def _buffer(self, key: int, like: torch.Tensor) -> torch.Tensor:

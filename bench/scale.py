@@ -7,8 +7,9 @@ different nodes only meet over the veth links. Needs root. In one run, one backe
 other (``--backends``, default ``neuron,gloo,mpich,floor``), each in fresh processes:
 
 * **neuron**, **gloo**, **floor** (``neuron_floor`` of ``bench/floor_pg.py``: a Python
-  process group over raw TCP, one connection per pair, no protocol; it has only all_reduce
-  and barrier, so its other rows are n/a): ``vnodes.run`` starts one torchrun agent per node
+  process group over raw TCP, one connection per pair, no protocol, neuron's binomial
+  trees among more than two ranks; it has only all_reduce, broadcast and barrier, so its
+  other rows are n/a): ``vnodes.run`` starts one torchrun agent per node
   (a real multi-node static rendezvous); each rank runs ``scale_worker.py``, whose default
   group is the backend under test (``dist.init_process_group(backend)``).
 * **mpich**: the same ops with mpi4py (Allreduce in place, Allgather, Reduce_scatter_block,
@@ -745,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
                     "MPICH shared memory inside a node")
     if "floor" in args.backends:
         head.append("# floor: neuron_floor (bench/floor_pg.py, raw TCP, 1 connection per "
-                    "pair) has only all_reduce and barrier")
+                    "pair; binomial trees among more than 2 ranks) has only all_reduce, "
+                    "broadcast and barrier")
     body = tables(results, args.backends, world) if results else []
     text = head + ["#"] + body
     for e in errors:

@@ -34,7 +34,7 @@ Reduce_scatter_block, Bcast, Barrier on arrays that are torch tensors' memory, a
 * ``broadcast`` 64 KiB from rank 0;
 * ``barrier``.
 
-(``floor`` has no all_gather, reduce_scatter or broadcast: those rows are n/a.)
+(``floor`` has no all_gather or reduce_scatter: those rows are n/a.)
 
 Per op: ``--warmup`` untimed iterations, a check, ``--iters`` timed iterations, and the
 check again. One timed iteration = refill the buffer if the op reduces in place (outside the
@@ -89,7 +89,7 @@ from .sweep import ops_per_sample
 CASES = (("all_reduce", 8), ("all_reduce", 64 << 10), ("all_reduce", 1 << 20),
          ("all_gather", 1 << 20), ("reduce_scatter", 1 << 20), ("broadcast", 64 << 10),
          ("barrier", 0))
-FLOOR_OPS = ("all_reduce", "barrier")
+FLOOR_OPS = ("all_reduce", "barrier", "broadcast")
 TORCH_BACKENDS = {"neuron": "neuron", "gloo": "gloo", "floor": "neuron_floor",
                   "neuron-mpi": "neuron"}
 

@@ -567,3 +567,34 @@ def test_the_main_jobs_floor_moves_the_right_bytes():
             assert res["bcast"] == [members[-1] * 10.0] * 4, (rank, name, res)
             assert res["scatter"] == [float(members.index(rank))] * 2, (rank, name, res)
             assert "sums only" in res["max"], (rank, name, res)
+
+
+def _floor_tree_checks(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from bench import floor_pg
+    floor_pg.register(2)
+    g = dist.new_group(backend=floor_pg.BACKEND_NAME)
+    got = {}
+    for n in (2, 3 << 18):  # one word; 3 MiB of floats (cut over both connections)
+        x = torch.arange(n, dtype=torch.float32) * (rank + 1)
+        dist.all_reduce(x, group=g)
+        got[f"sum{n}"] = bool(torch.equal(
+            x, torch.arange(n, dtype=torch.float32) * sum(range(1, world + 1))))
+        for root in (0, world - 2):
+            y = torch.full((n,), float(rank))
+            dist.broadcast(y, root, group=g)
+            got[f"bcast{n}/{root}"] = bool(torch.equal(y, torch.full((n,), float(root))))
+    dist.barrier(group=g)
+    return got
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [3, 5])
+def test_the_network_floor_runs_its_trees_right(world):
+    """bench/floor_pg.py among more than two ranks: binomial-tree all_reduce, broadcast
+    from any root and barrier give every rank the right bytes."""
+    from helpers.harness import run_ranks
+    for rank, got in run_ranks(_floor_tree_checks, world, timeout=80).items():
+        assert got and all(got.values()), (rank, got)

@@ -11,7 +11,8 @@ in the order they were posted (a receive names a source, or None for any source,
 tag). The posted receives are the network transports' own (transport/matching.py): an
 arriving message takes the oldest receive naming its source and tag, else the oldest
 receive of its tag from any rank. A message nobody has asked for yet is drained into a
-private buffer (the "unexpected queue") so that a sender is never stuck behind a receiver
+private buffer, kept in the unexpected-message queue (transport/matching.py's
+``Unexpected``, the rdm transport's too) so that a sender is never stuck behind a receiver
 that posts late; a later receive takes the oldest matching unexpected message. Messages
 from one source are matched in the order sent (MPI's non-overtaking rule). A receive may
 carry a ``claim``: a receive from any rank of a group that spans nodes is posted here and
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ..transport.errors import Claimed
-from ..transport.matching import PostedReceives
+from ..transport.matching import PostedReceives, Unexpected
 from . import one_thread
 
 if TYPE_CHECKING:
@@ -146,8 +147,7 @@ class P2P:
         self._sends: dict[int, deque[Request]] = {}
         self._posted: PostedReceives[Request] = PostedReceives()  # (unmatched receives)
         self._incoming: dict[int, _Incoming | None] = {k: None for k in self._in}
-        # (src, tag, buffer), in arrival order
-        self._unexpected: deque[tuple[int, int, torch.Tensor]] = deque()
+        self._unexpected: Unexpected[torch.Tensor] = Unexpected()  # (their own buffers)
         self._piece: dict[int, int] = {}
         self._notify = notify or (lambda peer: None)
 
@@ -171,7 +171,7 @@ class P2P:
         reports a size mismatch or a corrupt frame."""
         # (the queues here are only ever changed through the core, which drops the ones it
         # empties: the dicts' truth is whether a receive waits, without a call)
-        if (self._posted.named or self._posted.any or self._unexpected
+        if (self._posted.named or self._posted.any or self._unexpected.kept
                 or self._incoming[src] is not None):
             return False
         box = self._in[src]
@@ -200,17 +200,18 @@ class P2P:
         return box
 
     def post_recv(self, req: Request) -> None:
-        for i, (src, tag, buf) in enumerate(self._unexpected):
-            if tag == req.tag and req.peer in (None, src):
-                if req.claim is not None and not _may_take(req):
-                    return
-                del self._unexpected[i]
-                self._deliver(req, src, buf)
-                return
         if req.peer is None:
-            self._posted.post_any(req, req.tag)
-        else:
+            src = self._unexpected.peek_any(req.tag)
+            if src is None:
+                self._posted.post_any(req, req.tag)
+            elif req.claim is None or _may_take(req):
+                self._deliver(req, *self._unexpected.take_any(req.tag))  # type: ignore[misc]
+            return
+        buf = self._unexpected.take(req.peer, req.tag)
+        if buf is None:
             self._posted.post(req, req.peer, req.tag)
+        else:
+            self._deliver(req, req.peer, buf)
 
     def pending(self) -> bool:
         """Is there anything to move that nobody may ask for soon: a request, a message
@@ -331,10 +332,12 @@ class P2P:
         self._incoming[src] = None
         if inc.req is not None:
             self._deliver(inc.req, src, None)
-        elif inc.dst is not None:
-            # (an unexpected message's own buffer: a tensor)
-            self._unexpected.append((src, inc.tag, inc.dst))  # type: ignore[arg-type]
-            self._rematch()
+        elif inc.dst is not None:  # (an unexpected message, in a buffer of its own)
+            req = self._posted.next_for(src, inc.tag)  # (posted while it was read)
+            if req is None:
+                self._unexpected.add(src, inc.tag, inc.dst)  # type: ignore[arg-type]
+            else:
+                self._deliver(req, src, inc.dst)  # type: ignore[arg-type]
         return True
 
     def _incoming_for(self, req: Request | None, src: int, tag: int, nbytes: int) -> _Incoming:
@@ -364,14 +367,6 @@ class P2P:
                 one_thread.leave(threads)
         req.source = src
         req.finish()
-
-    def _rematch(self) -> None:
-        src, tag, buf = self._unexpected[-1]
-        req = self._posted.next_for(src, tag)
-        if req is not None:
-            self._unexpected.pop()
-            self._deliver(req, src, buf)
-
 
 
 def _name(req: Request, k: int) -> int:

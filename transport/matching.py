@@ -1,6 +1,7 @@
-"""The receives a transport has posted and not matched yet, and which one a message takes:
-written once, without I/O, for the shared-memory mailboxes (collectives/p2p.py) and the
-rdm and MPI transports.
+"""The receives a transport has posted and not matched yet, which one a message takes, and
+the messages that came before any receive asked for them: written once, without I/O, for
+the shared-memory mailboxes (collectives/p2p.py) and the rdm transport (the MPI transport
+matches posted receives here and leaves unexpected messages in MPI's own queue).
 
 How it works
 ------------
@@ -23,6 +24,13 @@ A receive from any rank may carry a ``claim`` (``claim()``: may it still take a 
 neuron_dist/p2p_any.py posts one such receive on shared memory and on the network at once,
 and the first path to deliver claims it. A receive whose claim fails ends with ``Claimed``
 where it stands in the queue (``next_any``), so the message goes to the next.
+
+A message that no posted receive takes is kept (``Unexpected``) until one asks for it: a
+receive naming its source takes the oldest kept message of its ``(source, tag)``
+(``take``), a receive from any rank the earliest-arrived kept message of its tag from any
+source (``take_any``). So a message is matched the same way whichever came first, the
+receive or the message. What is kept is the transport's own (a tensor, a bytearray);
+nothing here copies it or counts its memory.
 
 Withdrawal (``withdraw``: a timed-out or cancelled receive) and failure (``take_peer``:
 the named receives of a peer that failed; ``take_any`` once no peer is left to send to
@@ -175,4 +183,80 @@ class PostedReceives(Generic[R]):
         return any(self.named.values()) or any(self.any.values())
 
 
-__all__ = ["Posted", "PostedReceives"]
+M = TypeVar("M")
+
+
+class Unexpected(Generic[M]):
+    """Messages no receive had asked for yet, by ``(source, tag)`` in arrival order
+    (``kept``; a queue taken empty is dropped, so ``bool(kept)`` says whether any is kept).
+
+    Each message is numbered as it arrives; per tag, ``_arrived`` lists ``(number,
+    source)`` in that order, for receives from any rank. An entry there whose message a
+    named receive took is dropped when it reaches the front (a message is taken only as
+    the oldest of its ``(source, tag)``, so the front entry is live exactly when its number
+    is that queue's oldest)."""
+
+    __slots__ = ("kept", "_arrived", "_count")
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple[int, int], deque[tuple[int, M]]] = {}
+        self._arrived: dict[int, deque[tuple[int, int]]] = {}
+        self._count = 0
+
+    def add(self, src: int, tag: int, message: M) -> None:
+        """Keep ``message`` of ``(src, tag)``, behind the others kept."""
+        self._count += 1
+        q = self.kept.get((src, tag))
+        if q is None:
+            q = self.kept[(src, tag)] = deque()
+        q.append((self._count, message))
+        order = self._arrived.get(tag)
+        if order is None:
+            order = self._arrived[tag] = deque()
+        order.append((self._count, src))
+
+    def take(self, src: int, tag: int) -> M | None:
+        """Take the oldest kept message of ``(src, tag)``, or None."""
+        q = self.kept.get((src, tag))
+        if not q:
+            return None
+        message = q.popleft()[1]
+        if not q:
+            del self.kept[(src, tag)]
+        return message
+
+    def peek_any(self, tag: int) -> int | None:
+        """The source of the message ``take_any(tag)`` would take, or None."""
+        order = self._arrived.get(tag)
+        while order:
+            number, src = order[0]
+            q = self.kept.get((src, tag))
+            if q and q[0][0] == number:
+                return src
+            order.popleft()  # (a named receive took it)
+        self._arrived.pop(tag, None)
+        return None
+
+    def take_any(self, tag: int) -> tuple[int, M] | None:
+        """Take the earliest-arrived kept message of ``tag`` from any source: ``(source,
+        message)``, or None."""
+        src = self.peek_any(tag)
+        if src is None:
+            return None
+        self._arrived[tag].popleft()
+        return src, self.take(src, tag)  # type: ignore[return-value]  # (kept: just seen)
+
+    def of(self, src: int) -> list[M]:
+        """Every message kept from ``src`` (they stay kept)."""
+        return [m for (s, _), q in self.kept.items() if s == src for _, m in q]
+
+    def __iter__(self) -> Iterator[M]:
+        for q in self.kept.values():
+            for _, m in q:
+                yield m
+
+    def __bool__(self) -> bool:
+        return bool(self.kept)
+
+
+__all__ = ["Posted", "PostedReceives", "Unexpected"]

@@ -1,12 +1,13 @@
-"""transport/matching.py, the posted receives of the network transports, through fakes:
-which receive a message takes, in what order, and how receives leave the queues."""
+"""transport/matching.py through fakes: which posted receive a message takes, in what order,
+how receives leave the queues, and which kept (unexpected) message a receive takes."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from neuron_dist.transport.errors import Claimed
-from neuron_dist.transport.matching import PostedReceives
+from neuron_dist.transport.matching import PostedReceives, Unexpected
 
 
 class Recv:
@@ -139,3 +140,80 @@ def test_iteration_sees_every_posted_receive():
     p.post(reqs[1], 2, 9)
     p.post_any(reqs[2], 7)
     assert sorted(p, key=repr) == sorted(reqs, key=repr) and len(p) == 3
+
+
+# ---------------------------------------------------------------------- Unexpected
+
+
+def test_a_named_receive_takes_the_oldest_kept_message_of_its_stream():
+    u: Unexpected[str] = Unexpected()
+    u.add(1, 7, "a1")
+    u.add(2, 7, "b1")
+    u.add(1, 7, "a2")
+    u.add(1, 8, "a-other-tag")
+    assert u.take(1, 7) == "a1"
+    assert u.take(1, 7) == "a2"
+    assert u.take(1, 7) is None
+    assert u.take(2, 8) is None
+    assert sorted(u) == ["a-other-tag", "b1"]
+
+
+def test_a_receive_from_any_rank_takes_the_earliest_arrival_of_its_tag():
+    u: Unexpected[str] = Unexpected()
+    u.add(2, 7, "b1")
+    u.add(1, 8, "a-other-tag")
+    u.add(1, 7, "a1")
+    u.add(2, 7, "b2")
+    assert u.peek_any(7) == 2
+    assert u.take_any(7) == (2, "b1")
+    assert u.take_any(7) == (1, "a1")
+    assert u.take_any(7) == (2, "b2")
+    assert u.take_any(7) is None and u.peek_any(7) is None
+    assert u.take_any(8) == (1, "a-other-tag")
+    assert not u and u.kept == {}
+
+
+def test_what_a_named_receive_took_is_not_taken_again_by_any():
+    u: Unexpected[str] = Unexpected()
+    u.add(1, 7, "a1")
+    u.add(2, 7, "b1")
+    u.add(1, 7, "a2")
+    assert u.take(1, 7) == "a1"  # (its entry in the arrival order is now stale)
+    assert u.take_any(7) == (2, "b1")
+    assert u.take(1, 7) == "a2"
+    assert u.peek_any(7) is None and not u
+    assert u._arrived == {}  # (stale entries and emptied orders are dropped)
+
+
+def test_the_messages_of_one_source():
+    u: Unexpected[str] = Unexpected()
+    u.add(1, 7, "a1")
+    u.add(2, 7, "b1")
+    u.add(1, 9, "a2")
+    assert sorted(u.of(1)) == ["a1", "a2"] and u.of(3) == []
+    assert len(list(u)) == 3  # (they stay kept)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "take", "any", "peek"]),
+                          st.integers(0, 3), st.integers(0, 2)), max_size=80))
+def test_unexpected_matches_the_arrival_order_model(ops):
+    """Against the plainest model: one list in arrival order, scanned from the front."""
+    u: Unexpected[int] = Unexpected()
+    model: list[tuple[int, int, int]] = []  # (src, tag, message)
+    for n, (op, src, tag) in enumerate(ops):
+        if op == "add":
+            u.add(src, tag, n)
+            model.append((src, tag, n))
+            continue
+        hit = next((i for i, (s, t, _) in enumerate(model)
+                    if t == tag and (op != "take" or s == src)), None)
+        if op == "peek":
+            assert u.peek_any(tag) == (None if hit is None else model[hit][0])
+        elif op == "take":
+            assert u.take(src, tag) == (None if hit is None else model.pop(hit)[2])
+        else:
+            want = None if hit is None else model.pop(hit)
+            assert u.take_any(tag) == (None if want is None else (want[0], want[2]))
+        assert sorted(u) == sorted(m for _, _, m in model)
+        assert bool(u) == bool(model)

@@ -7,8 +7,9 @@ A message whose last byte landed (``_finish``) waits in its stream's ``ready`` u
 earlier position of the stream is delivered (``_deliver_ready``). Delivering it
 (``_deliver``) reports ``MessageReceived``: in the caller's buffer when it landed there or
 fits the buffer posted meanwhile (then copied into it); else it is kept as an *early*
-message, counted against the peer's private memory, until ``post_recv``,
-``take_early`` or ``take_early_any`` takes it. A position whose receive was withdrawn is
+message, counted against the peer's private memory, in the endpoint's ``early`` (the
+unexpected-message queue every transport shares: transport/matching.py) until
+``post_recv``, ``take_early`` or ``take_early_any`` takes it. A position whose receive was withdrawn is
 discarded; a refused one is reported as ``MessageRefused``.
 """
 
@@ -73,45 +74,38 @@ class Delivery(Sending):
             state.held_messages -= 1
             self.reassembly_bytes -= r.total
         else:  # nobody asked for it yet: kept (and counted) until taken
-            self._arrivals += 1
-            stream.early.append((self._arrivals, data))
+            self.early.add(src, r.tag, data)
         self.pending_events.append(MessageReceived(src, r.tag, r.msg_id, data, False))
 
     def take_early(self, src: int, tag: int) -> bytearray | None:
         """The oldest early message of ``(src, tag)`` (a ``bytearray``), or None."""
-        state = self._peers.get(src) or self._left.get(src)
-        if state is None or (stream := state.streams.get(tag)) is None or not stream.early:
-            return None
-        return self._take(state, stream)
+        data = self.early.take(src, tag)
+        if data is not None:  # (``_release``, written out: once per early message)
+            state = self._peers.get(src) or self._left[src]
+            state.held -= len(data)
+            state.held_messages -= 1
+            self.reassembly_bytes -= len(data)
+        return data
 
     def take_early_any(self, tag: int) -> tuple[int, bytearray] | None:
         """``(src, message)`` of the earliest-arrived early message of ``tag`` from any
         peer, or None."""
-        best = self._earliest(tag)
-        if best is None:
-            return None
-        return best[0], self._take(best[1], best[2])
+        got = self.early.take_any(tag)
+        if got is not None:
+            self._release(*got)
+        return got
 
     def peek_early_any(self, tag: int) -> int | None:
         """The source of the message ``take_early_any(tag)`` would take, or None."""
-        best = self._earliest(tag)
-        return None if best is None else best[0]
+        return self.early.peek_any(tag)
 
-    def _earliest(self, tag: int) -> tuple[int, PeerState, Stream] | None:
-        best: tuple[int, PeerState, Stream] | None = None
-        for src, state in [*self._peers.items(), *self._left.items()]:
-            stream = state.streams.get(tag)
-            if stream is not None and stream.early and (
-                    best is None or stream.early[0][0] < best[2].early[0][0]):
-                best = (src, state, stream)
-        return best
-
-    def _take(self, state: PeerState, stream: Stream) -> bytearray:
-        data = stream.early.popleft()[1]
+    def _release(self, src: int, data: bytearray) -> None:
+        """An early message of ``src`` was taken: its memory no longer counts against the
+        peer (a failed one's state stays in ``_left`` for this)."""
+        state = self._peers.get(src) or self._left[src]
         state.held -= len(data)
         state.held_messages -= 1
         self.reassembly_bytes -= len(data)
-        return data
 
 
 __all__ = ["Delivery"]

@@ -7,7 +7,8 @@ the settings (``Endpoint`` documents them), one ``PeerState`` per peer, made on 
 contact (``_peer``), the events not yet taken (``pending_events``, ``events()``) and the
 counters (``stats``). A peer fails (``_fail``) when its last rail fails or a segment of it
 is never acknowledged: its state is dropped, except whole messages nobody took yet, which
-stay in ``_left`` until taken, and ``PeerFailed`` names its unfinished sends.
+stay in ``early`` until taken (their memory counted in the state kept in ``_left``), and
+``PeerFailed`` names its unfinished sends.
 ``rail_failed`` and ``rail_restored`` take a rail out of use and back, towards one peer or
 all; ``_pick_rail`` chooses the rail of a segment (protocol.py, "Sending").
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from ..matching import Unexpected
 from . import frames as F
 from .events import Event, FrameRejected, PeerFailed, ProtocolError
 from .peer_state import PeerState, Stream
@@ -60,14 +62,15 @@ class EndpointCore:
         # The earliest ack deadline set since take_ack_hint() (inf: none).
         self.ack_hint = math.inf
         self.reassembly_bytes = 0  # held by every peer together (see PeerState.held)
-        self._arrivals = 0  # numbers early messages across streams (take_early_any)
+        # Early messages (delivered whole before any receive asked for them), until taken
+        self.early: Unexpected[bytearray] = Unexpected()
         self.stats = {"sent": 0, "retransmits": 0, "duplicates": 0, "rejected": 0,
                       "dropped_full": 0, "dropped_claimed": 0, "discarded": 0,
                       "acks_sent": 0, "acks_piggybacked": 0, "refused": 0,
                       "rails_restored": 0}
         self._peers: dict[int, PeerState] = {}
         self._failed: dict[int, str] = {}
-        self._left: dict[int, PeerState] = {}  # failed peers' early messages, until taken
+        self._left: dict[int, PeerState] = {}  # failed peers with early messages still kept
         self._dead_rails: set[int] = set()  # rails failed towards every peer
         # The events not yet taken by events(): a driver may test this list's truth
         # to skip the call.
@@ -90,10 +93,8 @@ class EndpointCore:
     def _fail(self, peer: int, reason: str) -> None:
         state = self._peers.pop(peer)
         self._failed[peer] = reason
-        kept = kept_messages = 0
-        for stream in state.streams.values():
-            kept += sum(len(data) for _, data in stream.early)
-            kept_messages += len(stream.early)
+        early = self.early.of(peer)
+        kept, kept_messages = sum(len(data) for data in early), len(early)
         self.reassembly_bytes -= state.held - kept
         state.held, state.held_messages, state.partial = kept, kept_messages, {}
         if kept:

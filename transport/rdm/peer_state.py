@@ -8,7 +8,7 @@ One ``PeerState`` per peer holds both directions. Sending: messages are numbered
 its retransmission deadline, ``sent_done`` the ids finished. Receiving: ``partial`` holds
 the messages being reassembled (``InMessage``: its buffer, the byte ranges landed or
 claimed by a rail's reader), ``recv_done`` the ids finished, ``streams`` one ``Stream`` per
-tag (delivery order, the buffers posted for its positions, early messages), ``acks_out``
+tag (delivery order, the buffers posted for its positions), ``acks_out``
 the acks to send. Both directions live in one record because one frame touches both: a
 DATA frame carries acks of this rank's sends, and the ack it earns rides on the next DATA
 frame back. The endpoint's layers (protocol.py, "Layout") all work on these records.
@@ -101,8 +101,6 @@ class Stream:
     bound: dict[int, memoryview] = field(default_factory=dict)  # seq -> posted buffer
     ready: dict[int, InMessage] = field(default_factory=dict)  # seq -> complete InMessage
     owner: dict[int, int] = field(default_factory=dict)  # seq -> msg_id, messages in progress
-    # (arrival, message): delivered, not taken
-    early: deque[tuple[int, bytearray]] = field(default_factory=deque)
     cancelled: set[int] = field(default_factory=set)  # positions whose receive was withdrawn
 
 

@@ -263,7 +263,7 @@ class Endpoint(Reassembly):
         """
         state = self._peers.get(src)
         if (state is not None and (stream := state.streams.get(tag)) is not None
-                and not stream.early and not state.oversized
+                and (src, tag) not in self.early.kept and not state.oversized
                 and type(buffer) is memoryview and buffer.ndim == 1 and buffer.format == "B"
                 and buffer.c_contiguous and not buffer.readonly):
             # the commonest case, in one step: a byte view for a stream with nothing early
@@ -361,8 +361,7 @@ class Endpoint(Reassembly):
         self._ack(state, rail, msg_id, 0, total, now)
         stream.next_deliver = seq + 1
         if posted is None:  # (data is the private copy, a bytearray)
-            self._arrivals += 1
-            stream.early.append((self._arrivals, data))  # type: ignore[arg-type]
+            self.early.add(src, tag, data)  # type: ignore[arg-type]
             return stop, tag, msg_id, data, False
         return stop, tag, msg_id, data, True
 

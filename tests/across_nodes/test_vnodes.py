@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from launch import vnodes  # noqa: E402
-from helpers.procs import processes_with  # noqa: E402
+from helpers.procs import interruptible, processes_with  # noqa: E402
 
 JOB = os.path.join(REPO, "tests", "across_nodes", "vnode_job.py")
 JOB_BACKEND = "neuron"
@@ -320,7 +320,7 @@ def test_cli_ctrl_c_cleans_up(sleeper, clean):
     args = ["--nodes", "2", "--nproc-per-node", "1", "--no-prefix"]
     if vnodes.netns_available():
         args.append("--netns")
-    proc = _cli(*args, "--", *sleeper)
+    proc = _cli(*args, "--", *sleeper, preexec_fn=interruptible)
     seen = 0
     deadline = time.monotonic() + 60
     while seen < 2 and time.monotonic() < deadline:  # both ranks are up

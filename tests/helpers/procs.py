@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
+
+
+def interruptible() -> None:
+    """``preexec_fn`` of a process a test interrupts with SIGINT (Ctrl-C): SIGINT at its
+    default, as under a terminal. A process started in the background by a shell without
+    job control (``cmd &``, as a CI script may run the suite) inherits SIGINT ignored, and
+    Python then leaves it ignored, as it should: such a job is not meant to get Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def processes_with(marker: str) -> list[int]:

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from bench.link import VARIANTS
+from helpers.procs import interruptible
 
 CMD = [sys.executable, "-m", "bench.link"]
 TINY = ["--bytes", "8M", "--modes", "tcp,zmq", "--streams", "1,2", "--reps", "1", "--timeout", "45"]
@@ -109,7 +110,8 @@ def test_veth_cleanup_on_setup_failure_and_sigint():
 
     # Ctrl-C in the middle of the runs: exit 130, children and namespaces gone.
     p = subprocess.Popen([*CMD, "--where", "veth", "--bytes", "256M", "--timeout", "45"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=interruptible)
     try:
         line = ""
         while not line.startswith("[rep"):      # the first run has finished: mid-benchmark

@@ -167,24 +167,16 @@ class FloorProcessGroup(ProcessGroup):
             self.recv([theirs], child)
             t += theirs
         if me:
-            self._send(parent(me), t)
+            self.send([t], parent(me))
 
     def _tree_broadcast(self, t: torch.Tensor, root: int) -> None:
         """``t`` of ``root`` to every rank, down the binomial tree of relative ranks."""
         size = self._size
         rel = (self._rank - root) % size
-        view = _bytes_of(t)
         if rel:
             self.recv([t], (parent(rel) + root) % size)
         for child in children(rel, size):
-            self._send((child + root) % size, t, view)
-
-    def _send(self, peer: int, t: torch.Tensor, view: memoryview | None = None) -> None:
-        view = _bytes_of(t) if view is None else view
-        if view.nbytes <= SMALL_BYTES:
-            self._socks[peer][0].sendall(view)
-        else:
-            _wait(self._start(peer, view, True))
+            self.send([t], (child + root) % size)
 
     def broadcast(self, tensors, opts):
         self._tree_broadcast(tensors[0], opts.rootRank)

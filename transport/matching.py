@@ -191,16 +191,19 @@ class Unexpected(Generic[M]):
     (``kept``; a queue taken empty is dropped, so ``bool(kept)`` says whether any is kept).
 
     Each message is numbered as it arrives; per tag, ``_arrived`` lists ``(number,
-    source)`` in that order, for receives from any rank. An entry there whose message a
-    named receive took is dropped when it reaches the front (a message is taken only as
-    the oldest of its ``(source, tag)``, so the front entry is live exactly when its number
-    is that queue's oldest)."""
+    source)`` in that order, for receives from any rank. A message is only ever taken as
+    the oldest of its ``(source, tag)``, so an entry is live exactly when its number is at
+    least that queue's oldest. Entries of messages a named receive took are dropped when
+    they reach the front, all at once when the tag has no message left, and by a sweep
+    once they outnumber the live ones (``_live`` counts those per tag): memory stays in
+    proportion to what is kept, whatever the order of taking."""
 
-    __slots__ = ("kept", "_arrived", "_count")
+    __slots__ = ("kept", "_arrived", "_live", "_count")
 
     def __init__(self) -> None:
         self.kept: dict[tuple[int, int], deque[tuple[int, M]]] = {}
         self._arrived: dict[int, deque[tuple[int, int]]] = {}
+        self._live: dict[int, int] = {}
         self._count = 0
 
     def add(self, src: int, tag: int, message: M) -> None:
@@ -213,7 +216,9 @@ class Unexpected(Generic[M]):
         order = self._arrived.get(tag)
         if order is None:
             order = self._arrived[tag] = deque()
+            self._live[tag] = 0
         order.append((self._count, src))
+        self._live[tag] += 1
 
     def take(self, src: int, tag: int) -> M | None:
         """Take the oldest kept message of ``(src, tag)``, or None."""
@@ -223,6 +228,13 @@ class Unexpected(Generic[M]):
         message = q.popleft()[1]
         if not q:
             del self.kept[(src, tag)]
+        live = self._live[tag] - 1
+        if not live:  # (every entry of the tag is stale)
+            del self._live[tag], self._arrived[tag]
+        else:
+            self._live[tag] = live
+            if len(self._arrived[tag]) > 2 * live + 8:
+                self._sweep(tag)
         return message
 
     def peek_any(self, tag: int) -> int | None:
@@ -234,7 +246,6 @@ class Unexpected(Generic[M]):
             if q and q[0][0] == number:
                 return src
             order.popleft()  # (a named receive took it)
-        self._arrived.pop(tag, None)
         return None
 
     def take_any(self, tag: int) -> tuple[int, M] | None:
@@ -245,6 +256,13 @@ class Unexpected(Generic[M]):
             return None
         self._arrived[tag].popleft()
         return src, self.take(src, tag)  # type: ignore[return-value]  # (kept: just seen)
+
+    def _sweep(self, tag: int) -> None:
+        """Drop the stale entries of ``tag``'s arrival order."""
+        kept = self.kept
+        self._arrived[tag] = deque(
+            (number, src) for number, src in self._arrived[tag]
+            if (q := kept.get((src, tag))) and number >= q[0][0])
 
     def of(self, src: int) -> list[M]:
         """Every message kept from ``src`` (they stay kept)."""

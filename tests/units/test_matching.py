@@ -185,6 +185,20 @@ def test_what_a_named_receive_took_is_not_taken_again_by_any():
     assert u._arrived == {}  # (stale entries and emptied orders are dropped)
 
 
+def test_what_named_receives_take_leaves_no_trace_behind():
+    """Collectives take every message by name: the order kept for receives from any rank
+    must not grow with the messages taken, even behind one message kept for ever."""
+    u: Unexpected[int] = Unexpected()
+    u.add(9, 7, -1)  # (never taken)
+    for n in range(10_000):
+        u.add(n % 3, 7, n)
+        if n % 2:
+            assert u.take((n - 1) % 3, 7) == n - 1
+            assert u.take(n % 3, 7) == n
+    assert len(u._arrived[7]) <= 2 * 1 + 9 and u._live == {7: 1}
+    assert u.take_any(7) == (9, -1) and u._arrived == {} and u._live == {}
+
+
 def test_the_messages_of_one_source():
     u: Unexpected[str] = Unexpected()
     u.add(1, 7, "a1")
@@ -217,3 +231,6 @@ def test_unexpected_matches_the_arrival_order_model(ops):
             assert u.take_any(tag) == (None if want is None else (want[0], want[2]))
         assert sorted(u) == sorted(m for _, _, m in model)
         assert bool(u) == bool(model)
+        live = {t: sum(1 for _, t2, _ in model if t2 == t) for _, t, _ in model}
+        assert u._live == live and set(u._arrived) == set(live)
+        assert all(len(order) <= 2 * live[t] + 9 for t, order in u._arrived.items())

@@ -31,6 +31,10 @@ Every algorithm gives every rank bit-identical results: the direct exchange redu
 node order on every rank; the others compute each value once, or on both sides of a pair
 from the same operands in the same order (their additions follow a tree, and float16 /
 bfloat16 round once per level). AVG and PREMUL_SUM follow reduce_ops.phase_specs.
+
+The choices depend only on the size, the dtype and the group, so they are made once per
+size and dtype (``Plan``, kept in the group's ``Plans``): the general path and the express
+lane run the same plan, and a repeated call goes straight to its algorithm.
 """
 
 from __future__ import annotations
@@ -52,18 +56,70 @@ if TYPE_CHECKING:
     # an ``all_reduce/network`` algorithm: ``f(ctx, buf, peers, spec, rest)``
     _Network = Callable[[Context, torch.Tensor, Sequence[int], ReduceSpec,
                          Callable[[], None] | None], None]
+    # an algorithm of one file, a generator over the call's NetCall:
+    # ``f(net, buf, peers, me, spec)``
+    _Algorithm = Callable[[Exchange, torch.Tensor, Sequence[int], int, ReduceSpec],
+                          Iterator[None]]
 
 
 def all_reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec) -> None:
-    """Reduce flat typed ``inp`` over the whole group into ``out`` (may alias)."""
-    topo = ctx.net_call.topo
-    first, later = phase_specs(spec)
-    n = inp.numel()
-    out, inp = flat(out), flat(inp)
-    layout = ctx.selection.select("all_reduce/nodes", n * inp.element_size(), ctx.size,
-                                  numel=n, even=topo.even)
-    ctx.chose(layout)
-    if len(topo.local) == 1:  # alone on this node: straight to the network
+    """Reduce contiguous typed ``inp`` over the whole group into ``out`` (may alias)."""
+    prepared(ctx, inp.numel(), inp.dtype).run(ctx, out, inp, spec)
+
+
+def prepared(ctx: Context, numel: int, dtype: torch.dtype) -> Plan:
+    """The group's ``Plan`` for an all_reduce of ``numel`` elements of ``dtype`` (made on
+    first use, kept in the group's ``Plans``)."""
+    key = ("all_reduce/net", numel, dtype)
+    return ctx.plans.get(key) or ctx.plans.add(key, Plan(ctx, numel, dtype))
+
+
+class Plan:
+    """What an all_reduce of one size and dtype runs in a group, chosen once.
+
+    The selection tables are pure functions of the bytes, the ranks and the group's
+    topology, so the choices (the layout across nodes and, for a rank alone on its node,
+    the network exchange, its peers and this rank's place among them) are made when the
+    plan is made, and a repeated call goes straight to its algorithm. The general path
+    (``all_reduce``) and the express lane (neuron_dist/express_net.py) run the same plan.
+    """
+
+    __slots__ = ("name", "layout", "alone", "peers", "me", "exchange", "generator", "size")
+    ALGORITHM = None  # (the express lane's entries: the plan names itself as it runs)
+
+    def __init__(self, ctx: Context, numel: int, dtype: torch.dtype):
+        net_call = ctx.net_call
+        topo = net_call.topo
+        nbytes = numel * dtype.itemsize
+        self.size = topo.size
+        self.layout = ctx.selection.select("all_reduce/nodes", nbytes, ctx.size, numel=numel,
+                                           even=topo.even)
+        self.alone = len(topo.local) == 1
+        self.name = self.layout
+        self.peers = [node[0] for node in topo.nodes]
+        self.me = self.peers.index(topo.rank) if self.alone else -1
+        self.exchange: _Network | None = None
+        self.generator: _Algorithm | None = None
+        if self.alone and len(self.peers) > 1:
+            algo = ctx.selection.select("all_reduce/network", nbytes, len(self.peers),
+                                        numel=numel,
+                                        native=(net_call.net.column is not None
+                                                and net_mpi.serves(net_call.net, self.peers)))
+            self.name = f"{self.layout}+{algo}"
+            self.generator = GENERATORS.get(algo)
+            self.exchange = NETWORK[algo]
+
+    def run(self, ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceSpec) -> None:
+        """Reduce contiguous typed ``inp`` (of the plan's size and dtype) over the whole
+        group into ``out`` (may alias)."""
+        ctx.chose(self.name)
+        out, inp = flat(out), flat(inp)
+        first, later = phase_specs(spec)
+        if not self.alone:
+            LAYOUTS[self.layout](ctx, out, inp, first, later)
+            finish_phases(out, spec, self.size)
+            return
+        # alone on this node: straight to the network
         if first.kind == PREMUL_SUM:
             if out.data_ptr() == inp.data_ptr():
                 # (scaling in place must not be done twice: a call that may be run again
@@ -72,15 +128,22 @@ def all_reduce(ctx: Context, out: torch.Tensor, inp: torch.Tensor, spec: ReduceS
             torch.mul(inp, first.factor, out=out)  # type: ignore[arg-type]  # (PREMUL_SUM has one)
         elif out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
+        generator = self.generator
+        if generator is not None:  # (the usual case, without the wrappers of NETWORK)
+            net_call = ctx.net_call
+            net_call.run(generator(net_call, out, self.peers, self.me, later))
+            ctx.finish()
+            finish_phases(out, spec, self.size)
+            return
 
         def rest() -> None:
             ctx.finish()
-            finish_phases(out, spec, topo.size)
+            finish_phases(out, spec, self.size)
 
-        _exchange_reduce(ctx, out, [node[0] for node in topo.nodes], later, rest)
-        return
-    LAYOUTS[layout](ctx, out, inp, first, later)
-    finish_phases(out, spec, topo.size)
+        if self.exchange is None:  # (only this rank)
+            rest()
+        else:
+            self.exchange(ctx, out, self.peers, later, rest)
 
 
 def _leader(ctx: Context, out: torch.Tensor, inp: torch.Tensor, first: ReduceSpec,
@@ -185,8 +248,7 @@ def _halves(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec: ReduceS
     net_call.wait()
 
 
-def _generator(algorithm: Callable[[Exchange, torch.Tensor, Sequence[int], int, ReduceSpec],
-                                   Iterator[None]]) -> _Exchange:
+def _generator(algorithm: _Algorithm) -> _Exchange:
     """An algorithm of one file (a generator over the call's NetCall) as an exchange."""
     def run(ctx: Context, buf: torch.Tensor, peers: Sequence[int], spec: ReduceSpec) -> None:
         net_call = ctx.net_call
@@ -210,14 +272,18 @@ def _then_rest(exchange: _Exchange) -> _Network:
 
 # the ``all_reduce/nodes`` table's algorithms (selection.py): name -> what runs it
 LAYOUTS = {"hierarchical": _hierarchical, "leader": _leader}
+# the ``all_reduce/network`` table's algorithms written as generators (net.py, ``run``)
+GENERATORS: dict[str, _Algorithm] = {
+    "ring": net_ring.all_reduce,
+    "recursive_doubling": net_recursive_doubling.all_reduce,
+    "rabenseifner": net_rabenseifner.all_reduce,
+    "tree": net_tree.all_reduce,
+}
 # the ``all_reduce/network`` table's algorithms: name -> what runs the exchange and then
 # the rest of a call alone on its node (the direct exchange may defer it with its wait)
-NETWORK = {
+NETWORK: dict[str, _Network] = {
     "direct": _direct,
     "mpi": _then_rest(_mpi),
     "halves": _then_rest(_halves),
-    "ring": _then_rest(_generator(net_ring.all_reduce)),
-    "recursive_doubling": _then_rest(_generator(net_recursive_doubling.all_reduce)),
-    "rabenseifner": _then_rest(_generator(net_rabenseifner.all_reduce)),
-    "tree": _then_rest(_generator(net_tree.all_reduce)),
+    **{name: _then_rest(_generator(g)) for name, g in GENERATORS.items()},
 }

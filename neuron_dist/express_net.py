@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .collectives import allreduce_net
 from .collectives.descriptor import DTYPE_CODES, Call
 from .express import ExpressLane, _Entry, _flat
 
@@ -47,7 +48,6 @@ class NetExpressLane(ExpressLane):
         super().__init__(channel, engine, scratch, plans, selection, reduce_spec)
         self._ctx.net_call = net_call
         self._algos = algos
-        self._all_reduce = _Algorithm(algos.all_reduce)
         self._size = net_call.topo.size
 
     def _served(self, t) -> bool:
@@ -63,7 +63,8 @@ class NetExpressLane(ExpressLane):
         if spec is None:
             return None
         return _Entry("all_reduce", Call("all_reduce", t.dtype, t.numel(), reduce=spec.kind),
-                      t.numel() * t.element_size(), self._all_reduce, spec)
+                      t.numel() * t.element_size(),
+                      allreduce_net.prepared(self._ctx, t.numel(), t.dtype), spec)
 
     def _broadcast_entry(self, t, root):
         if not (type(root) is int and 0 <= root < self._size and self._served(t)):

@@ -414,6 +414,7 @@ def test_a_later_phase_of_a_two_level_all_reduce_chooses_for_itself(monkeypatch)
     phase took) it still runs single copy where the table picks it (single_copy.py
     publishes its addresses through the slots then)."""
     from neuron_dist.collectives import allgather, allreduce_net
+    from neuron_dist.collectives.context import Plans
     from neuron_dist.collectives.reduce_ops import SUM, ReduceSpec
     from neuron_dist.topology import Topology
 
@@ -436,7 +437,7 @@ def test_a_later_phase_of_a_two_level_all_reduce_chooses_for_itself(monkeypatch)
         ran.clear()
         names.clear()
         ctx = SimpleNamespace(net_call=net_call, rank=0, size=2, checked=False, selection=D,
-                              chose=names.append,
+                              chose=names.append, plans=Plans(),
                               channel=SimpleNamespace(size=2, cma=cma, slot_bytes=SLOT))
         buf = torch.zeros(2 * slice_bytes // 4)  # float32: two slices of slice_bytes
         allreduce_net.all_reduce(ctx, buf, buf, ReduceSpec(SUM))

@@ -163,10 +163,12 @@ class NetCall(Deferrable):
         self._deferrable = False  # the algorithm said it may be deferred (``deferrable``)
         # what a deferred first run left to ``resume``
         self._rest: Callable[[], object] | None = None
+        self._mine: bytes | None = None  # this rank's descriptor, as it travels (``_words``)
 
     def begin(self, call: Call, seq: int, deadline: float) -> None:
         """Make this NetCall describe a new call (one call at a time may reuse one)."""
         self.call, self.seq, self.deadline = call, seq, deadline
+        self._mine = None
         self._told.clear()
         self._heard.clear()
         self._pending.clear()
@@ -181,6 +183,7 @@ class NetCall(Deferrable):
     def again(self, seq: int, deadline: float) -> None:
         """Before the call runs (or ``resume`` finishes it): its number and deadline."""
         self.seq, self.deadline = seq, deadline
+        self._mine = None
 
     def deferred(self) -> bool:
         """Did the call's first run defer its wait (``resume`` finishes it)?"""
@@ -220,7 +223,10 @@ class NetCall(Deferrable):
             raise StepDeferred(self.seq)
 
     def _words(self) -> bytes:
-        return _DESC.pack(*self.call.words(self.seq), 0)
+        mine = self._mine
+        if mine is None:  # (packed once per call: it goes to every peer and is compared with theirs)
+            mine = self._mine = _DESC.pack(*self.call.words(self.seq), 0)
+        return mine
 
     def descriptor(self) -> bytes:
         """This rank's call descriptor, as it travels (``DESCRIPTOR_BYTES``)."""
@@ -378,6 +384,8 @@ class NetCall(Deferrable):
                 kept.append(box)
 
     def _check(self, peer: int, words: bytes) -> None:
+        if words == self._words():  # (the usual case: the same call, told by one comparison)
+            return
         theirs = _DESC.unpack(words)[:NWORDS]
         if theirs != self.call.words(self.seq):
             their_seq, their_call = Call.from_words(theirs)

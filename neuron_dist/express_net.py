@@ -9,11 +9,12 @@ a ``Context`` and a ``NetCall`` for every call. This lane keeps, per (collective
 shape, reduce op or root), the checked call descriptor and the reduction, holds one
 ``Context`` with one ``NetCall`` that describe each call in turn (``Context.begin``), and
 reuses the last call's Work when nothing else holds it (express.py's ``_run``). What runs
-is the general path's algorithm itself (``allreduce_net.all_reduce``,
-``broadcast_net.broadcast``, ``allgather_net.all_gather``,
-``reduce_scatter_net.reduce_scatter``, with the same selection tables), so ranks may take either
-path for the same call, and the flight recorder names the algorithm as the algorithm
-chooses it. Served: contiguous CPU tensors of the sizes the ``express/nodes`` lane table
+is what the general path runs: for all_reduce and broadcast the group's plan for the size
+(``allreduce_net.Plan``, ``broadcast_net.Plan``: the selection tables' choices, made once
+and kept in the group's ``Plans``, which both paths take them from), for all_gather and
+reduce_scatter the algorithm itself (``allgather_net.all_gather``,
+``reduce_scatter_net.reduce_scatter``), so ranks may take either path for the same call,
+and the flight recorder names the algorithm as the algorithm chooses it. Served: contiguous CPU tensors of the sizes the ``express/nodes`` lane table
 of collectives/selection.py gives it (by default those whose data travels with the call's
 descriptor, in one message per peer); anything else (async_op, the profiler on,
 PREMUL_SUM, larger tensors, an engine with work queued) takes the general path.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import allreduce_net
+from .collectives import allreduce_net, broadcast_net
 from .collectives.descriptor import DTYPE_CODES, Call
 from .express import ExpressLane, _Entry, _flat
 
@@ -69,11 +70,9 @@ class NetExpressLane(ExpressLane):
     def _broadcast_entry(self, t, root):
         if not (type(root) is int and 0 <= root < self._size and self._served(t)):
             return None
-        broadcast = self._algos.broadcast
-        return _Entry("broadcast", Call("broadcast", t.dtype, t.numel(), root=root),
-                      t.numel() * t.element_size(),
-                      _Algorithm(lambda ctx, x: broadcast(ctx, x.view(-1).view(torch.uint8),
-                                                          root)))
+        nbytes = t.numel() * t.element_size()
+        return _Entry("broadcast", Call("broadcast", t.dtype, t.numel(), root=root), nbytes,
+                      broadcast_net.prepared(self._ctx, nbytes, root))
 
     def _all_gather_entry(self, out, inp):
         size = self._size

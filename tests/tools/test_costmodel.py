@@ -29,7 +29,7 @@ from neuron_dist.collectives import allreduce_net
 from neuron_dist.collectives.selection import (DEFAULT, HALVES_BYTES, Selection,
                                               parse_overrides)
 from neuron_dist.config import parse_bytes
-from neuron_dist.collectives.context import ALIGN_BYTES
+from neuron_dist.collectives.context import ALIGN_BYTES, Plans
 from neuron_dist.collectives.net import PIGGYBACK_BYTES
 from neuron_dist.topology import Topology
 
@@ -257,11 +257,13 @@ def _code_choice(n_bytes: int, N: int, L: int, monkeypatch, selection=DEFAULT) -
     monkeypatch.setattr(allreduce_net.allreduce, "all_reduce", record("leader"))
     for name in allreduce_net.NETWORK:
         monkeypatch.setitem(allreduce_net.NETWORK, name, network(name))
+    for name in allreduce_net.GENERATORS:  # (what a plan runs directly, alone on its node)
+        monkeypatch.setitem(allreduce_net.GENERATORS, name, network(name))
     topo = Topology.from_names(0, [f"node{k // L}" for k in range(N * L)])
     net_call = SimpleNamespace(topo=topo, buffer=network("direct"), deferrable=lambda: None,
-                               net=SimpleNamespace(column=None))
+                               net=SimpleNamespace(column=None), run=list)
     ctx = SimpleNamespace(net_call=net_call, rank=0, size=L, finish=lambda: None,
-                          selection=selection, chose=lambda name: None)
+                          selection=selection, chose=lambda name: None, plans=Plans())
     buf = torch.empty(n_bytes // 4, dtype=torch.float32, device="meta")
     with pytest.raises(_Chosen) as chosen:
         allreduce_net.all_reduce(ctx, buf, buf, ReduceSpec(SUM))

@@ -224,7 +224,7 @@ class NetCall(Deferrable):
 
     def _words(self) -> bytes:
         mine = self._mine
-        if mine is None:  # (packed once per call: it goes to every peer and is compared with theirs)
+        if mine is None:  # (once per call: it goes to every peer and is compared with theirs)
             mine = self._mine = _DESC.pack(*self.call.words(self.seq), 0)
         return mine
 

@@ -14,8 +14,9 @@ is what the general path runs: for all_reduce and broadcast the group's plan for
 and kept in the group's ``Plans``, which both paths take them from), for all_gather and
 reduce_scatter the algorithm itself (``allgather_net.all_gather``,
 ``reduce_scatter_net.reduce_scatter``), so ranks may take either path for the same call,
-and the flight recorder names the algorithm as the algorithm chooses it. Served: contiguous CPU tensors of the sizes the ``express/nodes`` lane table
-of collectives/selection.py gives it (by default those whose data travels with the call's
+and the flight recorder names the algorithm as the algorithm chooses it. Served:
+contiguous CPU tensors of the sizes the ``express/nodes`` lane table of
+collectives/selection.py gives it (by default those whose data travels with the call's
 descriptor, in one message per peer); anything else (async_op, the profiler on,
 PREMUL_SUM, larger tensors, an engine with work queued) takes the general path.
 """
